@@ -1,0 +1,265 @@
+"""The AR stage engine: schedule -> run -> update, one step at a time (stage process).
+
+In: requests (a prompt string, token ids, or `{"prompt" | "prompt_token_ids": ...}`) with
+`SamplingParams`. Out: `StageOutput`s carrying cumulative `RequestOutput`s for the requests that
+changed this step. The engine owns tokenizer-side work (prompt encoding, incremental
+detokenization, stop strings); the scheduler decides what runs; the runner computes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Optional
+
+import torch
+from transformers import AutoTokenizer
+
+from omnistage.ar.detokenizer import IncrementalDetokenizer
+from omnistage.ar.kv_cache import BlockManager
+from omnistage.ar.runner import ModelRunner, kv_block_bytes
+from omnistage.ar.scheduler import Scheduler
+from omnistage.ar.sequence import Sequence
+from omnistage.config import EngineConfig
+from omnistage.models.loader import checkpoint_dtype, load_config, load_model
+from omnistage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
+from omnistage.params import SamplingParams
+from omnistage.pipeline.stage import StageOutput
+
+logger = logging.getLogger(__name__)
+
+
+class _Request:
+    def __init__(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
+                 seqs: list[Sequence], arrival_time: float):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.seqs = seqs
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+
+
+def _eos_ids(model_dir: str, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+class AREngine:
+    def __init__(self, model_dir: str, config: Optional[EngineConfig] = None):
+        self.config = config = config or EngineConfig()
+        self.model_dir = model_dir
+        self.hf_config = load_config(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.eos_ids = _eos_ids(model_dir, self.tokenizer)
+        self.device = config.resolve_device()
+        self.dtype = config.resolve_dtype(checkpoint_dtype(self.hf_config), self.device)
+        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        max_len = min(config.max_model_len or model_max, model_max)
+        self.model = load_model(model_dir, self.hf_config, self.device, self.dtype, max_len)
+        self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size, config.seed)
+        num_blocks = self._num_kv_blocks(max_len)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.max_model_len = min(max_len, num_blocks * config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   max(config.max_num_batched_tokens, 1))
+        self.requests: dict[str, _Request] = {}
+        self.stop_holdback = 0
+        logger.info("AR engine: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
+                    type(self.model).__name__, self.device, self.dtype, num_blocks, config.block_size,
+                    self.max_model_len)
+
+    # ---- sizing --------------------------------------------------------------------------------
+    def _num_kv_blocks(self, max_len: int) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = kv_block_bytes(self.model, cfg.block_size, self.dtype)
+        enough = cfg.max_num_seqs * -(-max_len // cfg.block_size) + 1
+        if self.device.type == "cuda":
+            budget = self._profile_cuda_budget()
+        else:
+            budget = int(cfg.cpu_kv_cache_gb * 2**30)
+        blocks = min(enough, budget // per_block)
+        if blocks < 2:
+            raise RuntimeError(f"not enough memory for the KV cache ({budget / 2**30:.2f} GiB free); "
+                               "lower max_num_batched_tokens or raise gpu_memory_utilization")
+        return int(blocks)
+
+    def _profile_cuda_budget(self) -> int:
+        """Bytes left for KV after weights and the peak activations of a largest step."""
+        cfg = self.config
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.runner.allocate_kv_cache(1)
+        n = min(cfg.max_num_batched_tokens, 8192)
+        from omnistage.layers.attention import AttentionMetadata, PrefillChunk
+        with torch.inference_mode():
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            meta = AttentionMetadata(slot_mapping=torch.zeros(n, dtype=torch.long, device=self.device))
+            meta.prefills.append(PrefillChunk(0, n, n, torch.zeros(1, dtype=torch.long, device=self.device)))
+            hidden = self.model(ids, torch.arange(n, device=self.device) % 16, meta)
+            self.model.compute_logits(hidden[: min(n, cfg.max_num_seqs)])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        other = total - free - torch.cuda.memory_reserved(self.device)   # other processes, CUDA context
+        for attn in self.model.attention_layers:
+            attn.kv_cache = None
+        self.runner.kv_caches = []
+        torch.cuda.empty_cache()
+        return int(total * cfg.gpu_memory_utilization - peak - other)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def encode(self, inputs: Any) -> tuple[Optional[str], list[int]]:
+        if isinstance(inputs, str):
+            inputs = {"prompt": inputs}
+        if isinstance(inputs, (list, tuple)):
+            inputs = {"prompt_token_ids": list(inputs)}
+        if "prompt_token_ids" in inputs:
+            ids = [int(t) for t in inputs["prompt_token_ids"]]
+            vocab = self.hf_config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt_token_ids must be in [0, {vocab}), got {bad[:4]}")
+            return inputs.get("prompt"), ids
+        if "prompt" in inputs:
+            prompt = inputs["prompt"]
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=inputs.get("add_special_tokens", True))
+        raise ValueError("a prompt must be a string, token ids, or a dict with 'prompt' or 'prompt_token_ids'")
+
+    def add_request(self, request_id: str, inputs: Any, params: Optional[SamplingParams] = None,
+                    arrival_time: Optional[float] = None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        prompt, ids = self.encode(inputs)
+        if not ids:
+            raise ValueError("the prompt must contain at least one token")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        if params.max_tokens is None:
+            params = params.clone(max_tokens=room)
+        elif params.max_tokens > room:
+            raise ValueError(f"max_tokens must be <= {room} (max_model_len {self.max_model_len} minus "
+                             f"{len(ids)} prompt tokens), got {params.max_tokens}")
+        now = arrival_time or time.time()
+        seqs = []
+        for i in range(params.n):
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            seed = None if params.seed is None else params.seed + i
+            seq = Sequence(seq_id, request_id, i, ids, params, now, seed)
+            seq.detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            seqs.append(seq)
+        self.requests[request_id] = _Request(request_id, prompt, ids, params, seqs, now)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            self.scheduler.abort(seq)
+            self.runner.release(seq.seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> dict[str, float]:
+        bm = self.block_manager
+        return {"num_running": len({s.request_id for s in self.scheduler.running}),
+                "num_waiting": len({s.request_id for s in self.scheduler.waiting}),
+                "kv_cache_usage": bm.usage,
+                "num_preemptions": self.scheduler.num_preemptions,
+                "prefix_cache_queries": bm.prefix_queries,
+                "prefix_cache_hits": bm.prefix_hits}
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[StageOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        now = time.time()
+        for s in sched.scheduled:
+            m = self.requests[s.seq.request_id].metrics
+            m.first_scheduled_time = m.first_scheduled_time or now
+        result = self.runner.execute(sched, self.eos_ids)
+        self.scheduler.update(sched, result.sampled)
+        now = time.time()
+        changed: dict[str, _Request] = {}
+        by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
+        for seq_id, token in result.sampled.items():
+            seq = by_id[seq_id]
+            req = self.requests[seq.request_id]
+            req.metrics.first_token_time = req.metrics.first_token_time or now
+            if seq_id in result.logprobs:
+                seq.logprobs.append(self._logprobs(token, *result.logprobs[seq_id]))
+            self._check_stop(seq, token)
+            changed[req.request_id] = req
+        outputs = []
+        for req in changed.values():
+            finished = all(s.is_finished for s in req.seqs)
+            if finished:
+                req.metrics.finished_time = now
+                del self.requests[req.request_id]
+            outputs.append(StageOutput(req.request_id, self._make_output(req, finished), finished))
+        return outputs
+
+    def _logprobs(self, token: int, chosen: float, top: list[tuple[int, float]]) -> TokenLogprobs:
+        dec = self.tokenizer.decode
+        return TokenLogprobs(Logprob(token, chosen, dec([token])), [Logprob(t, lp, dec([t])) for t, lp in top])
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        out_ids = seq.output_token_ids
+        reason, stop_reason = None, None
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_ids:
+                reason = "stop"
+            elif token in p.stop_token_ids:
+                reason, stop_reason = "stop", token
+        text_ids = out_ids[:-1] if reason else out_ids        # the stopping token is not text
+        delta = seq.detok.update(text_ids)
+        if reason is None and p.stop and delta:
+            text = seq.detok.text
+            start = max(0, len(text) - len(delta) - max(map(len, p.stop)) + 1)
+            hits = [(text.find(s, start), s) for s in p.stop]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                i, s = min(hits)
+                seq.detok.text = text[:i]
+                reason, stop_reason = "stop", s
+        if reason is None and (seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            if stop_reason is None or isinstance(stop_reason, int):
+                seq.detok.finalize(text_ids)
+            self.scheduler.finish(seq, reason, stop_reason)
+            self.runner.release(seq.seq_id)
+
+    def _make_output(self, req: _Request, finished: bool) -> RequestOutput:
+        outs = []
+        for seq in req.seqs:
+            text = seq.detok.text
+            if not seq.is_finished and seq.params.stop:
+                hold = max(map(len, seq.params.stop)) - 1       # never stream a partial stop string
+                text = text[:max(0, len(text) - hold)]
+            outs.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=list(seq.output_token_ids),
+                logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
+                             outputs=outs, finished=finished, metrics=req.metrics,
+                             num_cached_tokens=req.seqs[0].num_cached_tokens)

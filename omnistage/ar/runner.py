@@ -1,0 +1,144 @@
+"""One AR engine step on the device: SchedulerOutput -> forward -> sampled ids (stage process).
+
+The runner knows no model names: it needs a model with `attention_layers`, `forward(input_ids,
+positions, meta)` and `compute_logits(hidden)`. It owns the KV-cache tensors, builds the step's
+flattened inputs (decodes first, then prefill chunks), runs one forward over all of them,
+computes logits only for rows that sample, and moves the sampled ids (plus logprobs when asked
+for) to the host in one transfer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from omnistage.ar.sampler import SamplerOutput, SamplingBatch, sample
+from omnistage.ar.scheduler import ScheduledSeq, SchedulerOutput
+from omnistage.ar.sequence import Sequence
+from omnistage.layers.attention import AttentionMetadata, PrefillChunk
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int]                     # seq_id -> new token id, for rows that sampled
+    logprobs: dict[str, tuple[float, list[tuple[int, float]]]]  # seq_id -> (chosen, [(id, logprob)])
+
+
+def kv_block_bytes(model, block_size: int, dtype: torch.dtype) -> int:
+    attn = model.attention_layers[0]
+    elem = torch.empty((), dtype=dtype).element_size()
+    return len(model.attention_layers) * 2 * block_size * attn.num_kv_heads * attn.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model, device: torch.device, dtype: torch.dtype, block_size: int, seed: int = 0):
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.kv_caches: list[torch.Tensor] = []
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.seq_generators: dict[str, torch.Generator] = {}   # seq_id -> generator of a seeded sequence
+        self.pin = device.type == "cuda"
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = []
+        for attn in self.model.attention_layers:
+            cache = torch.zeros(2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim,
+                                dtype=self.dtype, device=self.device)
+            attn.kv_cache = cache
+            self.kv_caches.append(cache)
+
+    def _to_device(self, data, dtype=torch.long) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype)
+        if self.pin:
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def prepare(self, sched: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor, torch.Tensor, AttentionMetadata]:
+        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1 and s.start > 0]
+        prefills = [s for s in sched.scheduled if not (s.num_new_tokens == 1 and s.start > 0)]
+        order = decodes + prefills
+        bs = self.block_size
+        ids, pos, slots = [], [], []
+        for s in order:
+            seq = s.seq
+            for p in range(s.start, s.start + s.num_new_tokens):
+                ids.append(seq.token_ids[p])
+                pos.append(p)
+                slots.append(seq.block_table[p // bs] * bs + p % bs)
+        meta = AttentionMetadata(slot_mapping=self._to_device(slots), num_decodes=len(decodes))
+        if decodes:
+            width = max(len(s.seq.block_table) for s in decodes)
+            tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes]
+            meta.decode_block_tables = self._to_device(tables)
+            meta.decode_ctx_lens = self._to_device([s.start + 1 for s in decodes])
+        row = len(decodes)
+        for s in prefills:
+            ctx = s.start + s.num_new_tokens
+            table = s.seq.block_table[: -(-ctx // bs)]
+            meta.prefills.append(PrefillChunk(row, s.num_new_tokens, ctx, self._to_device(table)))
+            row += s.num_new_tokens
+        return order, self._to_device(ids), self._to_device(pos), meta
+
+    def _generator_for(self, seq: Sequence) -> Optional[torch.Generator]:
+        if seq.seed is None:
+            return None
+        g = self.seq_generators.get(seq.seq_id)
+        if g is None:
+            g = torch.Generator(device=self.device).manual_seed(seq.seed)
+            self.seq_generators[seq.seq_id] = g
+        return g
+
+    def release(self, seq_id: str) -> None:
+        self.seq_generators.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, eos_ids: frozenset[int]) -> RunnerOutput:
+        order, ids, pos, meta = self.prepare(sched)
+        hidden = self.model(ids, pos, meta)
+        rows, sampling = [], []
+        row = 0
+        for s in order:
+            row += s.num_new_tokens
+            if s.samples:
+                rows.append(row - 1)
+                sampling.append(s.seq)
+        if not sampling:
+            return RunnerOutput({}, {})
+        logits = self.model.compute_logits(hidden[self._to_device(rows)])
+        batch = SamplingBatch(
+            params=[q.params for q in sampling],
+            generators=[self._generator_for(q) for q in sampling],
+            prompt_ids=[q.token_ids[:q.prompt_len] for q in sampling],
+            output_ids=[q.output_token_ids for q in sampling],
+            banned=[_banned(q, eos_ids) for q in sampling])
+        num_logprobs = max((q.params.logprobs for q in sampling if q.params.logprobs is not None), default=-1)
+        out = sample(logits, batch, self.generator, num_logprobs)
+        return self._to_host(sampling, out, num_logprobs)
+
+    def _to_host(self, seqs: list[Sequence], out: SamplerOutput, num_logprobs: int) -> RunnerOutput:
+        if num_logprobs < 0:
+            return RunnerOutput(dict(zip((q.seq_id for q in seqs), out.token_ids.tolist())), {})
+        parts = [out.token_ids.float()[:, None], out.chosen_logprobs[:, None]]
+        if num_logprobs > 0:
+            parts += [out.top_ids.float(), out.top_logprobs]
+        host = torch.cat(parts, dim=1).cpu()
+        res = RunnerOutput({}, {})
+        for i, q in enumerate(seqs):
+            res.sampled[q.seq_id] = int(host[i, 0])
+            if q.params.logprobs is not None:
+                k = q.params.logprobs
+                top = [(int(host[i, 2 + j]), float(host[i, 2 + num_logprobs + j])) for j in range(k)]
+                res.logprobs[q.seq_id] = (float(host[i, 1]), top)
+        return res
+
+
+def _banned(seq: Sequence, eos_ids: frozenset[int]) -> list[int]:
+    """Ids that may not end the sequence yet (min_tokens)."""
+    p = seq.params
+    if seq.num_output_tokens >= p.min_tokens:
+        return []
+    return sorted((set() if p.ignore_eos else set(eos_ids)) | set(p.stop_token_ids))

@@ -1,0 +1,126 @@
+"""Token sampling on the device that holds the logits (stage process, CPU or CUDA).
+
+In: float32 logits [S, V] for the S sequences that sample this step, and a `SamplingBatch`
+describing their parameters. Out: the chosen token ids [S] and, when asked for, log-probabilities
+of the model's raw distribution (chosen token + top-k). All work stays on the device; the caller
+moves the result to the host once per step.
+
+Random choice uses the exponential race (argmax of p / E with E ~ Exp(1)), which samples from p
+exactly. A seeded sequence draws its E from its own generator, so its tokens do not depend on
+what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from omnistage.params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    params: list[SamplingParams]                # one per sampling row
+    generators: list[Optional[torch.Generator]]  # per-row generator for seeded rows, else None
+    prompt_ids: list[list[int]]                 # per row (used by repetition penalty)
+    output_ids: list[list[int]]                 # per row, generated so far
+    banned: list[list[int]] = field(default_factory=list)  # per row: ids masked this step (min_tokens)
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(p.greedy for p in self.params)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor                     # [S] long
+    chosen_logprobs: Optional[torch.Tensor] = None  # [S] float32, when any row asked for logprobs
+    top_ids: Optional[torch.Tensor] = None      # [S, K] long
+    top_logprobs: Optional[torch.Tensor] = None  # [S, K] float32
+
+
+def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    s, v = logits.shape
+    dev = logits.device
+    rep = torch.tensor([p.repetition_penalty for p in b.params], device=dev)
+    if (rep != 1).any():
+        seen = torch.zeros(s, v, dtype=torch.bool, device=dev)
+        for i, p in enumerate(b.params):
+            if p.repetition_penalty != 1:
+                ids = torch.tensor(b.prompt_ids[i] + b.output_ids[i], dtype=torch.long, device=dev)
+                seen[i, ids] = True
+        r = rep[:, None]
+        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    pres = torch.tensor([p.presence_penalty for p in b.params], device=dev)
+    freq = torch.tensor([p.frequency_penalty for p in b.params], device=dev)
+    if (pres != 0).any() or (freq != 0).any():
+        counts = torch.zeros(s, v, device=dev)
+        for i, out in enumerate(b.output_ids):
+            if out:
+                ids = torch.tensor(out, dtype=torch.long, device=dev)
+                counts[i].scatter_add_(0, ids, torch.ones_like(ids, dtype=counts.dtype))
+        logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).float()
+    return logits
+
+
+def _filter(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks (-inf for dropped tokens)."""
+    dev = logits.device
+    temp = torch.tensor([1.0 if p.greedy else p.temperature for p in b.params], device=dev)
+    logits = logits / temp[:, None]
+    top_k = [p.top_k for p in b.params]
+    top_p = [p.top_p for p in b.params]
+    if any(k > 0 for k in top_k) or any(p < 1 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        v = logits.shape[-1]
+        ranks = torch.arange(v, device=dev)[None, :]
+        k = torch.tensor([k if k > 0 else v for k in top_k], device=dev)
+        drop = ranks >= k[:, None]
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        mass_before = probs.cumsum(-1) - probs                         # probability above each token
+        drop |= mass_before >= torch.tensor(top_p, device=dev)[:, None]
+        drop[:, 0] = False                                             # always keep the best token
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    min_p = torch.tensor([p.min_p for p in b.params], device=dev)
+    if (min_p > 0).any():
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch, default_generator: Optional[torch.Generator] = None,
+           num_logprobs: int = -1) -> SamplerOutput:
+    """num_logprobs: the largest `logprobs` asked for in the batch, -1 when nobody asked."""
+    out = SamplerOutput(token_ids=torch.empty(0))
+    if num_logprobs >= 0:
+        raw = logits.log_softmax(-1)
+        if num_logprobs > 0:
+            out.top_logprobs, out.top_ids = raw.topk(num_logprobs, dim=-1)
+    if any(b.banned):
+        rows = [i for i, ids in enumerate(b.banned) for _ in ids]
+        cols = [t for ids in b.banned for t in ids]
+        logits = logits.index_put((torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)),
+                                  torch.tensor(float("-inf"), device=logits.device))
+    if any(p.needs_penalties for p in b.params):
+        logits = _apply_penalties(logits, b)
+    greedy_ids = logits.argmax(-1)
+    if b.all_greedy:
+        out.token_ids = greedy_ids
+    else:
+        probs = _filter(logits, b).softmax(-1)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(b.generators) if g is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                generator=default_generator)
+        for i, g in enumerate(b.generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        sampled = (probs / noise).argmax(-1)
+        greedy = torch.tensor([p.greedy for p in b.params], device=logits.device)
+        out.token_ids = torch.where(greedy, greedy_ids, sampled)
+    if num_logprobs >= 0:
+        out.chosen_logprobs = raw.gather(-1, out.token_ids[:, None])[:, 0]
+    return out

@@ -1,0 +1,57 @@
+"""Engine configuration: one small dataclass tree built once and passed explicitly.
+
+`EngineConfig` is what the user tunes (batch limits, KV pool size, device, dtype); the AR engine
+derives everything else (block count, model dtype) from it and the checkpoint's config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    device: str = "auto"                        # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"                         # "auto" | "float32" | "bfloat16" | "float16"
+    max_num_seqs: int = 256                     # sequences per step at most
+    max_num_batched_tokens: int = 8192          # tokens per step at most (prefill chunks + decodes)
+    max_model_len: Optional[int] = None         # prompt + output tokens; None = the model's limit
+    block_size: int = 16                        # tokens per KV block
+    num_kv_blocks: Optional[int] = None         # KV pool size; None = derived from free memory
+    gpu_memory_utilization: float = 0.90        # fraction of GPU memory the engine may take
+    cpu_kv_cache_gb: float = 2.0                # KV pool budget on CPU when num_kv_blocks is None
+    enable_prefix_caching: bool = True          # share full KV blocks across requests by content
+    seed: int = 0                               # seed of the generator used by unseeded requests
+    cuda_graphs: bool = True                    # capture decode steps on CUDA
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *_DTYPES):
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, checkpoint_dtype: Optional[torch.dtype], device: torch.device) -> torch.dtype:
+        """`auto` keeps the checkpoint's dtype; on CPU half precision becomes bfloat16 (fp16 is slow there)."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        dtype = checkpoint_dtype or torch.float32
+        if device.type == "cpu" and dtype == torch.float16:
+            return torch.bfloat16
+        return dtype

@@ -1,0 +1,167 @@
+"""`AsyncOmni`: the asyncio entry point used by the server (event loop + one engine thread).
+
+The engine loop runs in a background thread (model forwards block), taking commands (add, abort)
+from a queue between steps and pushing each request's partial outputs to that request's asyncio
+queue through `loop.call_soon_threadsafe`. `generate` is an async generator of cumulative
+`RequestOutput`s; leaving it early (client gone, task cancelled) aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from typing import Any, AsyncIterator, Callable, Optional
+
+from omnistage.entrypoints.common import build_orchestrator, default_params_for, render_chat
+from omnistage.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class _Stream:
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncOmni:
+    def __init__(self, model: Optional[str] = None, device: str = "auto", dtype: str = "auto", **engine_kwargs):
+        self.orchestrator = build_orchestrator(model, device, dtype, **engine_kwargs)
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._stats = self.orchestrator.stats()
+        self._closed = False
+        self.errored: Optional[BaseException] = None
+        self.output_hooks: list[Callable[[RequestOutput, float], None]] = []  # e.g. metrics, called per output
+        self._thread = threading.Thread(target=self._loop, name="omnistage-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public --------------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.orchestrator.tokenizer
+
+    @property
+    def max_model_len(self) -> Optional[int]:
+        return self.orchestrator.max_model_len
+
+    @property
+    def main_stage_kind(self) -> str:
+        return self.orchestrator.spec.main_stage.kind
+
+    def default_params(self):
+        return default_params_for(self.orchestrator)()
+
+    def render_chat(self, messages, chat_template_kwargs: Optional[dict] = None) -> dict:
+        return render_chat(self.tokenizer, messages, chat_template_kwargs)
+
+    def stats(self) -> dict[str, float]:
+        """Engine gauges as of the last step (running, waiting, kv_cache_usage, ...)."""
+        return dict(self._stats)
+
+    async def generate(self, prompt: Any, params: Any = None, request_id: Optional[str] = None, *,
+                       sampling_params_list: Optional[list] = None) -> AsyncIterator[RequestOutput]:
+        if self.errored is not None:
+            raise EngineDeadError(f"the engine stopped: {self.errored!r}")
+        if self._closed:
+            raise EngineDeadError("the engine is closed")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        accepted = asyncio.get_running_loop().create_future()
+        self._commands.put(("add", request_id, prompt, params, sampling_params_list, time.time(), accepted))
+        finished = False
+        try:
+            await accepted                                      # raises ValueError for a bad request
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._commands.put(("stop",))
+            self._thread.join(timeout=30)
+
+    # ---- engine thread -------------------------------------------------------------------------
+    def _resolve(self, fut: asyncio.Future, exc: Optional[BaseException]) -> None:
+        def done():
+            if not fut.done():
+                fut.set_exception(exc) if exc else fut.set_result(None)
+        fut.get_loop().call_soon_threadsafe(done)
+
+    def _handle(self, cmd: tuple) -> bool:
+        if cmd[0] == "stop":
+            return False
+        if cmd[0] == "abort":
+            self.orchestrator.abort(cmd[1])
+            return True
+        _, rid, prompt, params, stage_params, arrival, fut = cmd
+        if rid not in self._streams:                            # the caller left before we started
+            self._resolve(fut, None)
+            return True
+        try:
+            self.orchestrator.add_request(rid, prompt, params, stage_params, arrival)
+        except Exception as e:                                  # bad request: tell only that caller
+            self._resolve(fut, e)
+        else:
+            self._resolve(fut, None)
+        return True
+
+    def _loop(self) -> None:
+        running = True
+        while running:
+            block = not self.orchestrator.has_unfinished()
+            try:
+                cmd = self._commands.get(block=block, timeout=0.5 if block else None) if block \
+                    else self._commands.get_nowait()
+                running = self._handle(cmd)
+                if running:
+                    self._stats = self.orchestrator.stats()
+                continue
+            except queue.Empty:
+                if block:
+                    continue
+            try:
+                outputs = self.orchestrator.step()
+            except Exception as e:                              # a broken step fails its requests, not the server
+                logger.exception("engine step failed")
+                for rid, stream in list(self._streams.items()):
+                    self.orchestrator.abort(rid)
+                    stream.put(RuntimeError(f"engine step failed: {e!r}"))
+                continue
+            self._stats = self.orchestrator.stats()
+            now = time.time()
+            for out in outputs:
+                for hook in self.output_hooks:
+                    hook(out, now)
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+        self.orchestrator = None

@@ -1,0 +1,54 @@
+"""Shared by the offline and async entry points: model resolution, engine config, prompt shaping."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+from omnistage.config import EngineConfig
+from omnistage.params import DiffusionParams, SamplingParams
+from omnistage.pipeline.orchestrator import Orchestrator
+from omnistage.pipeline.spec import detect_pipeline
+
+_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def resolve_model(model: Optional[str]) -> str:
+    if model is None:
+        from omnistage.models.default_model import default_model_path
+
+        return default_model_path()
+    return model
+
+
+def build_orchestrator(model: Optional[str], device: str, dtype: str, **engine_kwargs) -> Orchestrator:
+    unknown = set(engine_kwargs) - _ENGINE_FIELDS
+    if unknown:
+        raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(_ENGINE_FIELDS)}")
+    config = EngineConfig(device=device, dtype=dtype, **engine_kwargs)
+    return Orchestrator(detect_pipeline(resolve_model(model), config))
+
+
+def per_prompt(params: Any, n: int, default_factory) -> list:
+    """One params object for all prompts, a list with one per prompt, or None for the default."""
+    if params is None:
+        return [default_factory() for _ in range(n)]
+    if isinstance(params, (list, tuple)):
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} params objects for {n} prompts")
+        return list(params)
+    return [params] * n
+
+
+def default_params_for(orch: Orchestrator):
+    return DiffusionParams if orch.spec.main_stage.kind == "diffusion" else SamplingParams
+
+
+def render_chat(tokenizer, messages: Sequence[dict], chat_template_kwargs: Optional[dict] = None,
+                add_generation_prompt: bool = True) -> dict:
+    """Messages -> engine input through the model's chat template (no second BOS added)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template; use generate() / completions instead")
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **(chat_template_kwargs or {}))
+    return {"prompt": text, "add_special_tokens": False}

@@ -1,0 +1,72 @@
+"""`Omni`: the offline (synchronous) entry point; runs the pipeline in the caller's thread."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence
+
+from tqdm import tqdm
+
+from omnistage.entrypoints.common import build_orchestrator, default_params_for, per_prompt, render_chat
+from omnistage.outputs import RequestOutput
+
+
+class Omni:
+    """Offline batched inference: `generate(prompts, params)` and `chat(messages, params)`.
+
+    model: a local transformers or diffusers folder; None serves the embedded default (SmolLM2).
+    Other keyword arguments are `EngineConfig` fields (max_num_seqs, num_kv_blocks, ...).
+    """
+
+    def __init__(self, model: Optional[str] = None, device: str = "auto", dtype: str = "auto", **engine_kwargs):
+        self.orchestrator = build_orchestrator(model, device, dtype, **engine_kwargs)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.orchestrator.tokenizer
+
+    def generate(self, prompts: Any, params: Any = None, *, sampling_params_list: Optional[list] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                        and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        params_list = per_prompt(params, len(prompts), default_params_for(self.orchestrator))
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params_list):
+                rid = str(next(self._ids))
+                self.orchestrator.add_request(rid, prompt, p, stage_params=sampling_params_list)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                self.orchestrator.abort(rid)
+            raise
+        return self._run(ids, use_tqdm and len(ids) > 1)
+
+    def chat(self, messages: Sequence, params: Any = None, *, chat_template_kwargs: Optional[dict] = None,
+             use_tqdm: bool = True, **prompt_fields) -> list[RequestOutput]:
+        """One conversation (a list of message dicts) or a list of conversations."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [dict(render_chat(self.tokenizer, c, chat_template_kwargs), **prompt_fields) for c in convs]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Generating", disable=not show_progress)
+        while len(done) < len(ids) and self.orchestrator.has_unfinished():
+            for out in self.orchestrator.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in ids]
+
+    def close(self) -> None:
+        self.orchestrator = None
+
+    def __enter__(self) -> "Omni":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,72 @@
+"""Paged attention over the engine's KV cache (runs in the stage's process, CPU or CUDA).
+
+The runner flattens one step's tokens as [decode tokens of D sequences | prefill chunks ...] and
+describes them with `AttentionMetadata`. Each attention layer writes the step's keys and values into
+its cache slots, then attends: decodes in one batched call over their gathered block tables,
+each prefill chunk against its own context. This plain PyTorch path (SDPA) is the reference that
+fast kernels must match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    q_start: int                                # first row of this chunk in the flattened tokens
+    q_len: int                                  # tokens of the chunk
+    ctx_len: int                                # context after the chunk (cached + chunk tokens)
+    block_table: torch.Tensor                   # [num_blocks] long, the sequence's blocks
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor                  # [T] long: cache slot (block * block_size + offset) per token
+    num_decodes: int = 0                        # the first D tokens are single-token decodes
+    decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] long, padded with 0
+    decode_ctx_lens: torch.Tensor | None = None      # [D] long: context length including the new token
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """cache [2, num_blocks, block_size, KVH, D]; k, v [T, KVH, D]."""
+    flat = cache.view(2, -1, *cache.shape[-2:])
+    flat[0].index_copy_(0, slots, k)
+    flat[1].index_copy_(0, slots, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] (this step's, already rotated) -> out [T, H, D]."""
+    write_kv(cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    block_size = cache.shape[2]
+    d = meta.num_decodes
+    if d:
+        bt = meta.decode_block_tables                                  # [D, MB]
+        kc = cache[0][bt].flatten(1, 2).transpose(1, 2)                # [D, KVH, MB*bs, Dh]
+        vc = cache[1][bt].flatten(1, 2).transpose(1, 2)
+        pos = torch.arange(bt.shape[1] * block_size, device=q.device)
+        mask = (pos[None, :] < meta.decode_ctx_lens[:, None])[:, None, None, :]  # [D, 1, 1, L]
+        o = F.scaled_dot_product_attention(q[:d, :, None, :], kc, vc, attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+        out[:d] = o[:, :, 0, :]
+    for p in meta.prefills:
+        qs = q[p.q_start:p.q_start + p.q_len].transpose(0, 1)          # [H, q, Dh]
+        if p.ctx_len == p.q_len:                                       # no cached context: use fresh k, v
+            kc = k[p.q_start:p.q_start + p.q_len].transpose(0, 1)
+            vc = v[p.q_start:p.q_start + p.q_len].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            kc = cache[0][p.block_table].flatten(0, 1)[:p.ctx_len].transpose(0, 1)
+            vc = cache[1][p.block_table].flatten(0, 1)[:p.ctx_len].transpose(0, 1)
+            qpos = torch.arange(p.ctx_len - p.q_len, p.ctx_len, device=q.device)
+            kpos = torch.arange(p.ctx_len, device=q.device)
+            mask = kpos[None, :] <= qpos[:, None]
+            o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[p.q_start:p.q_start + p.q_len] = o.transpose(0, 1)
+    return out

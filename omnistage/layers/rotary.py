@@ -1,0 +1,59 @@
+"""Rotary position embedding with a precomputed cos/sin table indexed by token position.
+
+The inverse frequencies come from transformers' rope initialisers (default, linear, llama3, yarn,
+longrope), so every rope variant a checkpoint declares in `rope_parameters` means what it means there.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the attention scaling factor for a transformers config."""
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return inv_freq, 1.0
+    if rope_type == "dynamic":
+        raise ValueError("rope_type 'dynamic' depends on the running length and is not supported yet")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; known: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """Tables stay float32 whatever the model dtype; `build` makes them on the model's device."""
+
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.max_positions = max_positions
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    def build(self, device: torch.device) -> "RotaryEmbedding":
+        inv_freq, scaling = rope_inv_freq(self.config)
+        freqs = torch.arange(self.max_positions).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * scaling).to(device)
+        self.sin = (emb.sin() * scaling).to(device)
+        return self
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k [T, KVH, D], positions [T] -> rotated q, k."""
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

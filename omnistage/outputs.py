@@ -1,0 +1,73 @@
+"""What a request gives back: `RequestOutput` from the orchestrator to the entry points.
+
+Outputs are cumulative: each partial `RequestOutput` streamed by `AsyncOmni` holds everything
+produced so far (text, token ids, logprobs), with `finished` set on the last one. Media outputs
+(images, video, audio) are filled in by the stages that produce them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class Logprob:
+    token_id: int
+    logprob: float                              # natural log of the model's probability
+    decoded: str = ""                           # the token's text
+
+
+@dataclass
+class TokenLogprobs:
+    chosen: Logprob                             # the generated token
+    top: list[Logprob] = field(default_factory=list)  # most likely alternatives, best first
+
+
+@dataclass
+class CompletionOutput:
+    index: int                                  # which of the n completions
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: Optional[list[TokenLogprobs]] = None  # one entry per token id when asked for
+    finish_reason: Optional[str] = None         # "stop" | "length" | "abort" | None while running
+    stop_reason: Optional[Any] = None           # the stop string or token id that ended it
+
+
+@dataclass
+class AudioOutput:
+    samples: Any                                # float32 numpy array, mono, in [-1, 1]
+    sample_rate: int                            # Hz
+
+
+@dataclass
+class VideoOutput:
+    frames: Any                                 # uint8 numpy array [T, H, W, 3]
+    fps: int
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float                         # time.time() when the request arrived
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str] = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    images: list[Any] = field(default_factory=list)  # PIL images
+    video: Optional[VideoOutput] = None
+    audio: Optional[AudioOutput] = None
+    metrics: Optional[RequestMetrics] = None
+    num_cached_tokens: int = 0                  # prompt tokens served from the prefix cache
+    progress: Optional[float] = None            # 0..1 for step-based stages (diffusion)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)

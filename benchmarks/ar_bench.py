@@ -62,10 +62,10 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(100, vocab - 100, (n, length), generator=g).tolist()
 
 
-def bench_ours(path: str, batch: int, in_len=128, out_len=128) -> dict:
+def bench_ours(path: str, batch: int, in_len=128, out_len=128, cuda_graphs=True) -> dict:
     from omnistage import Omni, SamplingParams
 
-    with Omni(path, device="cuda", dtype="bfloat16", max_num_seqs=256) as omni:
+    with Omni(path, device="cuda", dtype="bfloat16", max_num_seqs=256, cuda_graphs=cuda_graphs) as omni:
         sp = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
         omni.generate([{"prompt_token_ids": p} for p in prompts(4, in_len, 151936, 1)], sp, use_tqdm=False)
         torch.cuda.synchronize()
@@ -75,7 +75,7 @@ def bench_ours(path: str, batch: int, in_len=128, out_len=128) -> dict:
         torch.cuda.synchronize()
         dt = time.perf_counter() - t
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"batch": batch, "seconds": dt, "output_tokens": n_out, "tok_s": n_out / dt}
+    return {"batch": batch, "seconds": dt, "output_tokens": n_out, "tok_s": n_out / dt, "cuda_graphs": cuda_graphs}
 
 
 def bench_hf(path: str, batch: int, in_len=128, out_len=128) -> dict:
@@ -131,6 +131,7 @@ def main() -> None:
     res["copy_bw_GBs"] = bw / 1e9
     res["roofline_bs1_tok_s"] = bw / (n_params * 2)
     res["ours"] = [bench_ours(path, b) for b in (1, 64, 256)]
+    res["ours_eager"] = bench_ours(path, 1, cuda_graphs=False)
     res["hf"] = [bench_hf(path, b) for b in ((1, 64) if args.skip_hf_256 else (1, 64, 256))]
     if args.out:
         with open(args.out, "w") as f:
@@ -143,6 +144,7 @@ def main() -> None:
         floor = f"{res['roofline_bs1_tok_s']:.0f} (weights/bw)" if r["batch"] == 1 else "-"
         ref = f"{hf[r['batch']]:.0f}" if r["batch"] in hf else "not run"
         print(f"| {r['batch']} x (128 in, 128 out) | {r['tok_s']:.0f} | {ref} | {floor} |")
+    print(f"| 1 x (128 in, 128 out), CUDA graphs off | {res['ours_eager']['tok_s']:.0f} | {hf[1]:.0f} | - |")
     print(f"\ncopy bandwidth {res['copy_bw_GBs']:.0f} GB/s, weights {res['weight_bytes'] / 1e9:.2f} GB; "
           f"greedy CUDA == CPU on tiny model: {res['cuda_equals_cpu']}")
 

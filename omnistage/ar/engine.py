@@ -70,6 +70,8 @@ class AREngine:
         num_blocks = self._num_kv_blocks(max_len)
         self.runner.allocate_kv_cache(num_blocks)
         self.max_model_len = min(max_len, num_blocks * config.block_size)
+        if self.device.type == "cuda" and config.cuda_graphs:
+            self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    max(config.max_num_batched_tokens, 1))

@@ -41,21 +41,26 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.seq_generators: dict[str, torch.Generator] = {}   # seq_id -> generator of a seeded sequence
-        self.pin = device.type == "cuda"
+        self.graphs = None                                     # CudaGraphs once captured
+
+    def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
+        from omnistage.ar.cuda_graphs import CudaGraphs
+
+        self.graphs = CudaGraphs(self.model, self.device, self.block_size, self.scratch_slot,
+                                 max_batch, -(-max_model_len // self.block_size))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One extra block past `num_blocks` is scratch: padded rows of graph replays write there."""
         self.kv_caches = []
+        self.scratch_slot = num_blocks * self.block_size
         for attn in self.model.attention_layers:
-            cache = torch.zeros(2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim,
+            cache = torch.zeros(2, num_blocks + 1, self.block_size, attn.num_kv_heads, attn.head_dim,
                                 dtype=self.dtype, device=self.device)
             attn.kv_cache = cache
             self.kv_caches.append(cache)
 
     def _to_device(self, data, dtype=torch.long) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype)
-        if self.pin:
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t.to(self.device)
+        return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
     def prepare(self, sched: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor, torch.Tensor, AttentionMetadata]:
         decodes = [s for s in sched.scheduled if s.num_new_tokens == 1 and s.start > 0]
@@ -69,6 +74,8 @@ class ModelRunner:
                 ids.append(seq.token_ids[p])
                 pos.append(p)
                 slots.append(seq.block_table[p // bs] * bs + p % bs)
+        if not prefills and self.graphs is not None and self.graphs.fits(len(decodes)):
+            return order, *self.graphs.load(ids, pos, slots, [s.seq.block_table for s in decodes])
         meta = AttentionMetadata(slot_mapping=self._to_device(slots), num_decodes=len(decodes))
         if decodes:
             width = max(len(s.seq.block_table) for s in decodes)
@@ -82,6 +89,11 @@ class ModelRunner:
             meta.prefills.append(PrefillChunk(row, s.num_new_tokens, ctx, self._to_device(table)))
             row += s.num_new_tokens
         return order, self._to_device(ids), self._to_device(pos), meta
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.graphs is not None and meta.graph_batch:
+            return self.graphs.replay(meta)
+        return self.model(ids, pos, meta)
 
     def _generator_for(self, seq: Sequence) -> Optional[torch.Generator]:
         if seq.seed is None:
@@ -98,7 +110,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, eos_ids: frozenset[int]) -> RunnerOutput:
         order, ids, pos, meta = self.prepare(sched)
-        hidden = self.model(ids, pos, meta)
+        hidden = self.forward(ids, pos, meta)
         rows, sampling = [], []
         row = 0
         for s in order:

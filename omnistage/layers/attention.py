@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from omnistage.layers import triton_attention
+
 
 @dataclass
 class PrefillChunk:
@@ -30,6 +32,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] long, padded with 0
     decode_ctx_lens: torch.Tensor | None = None      # [D] long: context length including the new token
     prefills: list[PrefillChunk] = field(default_factory=list)
+    graph_batch: int = 0                        # > 0: replay the CUDA graph captured for this batch size
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -46,7 +49,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     out = torch.empty_like(q)
     block_size = cache.shape[2]
     d = meta.num_decodes
-    if d:
+    if d and triton_attention.available(q):
+        out[:d] = triton_attention.paged_decode_attention(q[:d], cache, meta.decode_block_tables,
+                                                          meta.decode_ctx_lens, scale)
+    elif d:
         bt = meta.decode_block_tables                                  # [D, MB]
         kc = cache[0][bt].flatten(1, 2).transpose(1, 2)                # [D, KVH, MB*bs, Dh]
         vc = cache[1][bt].flatten(1, 2).transpose(1, 2)

@@ -1,0 +1,79 @@
+"""CUDA-graph capture and replay of decode steps (stage process, CUDA only).
+
+Decode-only steps have static shapes once the batch is padded to a captured size, so the whole
+model forward (every layer, the paged attention included) replays as one graph: the per-kernel
+launch cost that dominates small-batch decoding disappears. Inputs are copied into static buffers;
+padded rows write their KV to the scratch slot past the pool and attend to one token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omnistage.layers.attention import AttentionMetadata
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_batch]
+    sizes += list(range(16, max_batch + 1, 16))
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+class CudaGraphs:
+    def __init__(self, model, device: torch.device, block_size: int, scratch_slot: int, max_batch: int,
+                 max_blocks: int):
+        self.model = model
+        self.block_size = block_size
+        self.scratch_slot = scratch_slot
+        self.sizes = capture_sizes(max_batch)
+        self.max_blocks = max_blocks
+        n = self.sizes[-1]
+        self.ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.pos = torch.zeros(n, dtype=torch.long, device=device)
+        self.slots = torch.full((n,), scratch_slot, dtype=torch.long, device=device)
+        self.tables = torch.zeros(n, max_blocks, dtype=torch.long, device=device)
+        self.ctx = torch.ones(n, dtype=torch.long, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        pool = None
+        for b in reversed(self.sizes):                         # largest first so smaller ones share its pool
+            meta = self._meta(b)
+            with torch.inference_mode():
+                for _ in range(2):
+                    self.model(self.ids[:b], self.pos[:b], meta)
+                torch.cuda.synchronize(device)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self.outputs[b] = self.model(self.ids[:b], self.pos[:b], meta)
+            pool = g.pool()
+            self.graphs[b] = g
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=self.slots[:b], num_decodes=b, decode_block_tables=self.tables[:b],
+                                 decode_ctx_lens=self.ctx[:b], graph_batch=b)
+
+    def fits(self, n: int) -> bool:
+        return 0 < n <= self.sizes[-1]
+
+    def load(self, ids: list[int], pos: list[int], slots: list[int], tables: list[list[int]]):
+        """Fill the static buffers for n real rows; returns (ids, pos, meta) of the padded batch."""
+        n = len(ids)
+        b = next(s for s in self.sizes if s >= n)
+        pad = b - n
+        host = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [self.scratch_slot] * pad,
+                             [p + 1 for p in pos] + [1] * pad], dtype=torch.long)
+        # Table entries past a row's context are never read, so only the used width is refreshed.
+        w = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (w - len(t)) for t in tables] + [[0] * w] * pad, dtype=torch.long)
+        self.ids[:b].copy_(host[0], non_blocking=True)
+        self.pos[:b].copy_(host[1], non_blocking=True)
+        self.slots[:b].copy_(host[2], non_blocking=True)
+        self.ctx[:b].copy_(host[3], non_blocking=True)
+        self.tables[:b, :w].copy_(table, non_blocking=True)
+        return self.ids[:b], self.pos[:b], self._meta(b)
+
+    def replay(self, meta: AttentionMetadata) -> torch.Tensor:
+        self.graphs[meta.graph_batch].replay()
+        return self.outputs[meta.graph_batch]

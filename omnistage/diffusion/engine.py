@@ -1,0 +1,200 @@
+"""`DiffusionEngine`: the image / video generation stage (a `StageEngine`; runs in the stage's process).
+
+In: `add_request(request_id, inputs, params)` where inputs is a prompt string or a dict with
+`prompt`, optional `negative_prompt`, and `image` / `images` (PIL) for edit and image-to-video
+models; params is a `DiffusionParams`. Each `step()` runs one schedule -> run -> update round:
+admitted requests get their prompts encoded (batched) and their seeded latents; one group of
+compatible requests shares one denoiser forward; requests that finished denoising are decoded.
+Out: a list of `StageOutput`s — a progress update (`output.progress` in 0..1) for every request that
+advanced, and a final one (`finished=True`) carrying `images` (PIL) or `video` (VideoOutput, uint8
+frames [T, H, W, 3]). `data` holds `timings` (seconds per phase) and, on failure or abort,
+`error` / `finish_reason` ("abort").
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Union
+
+import torch
+
+from omnistage.diffusion.pipelines import family_for
+from omnistage.diffusion.pipelines.base import load_components, read_model_index
+from omnistage.diffusion.runner import DiffusionRunner
+from omnistage.diffusion.scheduler import DiffusionRunnerOutput, DiffusionScheduler, SchedEntry
+from omnistage.diffusion.task import DiffusionTask
+from omnistage.outputs import RequestMetrics, RequestOutput, VideoOutput
+from omnistage.params import DiffusionParams
+from omnistage.pipeline.stage import StageOutput
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device_dtype(device: Union[str, torch.device], dtype: Union[str, torch.dtype]):
+    if device in (None, "auto"):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if isinstance(dtype, torch.dtype):
+        return device, dtype
+    if dtype in (None, "auto"):
+        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return device, _DTYPES[dtype]
+
+
+class DiffusionEngine:
+    def __init__(self, model_dir: str, device: Union[str, torch.device] = "auto",
+                 dtype: Union[str, torch.dtype] = "auto", max_num_seqs: int = 8,
+                 max_num_batched_tokens: int = 1 << 20, vae_tile_pixels: Optional[int] = None):
+        self.device, self.dtype = resolve_device_dtype(device, dtype)
+        index = read_model_index(model_dir)
+        family_cls = family_for(index.get("_class_name", ""))
+        components = load_components(model_dir, index, self.dtype, self.device)
+        self.family = family_cls(model_dir, index, components, self.device, self.dtype)
+        if vae_tile_pixels is not None:
+            self.family.tile_threshold = vae_tile_pixels
+        self.output_kind = self.family.output_kind    # "image" or "video"
+        self.scheduler = DiffusionScheduler(max_num_seqs, max_num_batched_tokens)
+        self.runner = DiffusionRunner(self.family)
+        self.tasks: dict[str, DiffusionTask] = {}
+        self._metrics: dict[str, RequestMetrics] = {}
+        self._pending: list[StageOutput] = []       # outputs produced between steps (aborts)
+        self._finished_total = 0
+
+    # -- StageEngine -----------------------------------------------------------------------------
+    params_type = DiffusionParams
+
+    def check_params(self, params: DiffusionParams) -> None:
+        """Raise ValueError (naming the field) for params this model cannot serve, before any work."""
+        self.family.resolve(params if params is not None else DiffusionParams(), {})
+
+    def add_request(self, request_id: str, inputs: Any, params: Optional[DiffusionParams] = None,
+                    arrival_time: Optional[float] = None) -> None:
+        if request_id in self.tasks:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        if isinstance(inputs, str):
+            inputs = {"prompt": inputs}
+        if not isinstance(inputs, dict):
+            raise ValueError(f"inputs must be a prompt string or a dict, got {type(inputs).__name__}")
+        params = params if params is not None else DiffusionParams()
+        task = self.family.new_task(request_id, inputs, params)
+        task.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.tasks[request_id] = task
+        self._metrics[request_id] = RequestMetrics(arrival_time=task.arrival_time)
+        self.scheduler.add(SchedEntry(request_id=request_id, key=self.family.key(task), num_rows=task.num_rows,
+                                      tokens_per_row=task.tokens_per_row, num_steps=task.num_steps))
+
+    def step(self) -> list[StageOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.admit:
+            outputs += self._admit([self.tasks[r] for r in sched.admit])
+        result = DiffusionRunnerOutput()
+        group = [self.tasks[r] for r in sched.denoise if r in self.tasks and self.tasks[r].latents is not None]
+        if group:
+            try:
+                result = self.runner.step(group)
+            except Exception as e:  # a broken forward fails its group, never the engine
+                result.failed = {t.request_id: f"denoising failed: {e}" for t in group}
+        for rid, msg in result.failed.items():
+            outputs.append(self._fail(rid, msg))
+        finished = set(self.scheduler.update(result))
+        for rid in result.stepped:
+            if rid in finished or rid not in self.tasks:
+                continue
+            task = self.tasks[rid]
+            outputs.append(StageOutput(rid, self._output(task), finished=False, data={}))
+        for rid in finished:
+            outputs.append(self._finish(rid))
+        return outputs
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        task = self.tasks.pop(request_id, None)
+        if task is not None:
+            out = self._output(task)
+            out.finished = True
+            self._pending.append(StageOutput(request_id, out, finished=True, data={"finish_reason": "abort"}))
+            self._metrics.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def stats(self) -> dict[str, float]:
+        r = self.runner
+        return {"num_waiting": float(self.scheduler.num_waiting), "num_running": float(self.scheduler.num_running),
+                "num_forwards": float(r.num_forwards), "last_batch_rows": float(r.last_batch_rows),
+                "last_batch_tasks": float(r.last_batch_tasks), "max_batch_tasks": float(r.max_batch_tasks),
+                "last_step_time_s": r.last_step_time, "num_finished": float(self._finished_total)}
+
+    # -- convenience -----------------------------------------------------------------------------
+    def generate(self, requests: dict[str, tuple[Any, DiffusionParams]]) -> dict[str, RequestOutput]:
+        """Add every (inputs, params) and step until all finish; returns request_id -> final output."""
+        for rid, (inputs, params) in requests.items():
+            self.add_request(rid, inputs, params)
+        done: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out.output
+        return done
+
+    # -- internals -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _admit(self, tasks: list[DiffusionTask]) -> list[StageOutput]:
+        now = time.time()
+        for t in tasks:
+            self._metrics[t.request_id].first_scheduled_time = now
+        start = time.perf_counter()
+        try:
+            self.family.encode(tasks)
+        except Exception as e:
+            return [self._fail(t.request_id, f"prompt encoding failed: {e}") for t in tasks]
+        per_task = (time.perf_counter() - start) / len(tasks)
+        failed = []
+        for t in tasks:
+            t.add_time("encode", per_task)
+            try:
+                self.family.prepare(t)
+            except Exception as e:
+                failed.append(self._fail(t.request_id, f"preparing latents failed: {e}"))
+        return failed
+
+    def _fail(self, request_id: str, message: str) -> StageOutput:
+        self.scheduler.abort(request_id)
+        task = self.tasks.pop(request_id, None)
+        out = self._output(task) if task is not None else RequestOutput(request_id=request_id)
+        out.finished = True
+        self._metrics.pop(request_id, None)
+        return StageOutput(request_id, out, finished=True, data={"error": message, "finish_reason": "error"})
+
+    def _output(self, task: DiffusionTask) -> RequestOutput:
+        return RequestOutput(request_id=task.request_id, prompt=task.prompt, progress=task.progress,
+                             metrics=self._metrics.get(task.request_id))
+
+    @torch.no_grad()
+    def _finish(self, request_id: str) -> StageOutput:
+        task = self.tasks[request_id]
+        start = time.perf_counter()
+        try:
+            result = self.family.decode(task)
+        except Exception as e:
+            return self._fail(request_id, f"decoding failed: {e}")
+        task.add_time("decode", time.perf_counter() - start)
+        del self.tasks[request_id]
+        out = self._output(task)
+        out.finished = True
+        data: dict[str, Any] = {"timings": dict(task.timings), "finish_reason": "stop"}
+        if self.output_kind == "video":
+            fps = task.params.fps or self.family.default_fps
+            out.video = VideoOutput(frames=result[0], fps=fps)
+            data["videos"] = [VideoOutput(frames=v, fps=fps) for v in result]
+        else:
+            out.images = list(result)
+        if out.metrics is not None:
+            out.metrics.finished_time = time.time()
+        self._metrics.pop(request_id, None)
+        self._finished_total += 1
+        return StageOutput(request_id, out, finished=True, data=data)

@@ -1,0 +1,115 @@
+"""Stable Diffusion 3 / 3.5 text-to-image (`StableDiffusion3Pipeline`): two CLIP encoders (penultimate
+hidden states + pooled) and T5, joined into one [77 + 256, D] sequence; `SD3Transformer2DModel` on
+unpacked latents with raw timesteps; classic CFG (guidance_scale > 1, empty negative by default) as
+extra rows; KL VAE (scaling / shift factors) -> PIL images.
+
+In: `{"prompt", "negative_prompt"}` + `DiffusionParams`. Out: PIL images. The maths follows
+diffusers' `pipeline_stable_diffusion_3.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+import torch
+
+from omnistage.diffusion.pipelines.base import DiffusionFamily, check_multiple, seeded_noise, to_pil
+from omnistage.diffusion.solvers import calculate_shift, make_schedule
+from omnistage.diffusion.task import Conditioning, DiffusionTask
+from omnistage.params import DiffusionParams
+
+T5_MAX = 256
+
+
+class SD3Family(DiffusionFamily):
+    class_names = ("StableDiffusion3Pipeline",)
+    default_steps = 28
+    default_guidance = 7.0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.transformer = self.c["transformer"]
+        self.vae = self.c["vae"]
+        self.vae_scale = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.patch = self.transformer.config.patch_size
+        self.multiple = self.vae_scale * self.patch
+
+    def resolve(self, params: DiffusionParams, inputs: dict) -> DiffusionParams:
+        size = self.transformer.config.sample_size * self.vae_scale
+        p = params.clone(height=params.height or size, width=params.width or size,
+                         num_inference_steps=params.num_inference_steps or self.default_steps,
+                         guidance_scale=params.guidance_scale if params.guidance_scale is not None
+                         else self.default_guidance)
+        check_multiple("height", p.height, self.multiple, self.max_pixels)
+        check_multiple("width", p.width, self.multiple, self.max_pixels)
+        return p
+
+    def new_task(self, request_id: str, inputs: dict, params: DiffusionParams) -> DiffusionTask:
+        p = self.resolve(params, inputs)
+        do_cfg = p.guidance_scale > 1
+        neg = self.negative(inputs, p) or ""
+        task = DiffusionTask(request_id=request_id, params=p, prompt=self.prompt(inputs), negative_prompt=neg,
+                             generator=self.generator(p), num_images=p.num_outputs_per_prompt, do_cfg=do_cfg)
+        h, w = p.height // self.vae_scale, p.width // self.vae_scale
+        task.tokens_per_row = (h // self.patch) * (w // self.patch)
+        task.static.update(cfg_scale=p.guidance_scale, latent_hw=(h, w), shape=(h, w))
+        cfg = self.scheduler_config
+        mu = None
+        if cfg.get("use_dynamic_shifting"):
+            mu = calculate_shift(task.tokens_per_row, cfg.get("base_image_seq_len", 256),
+                                 cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5),
+                                 cfg.get("max_shift", 1.16))
+        task.schedule = make_schedule(cfg, p.num_inference_steps, mu=mu)
+        return task
+
+    def key(self, task: DiffusionTask) -> Hashable:
+        return (task.static["shape"], task.do_cfg)
+
+    def _clip(self, idx: str, prompts: list[str]):
+        tok, enc = self.c["tokenizer" + idx], self.c["text_encoder" + idx]
+        ids = tok(prompts, padding="max_length", max_length=self.c["tokenizer"].model_max_length, truncation=True,
+                  return_tensors="pt").input_ids
+        out = enc(ids.to(self.device), output_hidden_states=True)
+        return out.hidden_states[-2].to(self.c["text_encoder"].dtype), out[0]
+
+    def encode(self, tasks: list[DiffusionTask]) -> None:
+        prompts = [t.prompt for t in tasks] + [t.negative_prompt for t in tasks if t.do_cfg]
+        seq1, pool1 = self._clip("", prompts)
+        seq2, pool2 = self._clip("_2", prompts)
+        tok3, t5 = self.c.get("tokenizer_3"), self.c.get("text_encoder_3")
+        dim = self.transformer.config.joint_attention_dim
+        if t5 is None:
+            seq3 = torch.zeros(len(prompts), T5_MAX, dim, device=self.device, dtype=self.dtype)
+        else:
+            ids = tok3(prompts, padding="max_length", max_length=T5_MAX, truncation=True, add_special_tokens=True,
+                       return_tensors="pt").input_ids
+            seq3 = t5(ids.to(self.device))[0].to(t5.dtype)
+        clip = torch.cat([seq1, seq2], dim=-1)
+        clip = torch.nn.functional.pad(clip, (0, seq3.shape[-1] - clip.shape[-1]))
+        seq = torch.cat([clip, seq3], dim=-2)
+        pooled = torch.cat([pool1, pool2], dim=-1)
+        conds = [Conditioning(embeds=seq[i], pooled=pooled[i]) for i in range(len(prompts))]
+        negs = iter(conds[len(tasks):])
+        for task, cond in zip(tasks, conds):
+            task.cond = cond
+            if task.do_cfg:
+                task.uncond = next(negs)
+
+    def prepare(self, task: DiffusionTask) -> None:
+        h, w = task.static["latent_hw"]
+        c = self.transformer.config.in_channels
+        task.latents = seeded_noise((task.num_images, c, h, w), task.generator, self.device, task.cond.embeds.dtype)
+
+    def model_timestep(self, task: DiffusionTask) -> torch.Tensor:
+        return task.timestep()
+
+    def denoise(self, key, x, t, conds, row_tasks) -> torch.Tensor:
+        text = torch.stack([c.embeds for c, task in zip(conds, row_tasks) for _ in range(task.num_images)])
+        pooled = torch.stack([c.pooled for c, task in zip(conds, row_tasks) for _ in range(task.num_images)])
+        return self.transformer(hidden_states=x, timestep=t, encoder_hidden_states=text, pooled_projections=pooled,
+                                return_dict=False)[0]
+
+    def decode(self, task: DiffusionTask) -> list:
+        z = (task.latents / self.vae.config.scaling_factor) + self.vae.config.shift_factor
+        self.set_tiling(self.vae, task.params.height * task.params.width)
+        return to_pil(self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0])

@@ -42,6 +42,19 @@ def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch
     flat[1].index_copy_(0, slots, v)
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
+    """SDPA over [..., heads, len, dim] with fewer KV heads than query heads.
+
+    On CPU, SDPA's `enable_gqa` with a mask falls back to a path ~40x slower than repeating the
+    KV heads first, so the CPU path repeats them; CUDA kernels handle GQA natively."""
+    if q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+    groups = q.shape[-3] // k.shape[-3]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] (this step's, already rotated) -> out [T, H, D]."""
@@ -58,21 +71,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
         vc = cache[1][bt].flatten(1, 2).transpose(1, 2)
         pos = torch.arange(bt.shape[1] * block_size, device=q.device)
         mask = (pos[None, :] < meta.decode_ctx_lens[:, None])[:, None, None, :]  # [D, 1, 1, L]
-        o = F.scaled_dot_product_attention(q[:d, :, None, :], kc, vc, attn_mask=mask, scale=scale,
-                                           enable_gqa=True)
+        o = _sdpa(q[:d, :, None, :], kc, vc, attn_mask=mask, scale=scale)
         out[:d] = o[:, :, 0, :]
     for p in meta.prefills:
         qs = q[p.q_start:p.q_start + p.q_len].transpose(0, 1)          # [H, q, Dh]
         if p.ctx_len == p.q_len:                                       # no cached context: use fresh k, v
             kc = k[p.q_start:p.q_start + p.q_len].transpose(0, 1)
             vc = v[p.q_start:p.q_start + p.q_len].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qs, kc, vc, is_causal=True, scale=scale, enable_gqa=True)
+            o = _sdpa(qs, kc, vc, is_causal=True, scale=scale)
         else:
             kc = cache[0][p.block_table].flatten(0, 1)[:p.ctx_len].transpose(0, 1)
             vc = cache[1][p.block_table].flatten(0, 1)[:p.ctx_len].transpose(0, 1)
             qpos = torch.arange(p.ctx_len - p.q_len, p.ctx_len, device=q.device)
             kpos = torch.arange(p.ctx_len, device=q.device)
             mask = kpos[None, :] <= qpos[:, None]
-            o = F.scaled_dot_product_attention(qs, kc, vc, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = _sdpa(qs, kc, vc, attn_mask=mask, scale=scale)
         out[p.q_start:p.q_start + p.q_len] = o.transpose(0, 1)
     return out

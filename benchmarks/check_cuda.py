@@ -18,10 +18,10 @@ def check_triton() -> float:
     torch.manual_seed(0)
     worst = 0.0
     for dtype, h, kvh, d, bs in [(torch.float32, 12, 2, 128, 16), (torch.bfloat16, 32, 8, 128, 16),
-                                 (torch.float32, 4, 4, 64, 8)]:
+                                 (torch.float32, 4, 4, 64, 16), (torch.bfloat16, 16, 2, 64, 16)]:
         nb, b = 64, 5   # pool blocks, sequences
         cache = torch.randn(2, nb + 1, bs, kvh, d, device="cuda", dtype=dtype)
-        ctx = torch.tensor([1, 7, 16, 33, 150], device="cuda")
+        ctx = torch.tensor([1, 7, 16, 33, 600], device="cuda")                # 600: several partitions
         width = -(-int(ctx.max()) // bs)                                  # blocks covering the longest context
         tables = torch.stack([torch.randperm(nb, device="cuda")[:width] for _ in range(b)])
         q = torch.randn(b, h, d, device="cuda", dtype=dtype)

@@ -62,7 +62,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     out = torch.empty_like(q)
     block_size = cache.shape[2]
     d = meta.num_decodes
-    if d and triton_attention.available(q):
+    if d and triton_attention.available(q, cache):
         out[:d] = triton_attention.paged_decode_attention(q[:d], cache, meta.decode_block_tables,
                                                           meta.decode_ctx_lens, scale)
     elif d:

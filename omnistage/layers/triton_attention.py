@@ -1,8 +1,10 @@
-"""Triton paged-decode attention for CUDA (one new token per sequence, GQA-aware).
+"""Triton paged-decode attention for CUDA (one new token per sequence, GQA-aware, split context).
 
-One program per (sequence, KV head) walks the sequence's block table with an online softmax and
-serves all query heads of that KV head, so each cached key/value is read once per step. It reads
-only `ctx_len` tokens whatever the padded table width, which keeps CUDA-graph replays cheap.
+Grid: (sequence, KV head, context partition). Each program walks its partition of the sequence's
+block table with an online softmax, serving all query heads of its KV head with tensor-core dots
+(the head group is padded to 16 rows), and writes a partial (max, sum, weighted values) triple;
+a small combine step merges the partitions. Partitions past a sequence's context exit at once,
+so the grid is static (CUDA graphs) while the work follows the real context length.
 Must give the same result as the SDPA reference path in attention.py.
 """
 
@@ -16,44 +18,82 @@ try:
 except ImportError:                                  # CPU-only installs
     triton = None
 
+PARTITION_BLOCKS = 16                                # KV blocks per program (256 tokens at block size 16)
+
 
 if triton is not None:
     @triton.jit
-    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, scale, stride_bt,
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, scale, stride_bt,
                              H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                             D: tl.constexpr, BS: tl.constexpr):
+                             D: tl.constexpr, BS: tl.constexpr, PART: tl.constexpr, NSPLIT: tl.constexpr,
+                             IEEE: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
+        sp = tl.program_id(2)
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
         t = tl.arange(0, BS)
         gmask = g < G
-        q_off = b * H * D + (kh * G + g)[:, None] * D + d[None, :]
-        q = tl.load(q_ptr + q_off, mask=gmask[:, None], other=0.0).to(tl.float32)
         ctx = tl.load(ctx_ptr + b)
+        first = sp * PART
+        last = tl.minimum(first + PART, tl.cdiv(ctx, BS))
+        part_off = ((b * KVH + kh) * NSPLIT + sp) * G_PAD + g
+        q = tl.load(q_ptr + b * H * D + (kh * G + g)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         l = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
-        for j in range(0, tl.cdiv(ctx, BS)):
+        for j in range(first, last):
             blk = tl.load(bt_ptr + b * stride_bt + j).to(tl.int64)
             kv_off = blk * (BS * KVH * D) + t[:, None] * (KVH * D) + kh * D + d[None, :]
-            k = tl.load(k_ptr + kv_off).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+            k = tl.load(k_ptr + kv_off)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale
             s = tl.where((j * BS + t < ctx)[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
-            v = tl.load(v_ptr + kv_off).to(tl.float32)
+            v = tl.load(v_ptr + kv_off)
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
-        out = acc / l[:, None]
-        tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+        tl.store(m_ptr + part_off, m)
+        tl.store(l_ptr + part_off, l)
+        tl.store(acc_ptr + part_off[:, None] * D + d[None, :], acc)
+
+    @triton.jit
+    def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
+                        G_PAD: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr):
+        b = tl.program_id(0)
+        kh = tl.program_id(1)
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, D)
+        base = (b * KVH + kh) * NSPLIT
+        mx = tl.full([G_PAD], float("-inf"), tl.float32)
+        for sp in range(NSPLIT):
+            mx = tl.maximum(mx, tl.load(m_ptr + (base + sp) * G_PAD + g))
+        total = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        for sp in range(NSPLIT):                     # empty partitions have m = -inf: weight 0
+            off = (base + sp) * G_PAD + g
+            w = tl.exp(tl.load(m_ptr + off) - mx)
+            total += w * tl.load(l_ptr + off)
+            acc += w[:, None] * tl.load(acc_ptr + off[:, None] * D + d[None, :])
+        out = acc / total[:, None]
+        tl.store(out_ptr + b * H * D + (kh * G + g)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=(g < G)[:, None])
 
 
-def available(q: torch.Tensor) -> bool:
-    d = q.shape[-1]
-    return triton is not None and q.is_cuda and d & (d - 1) == 0
+def available(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Tensor-core dots need head_dim and block size to be powers of two of at least 16."""
+    d, bs = q.shape[-1], cache.shape[2]
+    return (triton is not None and q.is_cuda and d >= 16 and d & (d - 1) == 0 and bs >= 16
+            and bs & (bs - 1) == 0)
 
 
 def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
@@ -62,9 +102,15 @@ def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: t
     bsz, h, d = q.shape
     kvh, bs = cache.shape[3], cache.shape[2]
     g = h // kvh
+    g_pad = max(16, triton.next_power_of_2(g))
+    nsplit = -(-block_tables.shape[1] // PARTITION_BLOCKS)
+    m = torch.empty(bsz, kvh, nsplit, g_pad, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(bsz, kvh, nsplit, g_pad, d, dtype=torch.float32, device=q.device)
+    _paged_decode_kernel[(bsz, kvh, nsplit)](
+        q.contiguous(), cache[0], cache[1], block_tables, ctx_lens, m, l, acc, scale, block_tables.stride(0),
+        H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs, PART=PARTITION_BLOCKS, NSPLIT=nsplit,
+        IEEE=q.dtype == torch.float32, num_warps=4)
     out = torch.empty_like(q)
-    q = q.contiguous()
-    _paged_decode_kernel[(bsz, kvh)](q, cache[0], cache[1], block_tables, ctx_lens, out, scale,
-                                     block_tables.stride(0), H=h, KVH=kvh, G=g,
-                                     G_PAD=max(triton.next_power_of_2(g), 1), D=d, BS=bs, num_warps=4)
+    _combine_kernel[(bsz, kvh)](m, l, acc, out, H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, NSPLIT=nsplit, num_warps=4)
     return out

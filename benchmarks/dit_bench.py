@@ -96,11 +96,11 @@ def build(cls, module_cls, cfg: dict, vae, scheduler: dict, text_len: int, devic
     torch.manual_seed(0)
     with torch.device(device):
         transformer = module_cls(**cfg)
-    transformer = transformer.to(dtype).eval().requires_grad_(False)
+    transformer.eval().requires_grad_(False)
     keep = getattr(transformer, "_keep_in_fp32_modules", None) or []
-    for name, p in transformer.named_parameters():     # as from_pretrained(dtype=...) leaves them
-        if any(k in name.split(".") for k in keep):
-            p.data = p.data.float()
+    for name, p in transformer.named_parameters():     # dtypes as from_pretrained(dtype=...) leaves them
+        if not any(k in name.split(".") for k in keep):
+            p.data = p.data.to(dtype)
     family = cls("", {}, {"transformer": transformer, "vae": vae.to(device, dtype).eval(), "scheduler": scheduler},
                  torch.device(device), dtype)
     family.text_len = text_len

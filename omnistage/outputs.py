@@ -52,6 +52,8 @@ class RequestMetrics:
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
+    phase_times: dict[str, float] = field(default_factory=dict)  # step-based stages: phase -> seconds so far
+                                                                 # (diffusion: encode, denoise, decode)
 
 
 @dataclass
@@ -67,6 +69,7 @@ class RequestOutput:
     metrics: Optional[RequestMetrics] = None
     num_cached_tokens: int = 0                  # prompt tokens served from the prefix cache
     progress: Optional[float] = None            # 0..1 for step-based stages (diffusion)
+    error: Optional[str] = None                 # why a request finished without a result (diffusion failures)
 
     @property
     def num_generated_tokens(self) -> int:

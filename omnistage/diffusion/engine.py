@@ -8,24 +8,31 @@ compatible requests shares one denoiser forward; requests that finished denoisin
 Out: a list of `StageOutput`s — a progress update (`output.progress` in 0..1) for every request that
 advanced, and a final one (`finished=True`) carrying `images` (PIL) or `video` (VideoOutput, uint8
 frames [T, H, W, 3]). `data` holds `timings` (seconds per phase) and, on failure or abort,
-`error` / `finish_reason` ("abort").
+`error` / `finish_reason` ("abort"); the `RequestOutput` itself carries the phase times so far in
+`metrics.phase_times` and, on failure, `error`. Built by the orchestrator through `from_stage_spec`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Optional, Union
 
 import torch
 
 from omnistage.diffusion.pipelines import family_for
-from omnistage.diffusion.pipelines.base import load_components, read_model_index
+from omnistage.diffusion.pipelines.base import DiffusionFamily, load_components, read_model_index
 from omnistage.diffusion.runner import DiffusionRunner
 from omnistage.diffusion.scheduler import DiffusionRunnerOutput, DiffusionScheduler, SchedEntry
 from omnistage.diffusion.task import DiffusionTask
 from omnistage.outputs import RequestMetrics, RequestOutput, VideoOutput
 from omnistage.params import DiffusionParams
 from omnistage.pipeline.stage import StageOutput
+
+# Batch limits of a diffusion stage whose EngineConfig leaves them at the (AR-oriented) defaults:
+# a denoising forward holds few requests, each with thousands of latent tokens.
+DEFAULT_MAX_NUM_SEQS = 8
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 1 << 20
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -46,16 +53,28 @@ def resolve_device_dtype(device: Union[str, torch.device], dtype: Union[str, tor
 
 class DiffusionEngine:
     def __init__(self, model_dir: str, device: Union[str, torch.device] = "auto",
-                 dtype: Union[str, torch.dtype] = "auto", max_num_seqs: int = 8,
-                 max_num_batched_tokens: int = 1 << 20, vae_tile_pixels: Optional[int] = None):
-        self.device, self.dtype = resolve_device_dtype(device, dtype)
+                 dtype: Union[str, torch.dtype] = "auto", max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, vae_tile_pixels: Optional[int] = None):
+        device, dtype = resolve_device_dtype(device, dtype)
         index = read_model_index(model_dir)
         family_cls = family_for(index.get("_class_name", ""))
-        components = load_components(model_dir, index, self.dtype, self.device)
-        self.family = family_cls(model_dir, index, components, self.device, self.dtype)
+        family = family_cls(model_dir, index, load_components(model_dir, index, dtype, device), device, dtype)
         if vae_tile_pixels is not None:
-            self.family.tile_threshold = vae_tile_pixels
+            family.tile_threshold = vae_tile_pixels
+        self._start(family, max_num_seqs, max_num_batched_tokens)
+
+    @classmethod
+    def from_family(cls, family: DiffusionFamily, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> "DiffusionEngine":
+        """An engine around a family whose components were built in code (benchmarks, tests)."""
+        engine = cls.__new__(cls)
+        engine._start(family, max_num_seqs, max_num_batched_tokens)
+        return engine
+
+    def _start(self, family: DiffusionFamily, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.family, self.device, self.dtype = family, family.device, family.dtype
         self.output_kind = self.family.output_kind    # "image" or "video"
+        self.takes_image = self.family.takes_image    # requests must bring an input image (edit, I2V)
         self.scheduler = DiffusionScheduler(max_num_seqs, max_num_batched_tokens)
         self.runner = DiffusionRunner(self.family)
         self.tasks: dict[str, DiffusionTask] = {}
@@ -63,12 +82,31 @@ class DiffusionEngine:
         self._pending: list[StageOutput] = []       # outputs produced between steps (aborts)
         self._finished_total = 0
 
+    @classmethod
+    def from_stage_spec(cls, spec) -> "DiffusionEngine":
+        """Build from a pipeline `StageSpec`: `spec.engine` (EngineConfig) gives device, dtype and the
+        batch limits (left at EngineConfig's defaults, they take this engine's own defaults);
+        `spec.options` may set `vae_tile_pixels`."""
+        from omnistage.config import EngineConfig
+
+        cfg, base = spec.engine, EngineConfig()
+        seqs = cfg.max_num_seqs if cfg.max_num_seqs != base.max_num_seqs else DEFAULT_MAX_NUM_SEQS
+        tokens = (cfg.max_num_batched_tokens if cfg.max_num_batched_tokens != base.max_num_batched_tokens
+                  else DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        unknown = set(spec.options) - {"vae_tile_pixels"}
+        if unknown:
+            raise ValueError(f"stage {spec.name!r}: diffusion options must be among ['vae_tile_pixels'], "
+                             f"got {sorted(unknown)}")
+        return cls(spec.model_dir, device=cfg.device, dtype=cfg.dtype, max_num_seqs=seqs,
+                   max_num_batched_tokens=tokens, vae_tile_pixels=spec.options.get("vae_tile_pixels"))
+
     # -- StageEngine -----------------------------------------------------------------------------
     params_type = DiffusionParams
 
-    def check_params(self, params: DiffusionParams) -> None:
-        """Raise ValueError (naming the field) for params this model cannot serve, before any work."""
-        self.family.resolve(params if params is not None else DiffusionParams(), {})
+    def check_params(self, params: DiffusionParams) -> DiffusionParams:
+        """Raise ValueError (naming the field) for params this model cannot serve, before any work;
+        else return them resolved (the model's defaults filled in). Safe to call from any thread."""
+        return self.family.resolve(params if params is not None else DiffusionParams(), {})
 
     def add_request(self, request_id: str, inputs: Any, params: Optional[DiffusionParams] = None,
                     arrival_time: Optional[float] = None) -> None:
@@ -167,12 +205,17 @@ class DiffusionEngine:
         task = self.tasks.pop(request_id, None)
         out = self._output(task) if task is not None else RequestOutput(request_id=request_id)
         out.finished = True
+        out.error = message
         self._metrics.pop(request_id, None)
         return StageOutput(request_id, out, finished=True, data={"error": message, "finish_reason": "error"})
 
     def _output(self, task: DiffusionTask) -> RequestOutput:
+        metrics = self._metrics.get(task.request_id)
+        if metrics is not None:                 # a snapshot: earlier outputs keep the times they had
+            metrics = dataclasses.replace(metrics, phase_times=dict(task.timings))
+            self._metrics[task.request_id] = metrics
         return RequestOutput(request_id=task.request_id, prompt=task.prompt, progress=task.progress,
-                             metrics=self._metrics.get(task.request_id))
+                             metrics=metrics)
 
     @torch.no_grad()
     def _finish(self, request_id: str) -> StageOutput:

@@ -61,8 +61,24 @@ class AsyncOmni:
     def main_stage_kind(self) -> str:
         return self.orchestrator.spec.main_stage.kind
 
-    def default_params(self):
-        return default_params_for(self.orchestrator)()
+    def default_params(self, entry_stage: Optional[str] = None):
+        return default_params_for(self.orchestrator, entry_stage)()
+
+    @property
+    def output_modalities(self) -> list[str]:
+        """What a request entering at the main stage may ask for, e.g. ["text", "audio"]."""
+        return self.orchestrator.spec.output_modalities()
+
+    @property
+    def speech_stage(self) -> Optional[str]:
+        """Name of the stage that turns text into speech (entry stage for /v1/audio/speech), or None."""
+        found = self.orchestrator.stage_for("audio")
+        return found[0] if found is not None and hasattr(found[1], "voices") else None
+
+    def voices(self) -> list[dict]:
+        """Voices of the speech stage: [{id, name, sample_rate, language, ...}] (empty without one)."""
+        found = self.orchestrator.stage_for("audio")
+        return found[1].voices() if found is not None and hasattr(found[1], "voices") else []
 
     def render_chat(self, messages, chat_template_kwargs: Optional[dict] = None) -> dict:
         return render_chat(self.tokenizer, messages, chat_template_kwargs)
@@ -72,7 +88,10 @@ class AsyncOmni:
         return dict(self._stats)
 
     async def generate(self, prompt: Any, params: Any = None, request_id: Optional[str] = None, *,
-                       sampling_params_list: Optional[list] = None) -> AsyncIterator[RequestOutput]:
+                       sampling_params_list: Optional[list] = None,
+                       entry_stage: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        """Partial outputs of one request. `entry_stage` starts it at another stage than the first
+        (e.g. `speech_stage` to speak a text); a dict prompt may carry `modalities` and `voice`."""
         if self.errored is not None:
             raise EngineDeadError(f"the engine stopped: {self.errored!r}")
         if self._closed:
@@ -83,7 +102,8 @@ class AsyncOmni:
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         accepted = asyncio.get_running_loop().create_future()
-        self._commands.put(("add", request_id, prompt, params, sampling_params_list, time.time(), accepted))
+        self._commands.put(("add", request_id, prompt, params, sampling_params_list, entry_stage, time.time(),
+                            accepted))
         finished = False
         try:
             await accepted                                      # raises ValueError for a bad request
@@ -122,19 +142,40 @@ class AsyncOmni:
         if cmd[0] == "abort":
             self.orchestrator.abort(cmd[1])
             return True
-        _, rid, prompt, params, stage_params, arrival, fut = cmd
+        _, rid, prompt, params, stage_params, entry_stage, arrival, fut = cmd
         if rid not in self._streams:                            # the caller left before we started
             self._resolve(fut, None)
             return True
         try:
-            self.orchestrator.add_request(rid, prompt, params, stage_params, arrival)
+            self.orchestrator.add_request(rid, prompt, params, stage_params, arrival, entry_stage)
         except Exception as e:                                  # bad request: tell only that caller
             self._resolve(fut, e)
         else:
             self._resolve(fut, None)
         return True
 
+    @property
+    def is_running(self) -> bool:
+        """True while the engine thread serves requests (False once closed or dead)."""
+        return self._thread.is_alive() and not self._closed and self.errored is None
+
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:                              # the engine is dead: say so to everyone
+            logger.exception("engine thread died")
+            self.errored = e
+            for stream in list(self._streams.values()):
+                stream.put(EngineDeadError(f"the engine stopped: {e!r}"))
+            while True:                                         # callers that were about to be accepted
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd[0] == "add":
+                    self._resolve(cmd[-1], EngineDeadError(f"the engine stopped: {e!r}"))
+
+    def _serve(self) -> None:
         running = True
         while running:
             block = not self.orchestrator.has_unfinished()
@@ -157,11 +198,19 @@ class AsyncOmni:
                     stream.put(RuntimeError(f"engine step failed: {e!r}"))
                 continue
             self._stats = self.orchestrator.stats()
+            for rid, error in self.orchestrator.pop_errors():   # a stage went down: only its requests fail
+                stream = self._streams.get(rid)
+                if stream is not None:
+                    stream.put(EngineDeadError(str(error)))
             now = time.time()
             for out in outputs:
                 for hook in self.output_hooks:
-                    hook(out, now)
+                    try:
+                        hook(out, now)
+                    except Exception:                           # a broken observer must not stop serving
+                        logger.exception("output hook failed")
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.put(out)
+        self.orchestrator.close()
         self.orchestrator = None

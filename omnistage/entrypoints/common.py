@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence
 from omnistage.config import EngineConfig
 from omnistage.params import DiffusionParams, SamplingParams
 from omnistage.pipeline.orchestrator import Orchestrator
+from omnistage.pipeline.deploy_config import apply_deploy_config
 from omnistage.pipeline.spec import detect_pipeline
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -21,12 +22,15 @@ def resolve_model(model: Optional[str]) -> str:
     return model
 
 
-def build_orchestrator(model: Optional[str], device: str, dtype: str, **engine_kwargs) -> Orchestrator:
+def build_orchestrator(model: Optional[str], device: str, dtype: str, deploy_config: Any = None,
+                       **engine_kwargs) -> Orchestrator:
+    """`deploy_config`: a YAML path or dict of pipeline overrides (see pipeline/deploy_config.py)."""
     unknown = set(engine_kwargs) - _ENGINE_FIELDS
     if unknown:
         raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(_ENGINE_FIELDS)}")
     config = EngineConfig(device=device, dtype=dtype, **engine_kwargs)
-    return Orchestrator(detect_pipeline(resolve_model(model), config))
+    spec = apply_deploy_config(detect_pipeline(resolve_model(model), config), deploy_config)
+    return Orchestrator(spec)
 
 
 def per_prompt(params: Any, n: int, default_factory) -> list:
@@ -40,8 +44,13 @@ def per_prompt(params: Any, n: int, default_factory) -> list:
     return [params] * n
 
 
-def default_params_for(orch: Orchestrator):
-    return DiffusionParams if orch.spec.main_stage.kind == "diffusion" else SamplingParams
+def default_params_for(orch: Orchestrator, entry_stage: Optional[str] = None):
+    """The params class of the stage a request enters at (default: the main stage)."""
+    spec = orch.spec.stage(entry_stage) if entry_stage else orch.spec.main_stage
+    engine_type = getattr(orch.stages[spec.name], "params_type", None)
+    if engine_type is not None:
+        return engine_type
+    return DiffusionParams if spec.kind == "diffusion" else SamplingParams
 
 
 def render_chat(tokenizer, messages: Sequence[dict], chat_template_kwargs: Optional[dict] = None,

@@ -27,42 +27,65 @@ class Omni:
         return self.orchestrator.tokenizer
 
     def generate(self, prompts: Any, params: Any = None, *, sampling_params_list: Optional[list] = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, entry_stage: Optional[str] = None) -> list[RequestOutput]:
+        """`entry_stage` starts the requests at another stage than the first, e.g. the TTS stage of
+        a cascade to speak the prompts (`params` is then that stage's, a `TTSParams`)."""
         single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                         and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
-        params_list = per_prompt(params, len(prompts), default_params_for(self.orchestrator))
+        params_list = per_prompt(params, len(prompts), default_params_for(self.orchestrator, entry_stage))
         ids = []
         try:
             for prompt, p in zip(prompts, params_list):
                 rid = str(next(self._ids))
-                self.orchestrator.add_request(rid, prompt, p, stage_params=sampling_params_list)
+                self.orchestrator.add_request(rid, prompt, p, stage_params=sampling_params_list,
+                                              entry_stage=entry_stage)
                 ids.append(rid)
         except Exception:
             for rid in ids:
                 self.orchestrator.abort(rid)
             raise
-        return self._run(ids, use_tqdm and len(ids) > 1)
+        spec = self.orchestrator.spec
+        stepped = (spec.stage(entry_stage) if entry_stage else spec.main_stage).kind == "diffusion"
+        return self._run(ids, use_tqdm and (len(ids) > 1 or stepped))
 
     def chat(self, messages: Sequence, params: Any = None, *, chat_template_kwargs: Optional[dict] = None,
              use_tqdm: bool = True, **prompt_fields) -> list[RequestOutput]:
-        """One conversation (a list of message dicts) or a list of conversations."""
+        """One conversation (a list of message dicts) or a list of conversations.
+
+        `prompt_fields` go into each prompt dict: `modalities=["text", "audio"]`, `voice="joe"`.
+        """
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [dict(render_chat(self.tokenizer, c, chat_template_kwargs), **prompt_fields) for c in convs]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:
+        """Step until every request finished. The bar counts requests; step-based stages (diffusion)
+        move it by each request's fraction of denoising steps done (`RequestOutput.progress`)."""
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Generating", disable=not show_progress)
+        shown: dict[str, float] = {}            # request id -> its part of the bar so far, 0..1
+        bar = tqdm(total=len(ids), desc="Generating", disable=not show_progress,
+                   bar_format="{l_bar}{bar}| {n:.2f}/{total_fmt} [{elapsed}<{remaining}]")
         while len(done) < len(ids) and self.orchestrator.has_unfinished():
             for out in self.orchestrator.step():
+                part = 1.0 if out.finished else (out.progress or 0.0)
+                if part > shown.get(out.request_id, 0.0):
+                    bar.update(part - shown.get(out.request_id, 0.0))
+                    shown[out.request_id] = part
                 if out.finished:
                     done[out.request_id] = out
-                    bar.update(1)
+            failed = [err for rid, err in self.orchestrator.pop_errors() if rid in ids]
+            if failed:                          # a stage went down under one of these requests
+                for rid in ids:
+                    self.orchestrator.abort(rid)
+                bar.close()
+                raise failed[0]
         bar.close()
         return [done[i] for i in ids]
 
     def close(self) -> None:
+        if self.orchestrator is not None:
+            self.orchestrator.close()           # stops stage processes, if any
         self.orchestrator = None
 
     def __enter__(self) -> "Omni":

@@ -199,8 +199,23 @@ def _build_llms(out_dir: str) -> list[str]:
     return [make_tiny_lm(os.path.join(out_dir, f"tiny-{arch}"), arch) for arch in _LM_CLASSES]
 
 
+# Diffusion kinds (`omnistage.diffusion.tiny.DIFFUSION_TINY_BUILDERS`); imported only when built,
+# so making a tiny LLM never imports diffusers.
+DIFFUSION_KINDS = ("qwen-image", "flux", "flux-schnell", "sd3", "z-image", "wan", "wan2.2", "wan-i2v")
+
+
+def _diffusion_builder(kind: str) -> Callable[[str], list[str]]:
+    def build(out_dir: str) -> list[str]:
+        from omnistage.diffusion.tiny import DIFFUSION_TINY_BUILDERS
+
+        return [DIFFUSION_TINY_BUILDERS[kind](os.path.join(out_dir, f"tiny-{kind}"))]
+
+    return build
+
+
 # kind -> builder(out_dir) returning the folders it wrote. Other model families register here.
 TINY_BUILDERS: dict[str, Callable[[str], list[str]]] = {"llm": _build_llms}
+TINY_BUILDERS.update({kind: _diffusion_builder(kind) for kind in DIFFUSION_KINDS})
 
 
 def make_tiny(out_dir: str, kind: str = "llm") -> list[str]:

@@ -1,20 +1,42 @@
 """The orchestrator: drives every stage engine of a pipeline and routes outputs (engine thread).
 
-In: requests with per-stage params. Out: `RequestOutput`s of the final-output stages. Each call of
-`step` advances every stage that has work by one engine step. Stage engines are built in-process
-here; the stage-client layer that puts a stage in its own process plugs in behind the same
-`StageEngine` interface.
+In: requests (`add_request`) with params for their entry stage (or one per stage), an optional
+entry stage, and the output `modalities` / `voice` carried in a dict prompt. Out (`step`):
+cumulative `RequestOutput`s, one per request that changed, in each request's order.
+
+Per step, every stage with work runs one engine step, upstream first. Each output is routed along
+the edges of its stage to the downstream stages the request uses: a streaming edge forwards new
+units (sentences, tokens) as soon as a piece of the edge's chunk size is complete, so a downstream
+stage starts before its upstream finishes; a whole-output edge forwards once at the end. The
+request's outputs of its final stages are merged into one `RequestOutput`: the entry stage's
+prompt, token ids and metrics; text from the stage that produces text, audio / images / video from
+the stages that produce them. Completion finish reasons are held back until every stage of the
+request is done, so the last output a caller sees is the one with `finished=True`. An abort reaches
+every stage that holds the request. Stages run in-process here; `stage_client` puts one in its own
+process behind the same `StageEngine` interface.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omnistage.outputs import RequestOutput
-from omnistage.pipeline.spec import PipelineSpec, StageSpec
+from omnistage.pipeline.adapters import get_adapter
+from omnistage.pipeline.spec import EdgeSpec, PipelineSpec, StageSpec
+from omnistage.pipeline.stage import StageDeadError, StageOutput, Streamable
+
+# Request-level fields of a dict prompt that the orchestrator reads (and no stage sees).
+REQUEST_FIELDS = ("modalities", "voice")
 
 
 def build_stage(spec: StageSpec):
+    if spec.runner == "process":
+        from omnistage.pipeline.stage_client import StageClient
+
+        return StageClient(spec)
     if spec.kind == "ar":
         from omnistage.ar.engine import AREngine
 
@@ -23,45 +45,229 @@ def build_stage(spec: StageSpec):
         from omnistage.diffusion.engine import DiffusionEngine
 
         return DiffusionEngine.from_stage_spec(spec)
+    if spec.kind == "codec":
+        from omnistage.codec import build_codec_stage
+
+        return build_codec_stage(spec)
     raise ValueError(f"stage kind must be ar, diffusion or codec; got {spec.kind!r}")
 
 
-class Orchestrator:
-    def __init__(self, spec: PipelineSpec):
-        self.spec = spec
-        self.stages = {s.name: build_stage(s) for s in spec.stages}
-        self.main = self.stages[spec.main_stage.name]
+def _params_type(kind: str, engine: Any):
+    if getattr(engine, "params_type", None) is not None:
+        return engine.params_type
+    from omnistage.params import DiffusionParams, SamplingParams
 
+    return DiffusionParams if kind == "diffusion" else SamplingParams
+
+
+@dataclass
+class _Route:
+    """What the orchestrator tracks for one request."""
+
+    entry: str                                  # the stage the request entered at
+    stages: list[str]                           # stages it runs, in pipeline order
+    params: dict[str, Any]                      # stage name -> params for that stage
+    arrival: float                              # time.time() the request arrived
+    started: set[str] = field(default_factory=set)   # stages that have the request
+    done: set[str] = field(default_factory=set)      # stages that finished it
+    latest: dict[str, RequestOutput] = field(default_factory=dict)  # stage -> its latest cumulative output
+    sent: dict[tuple[str, str], int] = field(default_factory=dict)  # (src, dst) -> units forwarded
+    closed: set[tuple[str, str]] = field(default_factory=set)       # edges whose last piece was sent
+
+
+class Orchestrator:
+    def __init__(self, spec: PipelineSpec, stages: Optional[dict[str, Any]] = None):
+        """`stages`: engines already built (or stage clients), by stage name; the rest are built here."""
+        self.spec = spec
+        for e in spec.edges:
+            get_adapter(e.adapter)              # fail at start-up on a misspelled adapter
+        given = stages or {}
+        self.stages = {s.name: given[s.name] if s.name in given else build_stage(s) for s in spec.stages}
+        for e in spec.edges:
+            if e.streaming and not hasattr(self.stages[e.dst], "add_input"):
+                raise ValueError(f"edge {e.src}->{e.dst} streams, but stage {e.dst!r} takes no streamed input; "
+                                 "set chunk_size: null")
+        self.main = self.stages[spec.main_stage.name]
+        self.routes: dict[str, _Route] = {}
+        self._errors: list[tuple[str, Exception]] = []     # requests failed since the last pop_errors
+
+    # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, inputs: Any, params: Any = None,
-                    stage_params: Optional[list[Any]] = None, arrival_time: Optional[float] = None) -> None:
-        """`params` applies to the main stage; `stage_params` gives one object per stage."""
-        if stage_params is not None:
-            if len(stage_params) != len(self.spec.stages):
-                raise ValueError(f"sampling_params_list must have {len(self.spec.stages)} entries "
-                                 f"(one per stage), got {len(stage_params)}")
-            params = stage_params[0]
-        self.main.add_request(request_id, inputs, params, arrival_time)
+                    stage_params: Optional[list[Any]] = None, arrival_time: Optional[float] = None,
+                    entry_stage: Optional[str] = None) -> None:
+        """`params` applies to the entry stage (default: the main stage); `stage_params` gives one
+        object per stage (None entries take the stage's defaults)."""
+        if request_id in self.routes:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        fields: dict[str, Any] = {}
+        if isinstance(inputs, dict) and any(k in inputs for k in REQUEST_FIELDS):
+            inputs = dict(inputs)
+            fields = {k: inputs.pop(k) for k in REQUEST_FIELDS if k in inputs}
+        entry = entry_stage or self.spec.main_stage.name
+        modalities = fields.get("modalities")
+        if isinstance(modalities, str):
+            modalities = [modalities]
+        names = self.spec.route(entry, list(modalities) if modalities is not None else None)
+        if stage_params is not None and len(stage_params) != len(self.spec.stages):
+            raise ValueError(f"sampling_params_list must have {len(self.spec.stages)} entries "
+                             f"(one per stage: {[s.name for s in self.spec.stages]}), got {len(stage_params)}")
+        chosen = {}
+        for i, s in enumerate(self.spec.stages):
+            if s.name not in names:
+                continue
+            p = stage_params[i] if stage_params is not None else None
+            if p is None and s.name == entry:
+                p = params
+            if p is None and (s.params or s.name != entry):
+                p = _params_type(s.kind, self.stages[s.name])(**s.params)
+            if fields.get("voice") is not None and hasattr(p, "voice"):
+                p = dataclasses.replace(p, voice=fields["voice"])
+            chosen[s.name] = p
+        for name in names:                      # refuse before any stage spends work
+            check = getattr(self.stages[name], "check_params", None)
+            if check is not None and name != entry:
+                check(chosen[name])
+        route = _Route(entry, names, chosen, arrival_time or time.time())
+        self.stages[entry].add_request(request_id, inputs, chosen[entry], route.arrival)
+        route.started.add(entry)
+        self.routes[request_id] = route
 
     def abort(self, request_id: str) -> None:
-        for stage in self.stages.values():
-            stage.abort(request_id)
+        route = self.routes.pop(request_id, None)
+        names = route.started if route is not None else self.stages.keys()
+        for name in names:
+            self.stages[name].abort(request_id)
 
     def has_unfinished(self) -> bool:
         return any(s.has_unfinished() for s in self.stages.values())
 
+    # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
+        changed: dict[str, None] = {}           # request ids with new output, in first-change order
+        single: dict[str, RequestOutput] = {}
         for spec in self.spec.stages:
             stage = self.stages[spec.name]
             if not stage.has_unfinished():
                 continue
             for out in stage.step():
-                if spec.final_output is not None:
-                    outputs.append(out.output)
+                route = self.routes.get(out.request_id)
+                if route is None or spec.name not in route.started:
+                    continue                    # aborted, or a stage that does not serve this request
+                if out.data.get("fatal"):
+                    self._fail(out.request_id, StageDeadError(out.data["fatal"]))
+                    changed.pop(out.request_id, None)
+                    continue
+                if len(route.stages) == 1:      # one-stage request: pass through untouched
+                    single[out.request_id] = out.output
+                    if out.finished:
+                        del self.routes[out.request_id]
+                    changed[out.request_id] = None
+                    continue
+                route.latest[spec.name] = out.output
+                if out.finished:
+                    route.done.add(spec.name)
+                for edge in self.spec.edges_from(spec.name):
+                    if edge.dst in route.stages:
+                        self._forward(edge, route, out)
+                if spec.final_output is not None or out.finished:
+                    changed[out.request_id] = None
+        outputs = []
+        for rid in changed:
+            if rid in single:
+                outputs.append(single[rid])
+                continue
+            route = self.routes.get(rid)
+            if route is None:
+                continue
+            finished = len(route.done) == len(route.stages)
+            outputs.append(self._merge(rid, route, finished))
+            if finished:
+                del self.routes[rid]
         return outputs
 
+    def _fail(self, request_id: str, error: Exception) -> None:
+        """Drops a request from every stage and reports it (to `pop_errors`) instead of an output."""
+        self.abort(request_id)
+        self._errors.append((request_id, error))
+
+    def pop_errors(self) -> list[tuple[str, Exception]]:
+        """(request id, error) of requests that failed without a final output since the last call."""
+        errors, self._errors = self._errors, []
+        return errors
+
+    def _forward(self, edge: EdgeSpec, route: _Route, out: StageOutput) -> None:
+        key = (edge.src, edge.dst)
+        if key in route.closed:
+            return
+        if not edge.streaming and not out.finished:
+            return
+        x = get_adapter(edge.adapter)(out)
+        if x is None:
+            return
+        if not isinstance(x, Streamable):       # a whole input: sent once, at the end
+            self._send(edge.dst, route, out.request_id, x, last=True)
+            route.closed.add(key)
+            return
+        sent, n = route.sent.get(key, 0), len(x)
+        if edge.streaming and not x.finished:
+            size = edge.piece_size(sent)
+            if n - sent < size:
+                return
+            end = sent + size + (n - sent - size) // edge.chunk_size * edge.chunk_size
+        else:
+            end = n
+        last = x.finished and end == n
+        route.sent[key] = end
+        self._send(edge.dst, route, out.request_id, x.slice(sent, end, last), last)
+        if last:
+            route.closed.add(key)
+
+    def _send(self, dst: str, route: _Route, request_id: str, piece: Any, last: bool) -> None:
+        stage = self.stages[dst]
+        if dst not in route.started:
+            stage.add_request(request_id, piece, route.params.get(dst), route.arrival)
+            route.started.add(dst)
+        else:
+            stage.add_input(request_id, piece)
+
+    def _merge(self, request_id: str, route: _Route, finished: bool) -> RequestOutput:
+        entry = route.latest.get(route.entry) or RequestOutput(request_id=request_id)
+        merged = dataclasses.replace(entry, finished=finished)
+        for name in route.stages:
+            spec, out = self.spec.stage(name), route.latest.get(name)
+            if out is None or spec.final_output is None:
+                continue
+            if spec.final_output == "text":
+                merged.outputs = out.outputs
+            elif spec.final_output == "audio":
+                merged.audio = out.audio
+            elif spec.final_output == "image":
+                merged.images, merged.video = out.images, out.video or merged.video
+            elif spec.final_output == "video":
+                merged.video = out.video
+        if not finished:                        # finish reasons show only on the request's last output
+            merged.outputs = [dataclasses.replace(c, finish_reason=None, stop_reason=None)
+                              if c.finish_reason is not None else c for c in merged.outputs]
+        return merged
+
+    def close(self) -> None:
+        """Stops stage processes (in-process stages need nothing)."""
+        for stage in self.stages.values():
+            if hasattr(stage, "close"):
+                stage.close()
+
+    # ---- what entry points read -----------------------------------------------------------------
     def stats(self) -> dict[str, float]:
-        return self.main.stats()
+        stats = dict(self.main.stats())
+        for name, stage in self.stages.items():
+            if stage is not self.main:
+                stats.update({f"{name}:{k}": v for k, v in stage.stats().items()})
+        return stats
+
+    def stage_for(self, modality: str) -> Optional[tuple[str, Any]]:
+        """(name, engine) of the stage that delivers `modality`, or None."""
+        spec = self.spec.final_stage(modality)
+        return (spec.name, self.stages[spec.name]) if spec is not None else None
 
     @property
     def tokenizer(self):
@@ -70,3 +276,4 @@ class Orchestrator:
     @property
     def max_model_len(self) -> Optional[int]:
         return getattr(self.main, "max_model_len", None)
+

@@ -1,8 +1,14 @@
-"""Pipelines as data: which stages a model runs and how their outputs flow.
+"""Pipelines as data: which stages a model runs and how their outputs flow (any process).
 
-A `PipelineSpec` is built once from the model folder (the registry picks it from the checkpoint's
-config) and handed to the orchestrator. A plain LLM is a one-stage pipeline; omni and diffusion
-models add stages and edges without changing the entry points.
+A `PipelineSpec` is built once from the model folder (`detect_pipeline` picks it from the
+checkpoint's config), optionally overridden by a deploy YAML (`deploy_config.apply_deploy_config`),
+and handed to the orchestrator. A plain LLM is an AR stage; a chat LM gains a TTS stage behind it
+(a cascade) when a TTS back end is installed; omni and diffusion models add stages and edges
+without changing the entry points.
+
+Routing is data too: a request enters at one stage (the first, unless it names another), asks for
+output modalities, and runs only the stages that lie on a path from its entry stage to a stage
+whose `final_output` it asked for (`PipelineSpec.route`).
 """
 
 from __future__ import annotations
@@ -10,18 +16,34 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from omnistage.config import EngineConfig
+
+STAGE_KINDS = ("ar", "diffusion", "codec")
+MODALITIES = ("text", "audio", "image", "video")
 
 
 @dataclass
 class StageSpec:
-    name: str                                   # unique in the pipeline, e.g. "llm", "thinker", "dit"
+    name: str                                   # unique in the pipeline, e.g. "llm", "thinker", "dit", "tts"
     kind: str                                   # "ar" | "diffusion" | "codec"
-    model_dir: str                              # folder (or sub-folder) the stage loads
+    model_dir: str                              # folder (or sub-folder) the stage loads; "" when the back end brings its own
     engine: EngineConfig = field(default_factory=EngineConfig)
     final_output: Optional[str] = None          # modality this stage delivers to the user, if any
+    backend: Optional[str] = None               # implementation of the kind, e.g. codec "piper"
+    options: dict[str, Any] = field(default_factory=dict)  # back-end settings (voices, batch limits)
+    params: dict[str, Any] = field(default_factory=dict)   # default request params of this stage (field -> value)
+    runner: str = "inline"                      # "inline": in the orchestrator's process; "process": its own (stage_client)
+
+    def __post_init__(self) -> None:
+        if self.kind not in STAGE_KINDS:
+            raise ValueError(f"stage {self.name!r}: kind must be one of {', '.join(STAGE_KINDS)}; got {self.kind!r}")
+        if self.runner not in ("inline", "process"):
+            raise ValueError(f"stage {self.name!r}: runner must be inline or process; got {self.runner!r}")
+        if self.final_output is not None and self.final_output not in MODALITIES:
+            raise ValueError(f"stage {self.name!r}: final_output must be one of {', '.join(MODALITIES)}; "
+                             f"got {self.final_output!r}")
 
 
 @dataclass
@@ -29,25 +51,102 @@ class EdgeSpec:
     src: str                                    # upstream stage name
     dst: str                                    # downstream stage name
     adapter: str                                # registered adapter turning src output into dst input
-    chunk_size: Optional[int] = None            # stream every N units; None = whole output once
+    chunk_size: Optional[int] = None            # stream every N units (sentences, tokens); None = whole output once
+    first_chunk_size: Optional[int] = None      # units in the first piece (smaller = earlier start); None = chunk_size
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_size", "first_chunk_size"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"edge {self.src}->{self.dst}: {name} must be a positive integer or null, got {v!r}")
+        if self.first_chunk_size is not None and self.chunk_size is None:
+            raise ValueError(f"edge {self.src}->{self.dst}: first_chunk_size needs chunk_size (a streaming edge)")
+
+    @property
+    def streaming(self) -> bool:
+        return self.chunk_size is not None
+
+    def piece_size(self, units_sent: int) -> int:
+        """Units the next piece must hold before it is sent."""
+        assert self.chunk_size is not None
+        return (self.first_chunk_size or self.chunk_size) if units_sent == 0 else self.chunk_size
 
 
 @dataclass
 class PipelineSpec:
-    stages: list[StageSpec]
+    stages: list[StageSpec]                     # in dependency order: every edge goes forward in this list
     edges: list[EdgeSpec] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         names = [s.name for s in self.stages]
+        if not names:
+            raise ValueError("a pipeline needs at least one stage")
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be unique, got {names}")
         for e in self.edges:
             if e.src not in names or e.dst not in names:
                 raise ValueError(f"edge {e.src}->{e.dst} names an unknown stage; stages: {names}")
+            if names.index(e.src) >= names.index(e.dst):
+                raise ValueError(f"edge {e.src}->{e.dst} goes backwards; list stages upstream first")
 
     @property
     def main_stage(self) -> StageSpec:
         return self.stages[0]
+
+    def stage(self, name: str) -> StageSpec:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise ValueError(f"stage must be one of {[s.name for s in self.stages]}, got {name!r}")
+
+    def edges_from(self, name: str) -> list[EdgeSpec]:
+        return [e for e in self.edges if e.src == name]
+
+    def _reachable(self, start: str) -> set[str]:
+        seen, todo = {start}, [start]
+        while todo:
+            for e in self.edges_from(todo.pop()):
+                if e.dst not in seen:
+                    seen.add(e.dst)
+                    todo.append(e.dst)
+        return seen
+
+    def output_modalities(self, entry: Optional[str] = None) -> list[str]:
+        """Modalities a request entering at `entry` (default: the main stage) can ask for."""
+        reach = self._reachable(entry or self.main_stage.name)
+        return [s.final_output for s in self.stages if s.name in reach and s.final_output]
+
+    def final_stage(self, modality: str) -> Optional[StageSpec]:
+        return next((s for s in self.stages if s.final_output == modality), None)
+
+    def route(self, entry: str, modalities: Optional[list[str]]) -> list[str]:
+        """Stages (in pipeline order) a request entering at `entry` runs to produce `modalities`.
+
+        None means the entry stage's own output (or, for a stage with none, everything reachable).
+        """
+        self.stage(entry)
+        reach = self._reachable(entry)
+        allowed = self.output_modalities(entry)
+        if modalities is None:
+            own = self.stage(entry).final_output
+            modalities = [own] if own else allowed
+        bad = [m for m in modalities if m not in allowed]
+        if bad or not modalities:
+            raise ValueError(f"modalities must be a non-empty subset of {allowed}, got {list(modalities)}")
+        targets = {s.name for s in self.stages if s.name in reach and s.final_output in modalities}
+        return [s.name for s in self.stages
+                if s.name in reach and (s.name == entry or self._reachable(s.name) & targets)]
+
+
+def tts_cascade(llm: StageSpec) -> PipelineSpec:
+    """`llm` followed by the installed TTS back end, streaming one sentence at a time (if installed)."""
+    from omnistage.codec import default_tts_backend
+
+    backend = default_tts_backend()
+    if backend is None:
+        return PipelineSpec([llm])
+    tts = StageSpec("tts", "codec", "", EngineConfig(device="cpu"), final_output="audio", backend=backend)
+    return PipelineSpec([llm, tts], [EdgeSpec("llm", "tts", "text_to_tts", chunk_size=1, first_chunk_size=1)])
 
 
 def detect_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
@@ -64,4 +163,4 @@ def detect_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
     from omnistage.models.registry import lookup
 
     lookup(arch)                                # raises a clear error for unsupported architectures
-    return PipelineSpec([StageSpec("llm", "ar", model_dir, engine, final_output="text")])
+    return tts_cascade(StageSpec("llm", "ar", model_dir, engine, final_output="text"))

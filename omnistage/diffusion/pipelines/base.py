@@ -87,6 +87,7 @@ class DiffusionFamily:
 
     class_names: tuple[str, ...] = ()           # model_index `_class_name`s this family serves
     output_kind = "image"                       # "image" or "video"
+    takes_image = False                         # True: every request brings an input image (edit, I2V)
     default_steps = 50
     max_pixels = 4096                           # largest accepted height / width
 
@@ -110,8 +111,7 @@ class DiffusionFamily:
 
     def key(self, task: DiffusionTask) -> Hashable:
         """Compatibility key of the task's next forward: tasks with equal keys share one forward."""
-        return (tuple(task.latents.shape[1:]) if task.latents is not None else task.static.get("shape"),
-                task.do_cfg)
+        return (task.static["shape"], task.do_cfg)
 
     # -- phases --------------------------------------------------------------------------------------
     def encode(self, tasks: list[DiffusionTask]) -> None:
@@ -143,6 +143,18 @@ class DiffusionFamily:
         raise NotImplementedError
 
     # -- shared helpers ------------------------------------------------------------------------------
+    def fill_defaults(self, params: DiffusionParams, size: tuple[int, int], multiples: tuple[int, int],
+                      default_guidance: Optional[float], **more) -> DiffusionParams:
+        """Unset height / width / steps / guidance take the model's defaults (`size` is (height, width));
+        height and width must be multiples of `multiples`; `more` sets further fields."""
+        p = params.clone(height=params.height or size[0], width=params.width or size[1],
+                         num_inference_steps=params.num_inference_steps or self.default_steps,
+                         guidance_scale=params.guidance_scale if params.guidance_scale is not None
+                         else default_guidance, **more)
+        check_multiple("height", p.height, multiples[0], self.max_pixels)
+        check_multiple("width", p.width, multiples[1], self.max_pixels)
+        return p
+
     def schedule(self, num_steps: int, image_seq_len: int, base_sigmas: Optional[list] = None) -> Schedule:
         mu = mu_for(self.scheduler_config, image_seq_len) if self.scheduler_config.get("use_dynamic_shifting") else None
         return make_schedule(self.scheduler_config, num_steps, mu=mu, sigmas=base_sigmas)
@@ -171,6 +183,73 @@ class DiffusionFamily:
     def set_tiling(self, vae, pixels: int) -> None:
         if hasattr(vae, "enable_tiling"):
             vae.enable_tiling() if pixels > self.tile_threshold else vae.disable_tiling()
+
+
+class ImageFamily(DiffusionFamily):
+    """Text-to-image families with one transformer and a VAE (FLUX, SD3, Z-Image, Qwen-Image)."""
+
+    default_guidance: Optional[float] = None    # None: guidance_scale stays unset unless a request sets it
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.transformer = self.c["transformer"]
+        self.vae = self.c["vae"]
+        self.vae_scale = self.vae_scale_factor()
+        self.multiple = self.vae_scale * self.latent_patch()    # height / width must be multiples of this
+
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    def latent_patch(self) -> int:
+        """Latent pixels per transformer token side (2 for 2x2-packed latents)."""
+        return 2
+
+    def default_size(self) -> tuple[int, int]:
+        return 128 * self.vae_scale, 128 * self.vae_scale
+
+    def resolve(self, params: DiffusionParams, inputs: dict) -> DiffusionParams:
+        return self.fill_defaults(params, self.default_size(), (self.multiple, self.multiple), self.default_guidance)
+
+    def packed_task(self, request_id: str, inputs: dict, p: DiffusionParams, negative: Optional[str], do_cfg: bool,
+                    cfg_scale: float, sigmas: Optional[list] = None) -> DiffusionTask:
+        """A task over 2x2-packed latents, scheduled with base sigmas linspace(1, 1/n, n) unless given."""
+        task = DiffusionTask(request_id=request_id, params=p, prompt=self.prompt(inputs), negative_prompt=negative,
+                             generator=self.generator(p), num_images=p.num_outputs_per_prompt, do_cfg=do_cfg)
+        h, w = 2 * (p.height // self.multiple), 2 * (p.width // self.multiple)
+        task.tokens_per_row = (h // 2) * (w // 2)
+        task.static.update(cfg_scale=cfg_scale, latent_hw=(h, w), shape=(h, w))
+        n = p.num_inference_steps
+        task.schedule = self.schedule(n, task.tokens_per_row,
+                                      sigmas if sigmas is not None else list(np.linspace(1.0, 1 / n, n)))
+        return task
+
+    def decode_scaled(self, task: DiffusionTask, z: torch.Tensor) -> list:
+        """KL-VAE latents (scaling / shift factors) -> PIL images."""
+        z = (z / self.vae.config.scaling_factor) + self.vae.config.shift_factor
+        self.set_tiling(self.vae, task.params.height * task.params.width)
+        return to_pil(self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0])
+
+
+def cfg_prompts(tasks: list[DiffusionTask]) -> list[str]:
+    """The prompts one batched encode runs: every task's prompt, then the negatives of CFG tasks."""
+    return [t.prompt for t in tasks] + [t.negative_prompt for t in tasks if t.do_cfg]
+
+
+def assign_conds(tasks: list[DiffusionTask], conds: list[Conditioning]) -> None:
+    """Hand the conditionings of `cfg_prompts(tasks)` back to their tasks (cond, then uncond)."""
+    negs = iter(conds[len(tasks):])
+    for task, cond in zip(tasks, conds):
+        task.cond = cond
+        if task.do_cfg:
+            task.uncond = next(negs)
+
+
+def vae_stats(vae, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, 1 / std) of a latent-normalising VAE config (Qwen-Image, Wan), shaped [1, z, 1, 1, 1]."""
+    cfg = vae.config
+    mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(device, dtype)
+    inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(device, dtype)
+    return mean, inv_std
 
 
 def pad_stack(embeds: list[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

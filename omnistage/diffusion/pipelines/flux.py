@@ -9,12 +9,9 @@ diffusers' `pipeline_flux.py`.
 
 from __future__ import annotations
 
-from typing import Hashable
-
-import numpy as np
 import torch
 
-from omnistage.diffusion.pipelines.base import DiffusionFamily, check_multiple, seeded_noise, to_pil
+from omnistage.diffusion.pipelines.base import ImageFamily, assign_conds, cfg_prompts, seeded_noise
 from omnistage.diffusion.pipelines.qwen_image import pack, unpack
 from omnistage.diffusion.task import Conditioning, DiffusionTask
 from omnistage.params import DiffusionParams
@@ -30,47 +27,23 @@ def latent_ids(h: int, w: int, device, dtype) -> torch.Tensor:
     return ids.reshape(h * w, 3).to(device=device, dtype=dtype)
 
 
-class FluxFamily(DiffusionFamily):
+class FluxFamily(ImageFamily):
     class_names = ("FluxPipeline",)
     default_steps = 28
     default_guidance = 3.5
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.transformer = self.c["transformer"]
-        self.vae = self.c["vae"]
-        self.vae_scale = 2 ** (len(self.vae.config.block_out_channels) - 1)
-        self.multiple = self.vae_scale * 2
         self.guidance_embeds = bool(self.transformer.config.guidance_embeds)
-
-    def resolve(self, params: DiffusionParams, inputs: dict) -> DiffusionParams:
-        p = params.clone(height=params.height or 128 * self.vae_scale, width=params.width or 128 * self.vae_scale,
-                         num_inference_steps=params.num_inference_steps or self.default_steps,
-                         guidance_scale=params.guidance_scale if params.guidance_scale is not None
-                         else self.default_guidance)
-        check_multiple("height", p.height, self.multiple, self.max_pixels)
-        check_multiple("width", p.width, self.multiple, self.max_pixels)
-        return p
 
     def new_task(self, request_id: str, inputs: dict, params: DiffusionParams) -> DiffusionTask:
         p = self.resolve(params, inputs)
         neg = self.negative(inputs, p)
         scale = p.true_cfg_scale if p.true_cfg_scale is not None else 1.0
-        task = DiffusionTask(request_id=request_id, params=p, prompt=self.prompt(inputs), negative_prompt=neg,
-                             generator=self.generator(p), num_images=p.num_outputs_per_prompt,
-                             do_cfg=scale > 1 and neg is not None)
-        h, w = 2 * (p.height // self.multiple), 2 * (p.width // self.multiple)
-        task.tokens_per_row = (h // 2) * (w // 2)
-        task.static.update(cfg_scale=scale, latent_hw=(h, w), shape=(h, w))
-        n = p.num_inference_steps
-        task.schedule = self.schedule(n, task.tokens_per_row, list(np.linspace(1.0, 1 / n, n)))
-        return task
-
-    def key(self, task: DiffusionTask) -> Hashable:
-        return (task.static["shape"], task.do_cfg)
+        return self.packed_task(request_id, inputs, p, neg, scale > 1 and neg is not None, scale)
 
     def encode(self, tasks: list[DiffusionTask]) -> None:
-        prompts = [t.prompt for t in tasks] + [t.negative_prompt for t in tasks if t.do_cfg]
+        prompts = cfg_prompts(tasks)
         tok, clip = self.c["tokenizer"], self.c["text_encoder"]
         ids = tok(prompts, padding="max_length", max_length=tok.model_max_length, truncation=True,
                   return_tensors="pt").input_ids
@@ -78,12 +51,7 @@ class FluxFamily(DiffusionFamily):
         tok2, t5 = self.c["tokenizer_2"], self.c["text_encoder_2"]
         ids2 = tok2(prompts, padding="max_length", max_length=T5_MAX, truncation=True, return_tensors="pt").input_ids
         seq = t5(ids2.to(self.device), output_hidden_states=False)[0].to(t5.dtype)
-        conds = [Conditioning(embeds=seq[i], pooled=pooled[i]) for i in range(len(prompts))]
-        negs = iter(conds[len(tasks):])
-        for task, cond in zip(tasks, conds):
-            task.cond = cond
-            if task.do_cfg:
-                task.uncond = next(negs)
+        assign_conds(tasks, [Conditioning(embeds=seq[i], pooled=pooled[i]) for i in range(len(prompts))])
 
     def prepare(self, task: DiffusionTask) -> None:
         h, w = task.static["latent_hw"]
@@ -106,7 +74,4 @@ class FluxFamily(DiffusionFamily):
 
     def decode(self, task: DiffusionTask) -> list:
         h, w = task.static["latent_hw"]
-        z = unpack(task.latents, h, w)
-        z = (z / self.vae.config.scaling_factor) + self.vae.config.shift_factor
-        self.set_tiling(self.vae, task.params.height * task.params.width)
-        return to_pil(self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0])
+        return self.decode_scaled(task, unpack(task.latents, h, w))

@@ -8,13 +8,10 @@ diffusers' `pipeline_qwenimage.py`; the edit variant extends this file's class (
 
 from __future__ import annotations
 
-from typing import Hashable
-
-import numpy as np
 import torch
 
-from omnistage.diffusion.pipelines.base import (DiffusionFamily, check_multiple, pad_stack, seeded_noise,
-                                                 to_pil)
+from omnistage.diffusion.pipelines.base import (ImageFamily, assign_conds, cfg_prompts, pad_stack, seeded_noise,
+                                                 to_pil, vae_stats)
 from omnistage.diffusion.task import Conditioning, DiffusionTask
 from omnistage.params import DiffusionParams
 
@@ -40,54 +37,32 @@ def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return x.reshape(b, ch // 4, h, w)
 
 
-class QwenImageFamily(DiffusionFamily):
+class QwenImageFamily(ImageFamily):
     class_names = ("QwenImagePipeline",)
     default_steps = 50
     default_true_cfg = 4.0
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.transformer = self.c["transformer"]
-        self.vae = self.c["vae"]
-        self.vae_scale = 2 ** len(self.vae.temperal_downsample)
-        self.multiple = self.vae_scale * 2
+    def vae_scale_factor(self) -> int:
+        return 2 ** len(self.vae.temperal_downsample)
 
     # -- request side --------------------------------------------------------------------------------
-    def resolve(self, params: DiffusionParams, inputs: dict) -> DiffusionParams:
-        p = params.clone(height=params.height or 128 * self.vae_scale, width=params.width or 128 * self.vae_scale,
-                         num_inference_steps=params.num_inference_steps or self.default_steps)
-        check_multiple("height", p.height, self.multiple, self.max_pixels)
-        check_multiple("width", p.width, self.multiple, self.max_pixels)
-        return p
 
     def cfg_scale(self, p: DiffusionParams) -> float:
         if p.true_cfg_scale is not None:
             return p.true_cfg_scale
         return p.guidance_scale if p.guidance_scale is not None else self.default_true_cfg
 
-    def latent_hw(self, p: DiffusionParams) -> tuple[int, int]:
-        return 2 * (p.height // self.multiple), 2 * (p.width // self.multiple)
-
     def new_task(self, request_id: str, inputs: dict, params: DiffusionParams) -> DiffusionTask:
         p = self.resolve(params, inputs)
         neg = self.negative(inputs, p)
         scale = self.cfg_scale(p)
-        task = DiffusionTask(request_id=request_id, params=p, prompt=self.prompt(inputs), negative_prompt=neg,
-                             generator=self.generator(p), num_images=p.num_outputs_per_prompt,
-                             do_cfg=scale > 1 and neg is not None)
-        h, w = self.latent_hw(p)
-        task.tokens_per_row = (h // 2) * (w // 2)
-        task.static.update(cfg_scale=scale, latent_hw=(h, w), shape=(task.tokens_per_row,))
-        task.schedule = self.schedule(p.num_inference_steps, task.tokens_per_row,
-                                      list(np.linspace(1.0, 1 / p.num_inference_steps, p.num_inference_steps)))
+        task = self.packed_task(request_id, inputs, p, neg, scale > 1 and neg is not None, scale)
+        task.static["shape"] = (task.tokens_per_row,)   # rows carry their own img_shapes: only the count must match
         self.init_task(task, inputs)
         return task
 
     def init_task(self, task: DiffusionTask, inputs: dict) -> None:
         """Hook for the edit variant (reads input images)."""
-
-    def key(self, task: DiffusionTask) -> Hashable:
-        return (task.static["shape"], task.do_cfg)
 
     # -- phases --------------------------------------------------------------------------------------
     def text_embeddings(self, prompts: list[str]) -> list[torch.Tensor]:
@@ -101,13 +76,7 @@ class QwenImageFamily(DiffusionFamily):
         return [hidden[i][keep[i]][PROMPT_DROP:][:MAX_SEQ].to(self.dtype) for i in range(len(prompts))]
 
     def encode(self, tasks: list[DiffusionTask]) -> None:
-        prompts = [t.prompt for t in tasks] + [t.negative_prompt for t in tasks if t.do_cfg]
-        embeds = self.text_embeddings(prompts)
-        negs = iter(embeds[len(tasks):])
-        for task, e in zip(tasks, embeds):
-            task.cond = Conditioning(embeds=e)
-            if task.do_cfg:
-                task.uncond = Conditioning(embeds=next(negs))
+        assign_conds(tasks, [Conditioning(embeds=e) for e in self.text_embeddings(cfg_prompts(tasks))])
 
     def prepare(self, task: DiffusionTask) -> None:
         h, w = task.static["latent_hw"]
@@ -141,9 +110,7 @@ class QwenImageFamily(DiffusionFamily):
     def decode(self, task: DiffusionTask) -> list:
         h, w = task.static["latent_hw"]
         z = unpack(task.latents, h, w)[:, :, None].to(self.vae.dtype)
-        cfg = self.vae.config
-        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
-        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
+        mean, inv_std = vae_stats(self.vae, z.device, z.dtype)
         z = z / inv_std + mean
         self.set_tiling(self.vae, task.params.height * task.params.width)
         image = self.vae.decode(z, return_dict=False)[0][:, :, 0]

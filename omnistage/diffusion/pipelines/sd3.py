@@ -9,11 +9,9 @@ diffusers' `pipeline_stable_diffusion_3.py`.
 
 from __future__ import annotations
 
-from typing import Hashable
-
 import torch
 
-from omnistage.diffusion.pipelines.base import DiffusionFamily, check_multiple, seeded_noise, to_pil
+from omnistage.diffusion.pipelines.base import ImageFamily, assign_conds, cfg_prompts, seeded_noise
 from omnistage.diffusion.solvers import calculate_shift, make_schedule
 from omnistage.diffusion.task import Conditioning, DiffusionTask
 from omnistage.params import DiffusionParams
@@ -21,28 +19,21 @@ from omnistage.params import DiffusionParams
 T5_MAX = 256
 
 
-class SD3Family(DiffusionFamily):
+class SD3Family(ImageFamily):
     class_names = ("StableDiffusion3Pipeline",)
     default_steps = 28
     default_guidance = 7.0
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.transformer = self.c["transformer"]
-        self.vae = self.c["vae"]
-        self.vae_scale = 2 ** (len(self.vae.config.block_out_channels) - 1)
-        self.patch = self.transformer.config.patch_size
-        self.multiple = self.vae_scale * self.patch
+        self.patch = self.latent_patch()
 
-    def resolve(self, params: DiffusionParams, inputs: dict) -> DiffusionParams:
+    def latent_patch(self) -> int:
+        return self.transformer.config.patch_size
+
+    def default_size(self) -> tuple[int, int]:
         size = self.transformer.config.sample_size * self.vae_scale
-        p = params.clone(height=params.height or size, width=params.width or size,
-                         num_inference_steps=params.num_inference_steps or self.default_steps,
-                         guidance_scale=params.guidance_scale if params.guidance_scale is not None
-                         else self.default_guidance)
-        check_multiple("height", p.height, self.multiple, self.max_pixels)
-        check_multiple("width", p.width, self.multiple, self.max_pixels)
-        return p
+        return size, size
 
     def new_task(self, request_id: str, inputs: dict, params: DiffusionParams) -> DiffusionTask:
         p = self.resolve(params, inputs)
@@ -62,9 +53,6 @@ class SD3Family(DiffusionFamily):
         task.schedule = make_schedule(cfg, p.num_inference_steps, mu=mu)
         return task
 
-    def key(self, task: DiffusionTask) -> Hashable:
-        return (task.static["shape"], task.do_cfg)
-
     def _clip(self, idx: str, prompts: list[str]):
         tok, enc = self.c["tokenizer" + idx], self.c["text_encoder" + idx]
         ids = tok(prompts, padding="max_length", max_length=self.c["tokenizer"].model_max_length, truncation=True,
@@ -73,7 +61,7 @@ class SD3Family(DiffusionFamily):
         return out.hidden_states[-2].to(self.c["text_encoder"].dtype), out[0]
 
     def encode(self, tasks: list[DiffusionTask]) -> None:
-        prompts = [t.prompt for t in tasks] + [t.negative_prompt for t in tasks if t.do_cfg]
+        prompts = cfg_prompts(tasks)
         seq1, pool1 = self._clip("", prompts)
         seq2, pool2 = self._clip("_2", prompts)
         tok3, t5 = self.c.get("tokenizer_3"), self.c.get("text_encoder_3")
@@ -88,12 +76,7 @@ class SD3Family(DiffusionFamily):
         clip = torch.nn.functional.pad(clip, (0, seq3.shape[-1] - clip.shape[-1]))
         seq = torch.cat([clip, seq3], dim=-2)
         pooled = torch.cat([pool1, pool2], dim=-1)
-        conds = [Conditioning(embeds=seq[i], pooled=pooled[i]) for i in range(len(prompts))]
-        negs = iter(conds[len(tasks):])
-        for task, cond in zip(tasks, conds):
-            task.cond = cond
-            if task.do_cfg:
-                task.uncond = next(negs)
+        assign_conds(tasks, [Conditioning(embeds=seq[i], pooled=pooled[i]) for i in range(len(prompts))])
 
     def prepare(self, task: DiffusionTask) -> None:
         h, w = task.static["latent_hw"]
@@ -110,6 +93,4 @@ class SD3Family(DiffusionFamily):
                                 return_dict=False)[0]
 
     def decode(self, task: DiffusionTask) -> list:
-        z = (task.latents / self.vae.config.scaling_factor) + self.vae.config.shift_factor
-        self.set_tiling(self.vae, task.params.height * task.params.width)
-        return to_pil(self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0])
+        return self.decode_scaled(task, task.latents)

@@ -19,7 +19,8 @@ from typing import Hashable
 
 import torch
 
-from omnistage.diffusion.pipelines.base import DiffusionFamily, check_multiple, seeded_noise, to_uint8
+from omnistage.diffusion.pipelines.base import (DiffusionFamily, assign_conds, cfg_prompts, seeded_noise, to_uint8,
+                                                 vae_stats)
 from omnistage.diffusion.solvers import make_schedule
 from omnistage.diffusion.task import Conditioning, DiffusionTask
 from omnistage.params import DiffusionParams
@@ -61,18 +62,12 @@ class WanFamily(DiffusionFamily):
             raise ValueError("boundary_ratio is set but the folder has no transformer_2")
 
     def resolve(self, params: DiffusionParams, inputs: dict) -> DiffusionParams:
-        h0, w0 = self.default_size
         frames = params.num_frames or self.default_frames
         if frames % self.t_scale != 1:  # diffusers rounds to the nearest valid count the same way
             frames = max(frames // self.t_scale * self.t_scale + 1, 1)
-        p = params.clone(height=params.height or h0, width=params.width or w0, num_frames=frames,
-                         num_inference_steps=params.num_inference_steps or self.default_steps,
-                         fps=params.fps or self.default_fps,
-                         guidance_scale=params.guidance_scale if params.guidance_scale is not None
-                         else self.default_guidance)
-        check_multiple("height", p.height, self.s_scale * self.patch[1], self.max_pixels)
-        check_multiple("width", p.width, self.s_scale * self.patch[2], self.max_pixels)
-        return p
+        multiples = (self.s_scale * self.patch[1], self.s_scale * self.patch[2])
+        return self.fill_defaults(params, self.default_size, multiples, self.default_guidance, num_frames=frames,
+                                  fps=params.fps or self.default_fps)
 
     def new_task(self, request_id: str, inputs: dict, params: DiffusionParams) -> DiffusionTask:
         p = self.resolve(params, inputs)
@@ -101,7 +96,7 @@ class WanFamily(DiffusionFamily):
 
     def encode(self, tasks: list[DiffusionTask]) -> None:
         tok, enc = self.c["tokenizer"], self.c["text_encoder"]
-        prompts = [t.prompt for t in tasks] + [t.negative_prompt for t in tasks if t.do_cfg]
+        prompts = cfg_prompts(tasks)
         ids = tok(prompts, padding="max_length", max_length=MAX_TEXT, truncation=True, add_special_tokens=True,
                   return_attention_mask=True, return_tensors="pt")
         lens = ids.attention_mask.gt(0).sum(dim=1).long()
@@ -112,11 +107,7 @@ class WanFamily(DiffusionFamily):
             e = hidden[i].clone()
             e[lens[i]:] = 0
             conds.append(Conditioning(embeds=e))
-        negs = iter(conds[len(tasks):])
-        for task, cond in zip(tasks, conds):
-            task.cond = cond
-            if task.do_cfg:
-                task.uncond = next(negs)
+        assign_conds(tasks, conds)
         self.encode_images(tasks)
 
     def encode_images(self, tasks: list[DiffusionTask]) -> None:
@@ -145,10 +136,8 @@ class WanFamily(DiffusionFamily):
         return {}
 
     def decode(self, task: DiffusionTask) -> list:
-        cfg = self.vae.config
         z = task.latents.to(self.vae.dtype)
-        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
-        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(z.device, z.dtype)
+        mean, inv_std = vae_stats(self.vae, z.device, z.dtype)
         z = z / inv_std + mean
         self.set_tiling(self.vae, task.params.height * task.params.width)
         video = self.vae.decode(z, return_dict=False)[0]          # [n, 3, T, H, W] in [-1, 1]
@@ -157,6 +146,7 @@ class WanFamily(DiffusionFamily):
 
 class WanI2VFamily(WanFamily):
     class_names = ("WanImageToVideoPipeline",)
+    takes_image = True
 
     def init_task(self, task: DiffusionTask, inputs: dict) -> None:
         image = inputs.get("image") or (inputs.get("multi_modal_data") or {}).get("image")
@@ -185,15 +175,13 @@ class WanI2VFamily(WanFamily):
 
         super().prepare(task)
         p = task.params
-        n, (t_lat, h, w) = task.num_images, task.static["shape"]
+        n, (_, h, w) = task.num_images, task.static["shape"]
         image = VideoProcessor(vae_scale_factor=self.s_scale).preprocess(task.images[0], height=p.height,
                                                                          width=p.width)
         image = image.to(self.device, torch.float32).unsqueeze(2)
         video = torch.cat([image, image.new_zeros(1, image.shape[1], p.num_frames - 1, p.height, p.width)], dim=2)
         cond = self.vae.encode(video.to(self.vae.dtype)).latent_dist.mode().repeat(n, 1, 1, 1, 1)
-        cfg = self.vae.config
-        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(self.device, torch.float32)
-        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(self.device, torch.float32)
+        mean, inv_std = vae_stats(self.vae, self.device, torch.float32)
         cond = (cond.to(self.device, torch.float32) - mean) * inv_std
         mask = torch.ones(n, 1, p.num_frames, h, w)
         mask[:, :, 1:] = 0

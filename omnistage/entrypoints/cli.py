@@ -1,0 +1,166 @@
+"""The `omnistage` command: `serve`, `generate`, `make-tiny` (runs in the user's process).
+
+`omnistage serve [MODEL]` starts the OpenAI-compatible server (no MODEL: the embedded SmolLM2),
+`omnistage generate MODEL --prompt ...` runs one prompt offline and prints or writes the result
+(image / video models: `--output FILE.png|FILE.mp4`, `--size WxH`, `--steps`, `--num-frames`),
+`omnistage make-tiny DIR --kind llm|qwen-image|wan|...` writes tiny random checkpoints in real formats. Heavy
+imports (torch, transformers) happen inside the subcommands, so `--help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+_DEVICES = ("auto", "cpu", "cuda")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
+    p.add_argument("--dtype", default="auto", choices=_DTYPES, help="weights and activations (default: auto)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per engine step at most")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step at most")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache pool size in blocks")
+    p.add_argument("--seed", type=int, default=None, help="seed of unseeded sampled requests")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omnistage", description="Serve and run omni-modality models.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,make-tiny}")
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="local model folder (transformers or diffusers layout); omit for the embedded SmolLM2")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL)")
+    serve.add_argument("--max-image-pixels", type=int, default=None,
+                       help="largest width * height of a generated image or video frame (default: 2048*2048)")
+    serve.add_argument("--max-video-jobs", type=int, default=None,
+                       help="queued + running /v1/videos jobs at most; more get 429 (default: 16)")
+    _add_engine_args(serve)
+
+    gen = sub.add_parser("generate", help="run one prompt offline and print the result")
+    gen.add_argument("model", help="local model folder")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message via the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--output", default="-", help="'-' prints text; a file path writes the result there")
+    gen.add_argument("--size", default=None, help="image / video models: WIDTHxHEIGHT (default: the model's)")
+    gen.add_argument("--steps", type=int, default=None, help="image / video models: denoising steps")
+    gen.add_argument("--num-frames", type=int, default=None, help="video models: frames to generate")
+    _add_engine_args(gen)
+    gen.set_defaults(log_level="warning")
+
+    tiny = sub.add_parser("make-tiny", help="write tiny random checkpoints in real formats")
+    tiny.add_argument("dir", help="output folder")
+    tiny.add_argument("--kind", default="llm", help="llm | qwen-image | flux | flux-schnell | sd3 | z-image | wan | wan2.2 | wan-i2v | all")
+    return parser
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    names = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_kv_blocks", "seed")
+    return {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+
+
+def _check_device(args: argparse.Namespace) -> None:
+    if not (args.device in _DEVICES or args.device.startswith("cuda:")):
+        raise SystemExit(f"omnistage: --device must be one of {', '.join(_DEVICES)} or cuda:N, got {args.device!r}")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from omnistage import SamplingParams
+    from omnistage.entrypoints.omni import Omni
+
+    try:
+        with Omni(model=args.model, device=args.device, dtype=args.dtype, **_engine_kwargs(args)) as omni:
+            if omni.orchestrator.spec.main_stage.kind == "diffusion":
+                params = _diffusion_params(args)
+            else:
+                params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+            if args.chat:
+                out = omni.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+            else:
+                out = omni.generate(args.prompt, params, use_tqdm=not isinstance(params, SamplingParams))[0]
+    except (FileNotFoundError, ValueError) as e:                # bad model folder, prompt or option
+        raise SystemExit(f"omnistage: {e}") from e
+    if out.video is not None:
+        if args.output == "-":
+            raise SystemExit("omnistage: this model makes videos; pass --output FILE.mp4")
+        from omnistage.io.media import encode_mp4
+
+        with open(args.output, "wb") as f:
+            f.write(encode_mp4(out.video.frames, out.video.fps))
+    elif out.images:
+        if args.output == "-":
+            raise SystemExit("omnistage: this model makes images; pass --output FILE.png")
+        out.images[0].save(args.output)
+    elif out.audio is not None:
+        if args.output == "-":
+            raise SystemExit("omnistage: this model makes audio; pass --output FILE.wav")
+        import soundfile
+
+        soundfile.write(args.output, out.audio.samples, out.audio.sample_rate)
+    else:
+        text = out.outputs[0].text if out.outputs else ""
+        if args.output == "-":
+            print(text)
+        else:
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(text)
+    if args.output != "-":
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def _diffusion_params(args: argparse.Namespace):
+    from omnistage import DiffusionParams
+
+    width = height = None
+    if args.size:
+        try:
+            width, height = (int(v) for v in args.size.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"--size must be WIDTHxHEIGHT, e.g. 512x512; got {args.size!r}") from None
+    return DiffusionParams(height=height, width=width, num_inference_steps=args.steps, num_frames=args.num_frames,
+                           seed=args.seed)
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from omnistage.models.tiny import make_tiny
+
+    try:
+        paths = make_tiny(args.dir, args.kind)
+    except ValueError as e:
+        raise SystemExit(f"omnistage: {e}") from e
+    for path in paths:
+        print(path)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from omnistage.entrypoints.openai.api_server import run_server
+
+    run_server(args)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if hasattr(args, "log_level"):
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if hasattr(args, "device"):
+        _check_device(args)
+    commands = {"serve": cmd_serve, "generate": cmd_generate, "make-tiny": cmd_make_tiny}
+    return commands[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

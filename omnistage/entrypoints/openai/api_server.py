@@ -1,0 +1,145 @@
+"""The OpenAI-compatible HTTP server: routes, API-key check, start-up (API-server process).
+
+`build_app(engine, served_model_name, api_key)` wires an `AsyncOmni` into a FastAPI app:
+`GET /health`, `GET /v1/models`, `GET /metrics`, `POST /v1/completions`,
+`POST /v1/chat/completions`, the speech routes of `serving_speech` (`POST /v1/audio/speech`,
+`GET /v1/audio/voices`), the image routes of `serving_images` (`POST /v1/images/generations`,
+`POST /v1/images/edits`) and the video-jobs routes of `serving_videos` (`/v1/videos`), capped by
+`MediaLimits`. With an API key, every `/v1` route needs `Authorization: Bearer KEY`
+(checked before the body is read). `run_server(args)` builds the engine from the CLI arguments,
+prints how to talk to it, and runs uvicorn in this process; the engine's model forwards run in
+its own thread, so the event loop stays free for I/O.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import shlex
+from contextlib import asynccontextmanager
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.datastructures import Headers
+
+from omnistage import __version__
+from omnistage.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from omnistage.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from omnistage.entrypoints.openai.serving_chat import ServingChat
+from omnistage.entrypoints.openai.serving_completion import ServingCompletion
+from omnistage.entrypoints.openai.serving_engine import engine_alive
+from omnistage.entrypoints.openai.serving_images import MediaLimits, register_image_routes
+from omnistage.entrypoints.openai.serving_speech import register_speech_routes
+from omnistage.entrypoints.openai.serving_videos import register_video_routes
+from omnistage.metrics import CONTENT_TYPE, EngineMetrics
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"   # what `omnistage serve` with no model calls the embedded default
+
+
+class ApiKeyMiddleware:
+    """Pure ASGI: a `/v1` request without the right bearer key gets a 401 before anything else runs."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not hmac.compare_digest(given, self.expected):
+                response = OpenAIError(401, "Incorrect API key provided; send `Authorization: Bearer <key>`.",
+                                       code="invalid_api_key").response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine: Any, served_model_name: str, api_key: Optional[str] = None,
+              media_limits: Optional[MediaLimits] = None) -> FastAPI:
+    metrics = EngineMetrics(engine, served_model_name)
+    engine.output_hooks.append(metrics.on_output)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        try:
+            yield
+        finally:
+            if metrics.on_output in engine.output_hooks:
+                engine.output_hooks.remove(metrics.on_output)
+
+    app = FastAPI(title="omnistage", version=__version__, lifespan=lifespan)
+    app.state.engine, app.state.metrics = engine, metrics
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    completions = ServingCompletion(engine, served_model_name, metrics)
+    chat = ServingChat(engine, served_model_name, metrics)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine_alive(engine):
+            return OpenAIError(503, "the engine is not running", code="engine_dead").response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.max_model_len)])
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        return await completions.create(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await chat.create(body, raw)
+
+    register_speech_routes(app, engine, served_model_name, metrics)
+    register_image_routes(app, engine, served_model_name, metrics, media_limits)
+    register_video_routes(app, engine, served_model_name, metrics, media_limits)
+
+    return app
+
+
+def usage_banner(host: str, port: int, name: str, api_key: Optional[str]) -> str:
+    """How to talk to the server: a curl line and an openai-client snippet."""
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    base = f"http://{shown}:{port}/v1"
+    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                       "max_tokens": 32})
+    auth = f" -H {shlex.quote('Authorization: Bearer ' + api_key)}" if api_key else ""
+    client = (f"from openai import OpenAI\n"
+              f"client = OpenAI(base_url={base!r}, api_key={(api_key or 'EMPTY')!r})\n"
+              f"reply = client.chat.completions.create(model={name!r}, "
+              f"messages=[{{'role': 'user', 'content': 'What is the capital of France?'}}], max_tokens=32)\n"
+              f"print(reply.choices[0].message.content)")
+    return (f"\nomnistage is serving {name!r} at {base}\n\n"
+            f"  curl {base}/chat/completions -H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}\n\n"
+            f"  python - <<'EOF'\n{client}\nEOF\n")
+
+
+def run_server(args) -> None:
+    """`omnistage serve`: build the engine from the parsed CLI arguments and serve until interrupted."""
+    import uvicorn
+
+    from omnistage.entrypoints.async_omni import AsyncOmni
+
+    engine_kwargs = {k: getattr(args, k) for k in ("max_num_seqs", "max_model_len", "max_num_batched_tokens",
+                                                    "num_kv_blocks", "seed") if getattr(args, k, None) is not None}
+    engine = AsyncOmni(model=args.model, device=args.device, dtype=args.dtype, **engine_kwargs)
+    try:
+        name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
+        limits = MediaLimits(**{k: getattr(args, k) for k in ("max_image_pixels", "max_video_jobs")
+                                if getattr(args, k, None) is not None})
+        app = build_app(engine, name, args.api_key, limits)
+        print(usage_banner(args.host, args.port, name, args.api_key), flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    finally:
+        engine.close()

@@ -1,0 +1,170 @@
+"""POST /v1/chat/completions (event-loop thread of the API server).
+
+In: a `ChatCompletionRequest`; message content is a string or a list of parts, of which text
+models read only the text parts (joined with newlines) and refuse media parts with a 400. The
+messages go through the model's chat template (`AsyncOmni.render_chat`). Out: a
+`ChatCompletionResponse` with usage, or an SSE stream of `chat.completion.chunk`s: a role chunk
+per choice, content deltas, `finish_reason` on each choice's last chunk, an optional usage chunk,
+then `[DONE]`. With `"modalities": ["text", "audio"]` (a pipeline with a speech stage) the
+message gains `audio` and the stream `delta.audio` chunks (`serving_speech.ChatAudio`). Logprobs use the chat shape `{content: [{token, logprob, bytes, top_logprobs}]}`.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+from contextlib import aclosing
+from typing import AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from omnistage.entrypoints.openai.errors import OpenAIError, bad_request
+from omnistage.entrypoints.openai.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionChunk,
+                                                   ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
+                                                   ChatMessageOut, ChatStreamChoice, ChatTokenLogprob,
+                                                   TopLogprob)
+from omnistage.entrypoints.openai.serving_engine import (DeltaTracker, OpenAIServing, clamp_logprob, usage_of)
+from omnistage.entrypoints.openai.serving_speech import ChatAudio
+from omnistage.outputs import Logprob, RequestOutput, TokenLogprobs
+
+# content part type -> what the model would have to read
+_MEDIA_PARTS = {"image_url": "images", "input_image": "images", "image": "images", "input_audio": "audio",
+                "audio_url": "audio", "audio": "audio", "video_url": "video", "video": "video"}
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of the GPT-2 byte-level alphabet: the printable character standing for each byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+class _TokenBytes:
+    """Raw bytes of a token: exact for byte-level BPE (a token may hold part of a character)."""
+
+    def __init__(self, engine):
+        self.engine = engine                    # the tokenizer is looked up on first use
+        self.byte_level: Optional[bool] = None
+        self.cache: dict[int, list[int]] = {}
+
+    def __call__(self, lp: Logprob) -> list[int]:
+        found = self.cache.get(lp.token_id)
+        if found is None:
+            tokenizer = self.engine.tokenizer
+            if self.byte_level is None:
+                backend = getattr(tokenizer, "backend_tokenizer", None)
+                self.byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+            found = list(lp.decoded.encode("utf-8"))
+            if self.byte_level:
+                piece = tokenizer.convert_ids_to_tokens(lp.token_id)
+                table = _byte_decoder()
+                if isinstance(piece, str) and piece and all(c in table for c in piece):
+                    found = [table[c] for c in piece]
+            self.cache[lp.token_id] = found
+        return found
+
+
+class ServingChat(OpenAIServing):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.token_bytes = _TokenBytes(self.engine)
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_request(req.model)
+        audio = ChatAudio.from_request(self.engine, req.modalities, req.audio)   # None: text only
+        if audio is not None and (req.n or 1) > 1:
+            raise OpenAIError(400, "n must be 1 when modalities include \"audio\"", param="n")
+        messages = [self._message(m) for m in req.messages]
+        if not messages:
+            raise OpenAIError(400, "messages must not be empty", param="messages")
+        try:
+            params = req.to_sampling_params()
+        except ValueError as e:
+            raise bad_request(e, req.field_names()) from e
+        try:
+            prompt = self.engine.render_chat(messages, req.chat_template_kwargs)
+        except Exception as e:                  # template errors (e.g. roles must alternate) are the caller's
+            raise OpenAIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
+        if audio is not None:
+            prompt = audio.prompt(prompt)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        gens = [self.generate(prompt, params, rid, req.field_names(), default_param="messages")]
+        if req.stream:
+            firsts = await self.until_disconnected(raw, self.first_outputs(gens))
+            return self.sse_response(self._chunks(rid, created, req, params.n, gens, firsts, audio))
+        (final,) = await self.until_disconnected(raw, self.collect(gens))
+        response = self._response(rid, created, req, final)
+        if audio is not None:
+            response.choices[0].message.audio = audio.message_audio(final)
+        return JSONResponse(response.model_dump())
+
+    @staticmethod
+    def _message(msg: ChatMessage) -> dict:
+        content = msg.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type == "text":
+                    texts.append(part.text or "")
+                elif part.type in _MEDIA_PARTS:
+                    raise OpenAIError(400, f"this model does not read {_MEDIA_PARTS[part.type]}",
+                                      param="messages")
+                else:
+                    raise OpenAIError(400, f"content part type {part.type!r} is not supported; use \"text\"",
+                                      param="messages")
+            content = "\n".join(texts)
+        return {"role": msg.role, "content": content or ""}
+
+    def _logprobs(self, entries: list[TokenLogprobs], num_top: int) -> ChatChoiceLogprobs:
+        def top(lp: Logprob) -> TopLogprob:
+            return TopLogprob(token=lp.decoded, logprob=clamp_logprob(lp.logprob), bytes=self.token_bytes(lp))
+
+        return ChatChoiceLogprobs(content=[
+            ChatTokenLogprob(token=e.chosen.decoded, logprob=clamp_logprob(e.chosen.logprob),
+                             bytes=self.token_bytes(e.chosen), top_logprobs=[top(alt) for alt in e.top[:num_top]])
+            for e in entries])
+
+    def _response(self, rid: str, created: int, req: ChatCompletionRequest,
+                  final: RequestOutput) -> ChatCompletionResponse:
+        choices = [ChatChoice(
+            index=comp.index, message=ChatMessageOut(content=comp.text),
+            logprobs=self._logprobs(comp.logprobs or [], req.top_logprobs or 0) if req.logprobs else None,
+            finish_reason=comp.finish_reason, stop_reason=comp.stop_reason) for comp in final.outputs]
+        choices.sort(key=lambda c: c.index)
+        return ChatCompletionResponse(id=rid, created=created, model=self.served_model_name, choices=choices,
+                                      usage=usage_of([final]))
+
+    async def _chunks(self, rid: str, created: int, req: ChatCompletionRequest, n: int, gens: list,
+                      firsts: list[RequestOutput], audio: Optional[ChatAudio] = None
+                      ) -> AsyncIterator[ChatCompletionChunk]:
+        def chunk(choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=rid, created=created, model=self.served_model_name, choices=choices)
+
+        yield chunk([ChatStreamChoice(index=i, delta={"role": "assistant", "content": ""}) for i in range(n)])
+        tracker = DeltaTracker(n)
+        last: Optional[RequestOutput] = firsts[0]
+        async with aclosing(self.merge(gens, firsts)) as merged:
+            async for _, out in merged:
+                last = out
+                audio_delta = audio.stream_delta(out) if audio is not None else None
+                if audio_delta is not None:     # before the text chunk that may carry finish_reason
+                    yield chunk([ChatStreamChoice(index=0, delta={"audio": audio_delta})])
+                choices = [ChatStreamChoice(
+                    index=d.index, delta={"content": d.text} if d.text else {},
+                    logprobs=self._logprobs(d.logprobs, req.top_logprobs or 0) if req.logprobs else None,
+                    finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+                    for d in tracker.update(0, out)]
+                if choices:
+                    yield chunk(choices)
+        if req.include_usage:
+            final = chunk([])
+            final.usage = usage_of([last])
+            yield final

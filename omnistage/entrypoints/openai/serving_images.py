@@ -1,0 +1,312 @@
+"""Image generation over HTTP: /v1/images/generations and /v1/images/edits (API-server event loop).
+
+`register_image_routes(app, engine, served_model_name, metrics, limits)` adds:
+  * `POST /v1/images/generations` (JSON): `prompt, n (1..limits.max_images), size "WxH" | "auto",
+    response_format "b64_json", output_format png | jpeg | webp`, and the extensions
+    `negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed`. The n images are one
+    request with `num_outputs_per_prompt=n` (one seeded noise draw of n rows, as diffusers'
+    `num_images_per_prompt`), so they differ from each other and the same seed repeats them.
+    Out: `{created, data: [{b64_json}], output_format, size}`.
+  * `POST /v1/images/edits` (multipart): `image` / `image[]` (one or more files), `prompt`, optional
+    `mask`, and the fields above, for models that take an input image; others get a 400.
+
+Also here, shared with `serving_videos`: `MediaLimits` (the server's caps), `DiffusionServing` (model
+and engine checks, params from request fields, safe upload decoding, one engine request run to its
+final output). Uploads over `max_upload_bytes` are 413s, undecodable ones 400s; every bad field is
+a 4xx naming it. Model forwards run in the engine thread; PNG/JPEG/WEBP encoding in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.datastructures import UploadFile
+
+from omnistage.entrypoints.openai.errors import OpenAIError
+from omnistage.entrypoints.openai.serving_engine import OpenAIServing, engine_alive
+from omnistage.io.media import IMAGE_FORMATS, decode_image, encode_image
+from omnistage.outputs import RequestOutput
+from omnistage.params import DiffusionParams
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+_INT64 = 2**63
+
+
+@dataclass
+class MediaLimits:
+    """Caps of the image and video routes (set from `omnistage serve` flags)."""
+
+    max_image_pixels: int = 2048 * 2048         # width * height of a requested output image / video frame
+    max_images: int = 10                        # `n` of one images request
+    max_upload_bytes: int = 20 * 1024 * 1024    # one uploaded image (larger: 413)
+    max_upload_pixels: int = 4096 * 4096        # decoded size of one uploaded image
+    max_upload_files: int = 4                   # images in one edits request
+    max_video_frames: int = 241                 # `num_frames` of one video job
+    max_video_jobs: int = 16                    # queued + running video jobs (more: 429)
+    max_stored_videos: int = 64                 # finished videos kept for download (oldest dropped)
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+class DiffusionFields(BaseModel):
+    """Request fields shared by the image and video routes (None: the model's default)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: Optional[str] = None
+    prompt: str
+    size: Optional[str] = None                  # "WxH" in pixels, or "auto"
+    negative_prompt: Optional[str] = None
+    num_inference_steps: Optional[int] = Field(None, ge=1, le=1000)
+    guidance_scale: Optional[float] = Field(None, ge=0, le=100)
+    true_cfg_scale: Optional[float] = Field(None, ge=0, le=100)
+    seed: Optional[int] = Field(None, ge=-_INT64, lt=_INT64)
+
+
+class ImageRequest(DiffusionFields):
+    n: Optional[int] = None
+    response_format: Optional[str] = None       # only "b64_json": nothing is stored to serve a URL from
+    output_format: Optional[str] = None         # png (default) | jpeg | webp
+    quality: Optional[str] = None               # accepted and ignored
+    user: Optional[str] = None
+
+
+def parse_size(size: Optional[str], max_pixels: int) -> tuple[Optional[int], Optional[int]]:
+    """"WxH" -> (width, height); None / "auto" -> (None, None), the model's default."""
+    if size is None or size.strip().lower() in ("", "auto"):
+        return None, None
+    m = _SIZE_RE.match(size)
+    if m is None:
+        raise OpenAIError(400, f"size must be \"WIDTHxHEIGHT\" in pixels (e.g. \"1024x1024\") or \"auto\", "
+                               f"got {size!r}", param="size")
+    w, h = int(m.group(1)), int(m.group(2))
+    if w < 1 or h < 1 or w * h > max_pixels:
+        raise OpenAIError(400, f"size must have a positive width and height with width * height <= "
+                               f"{max_pixels} pixels, got {size!r}", param="size")
+    return w, h
+
+
+def validation_error(e: ValidationError) -> OpenAIError:
+    first = e.errors()[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()))
+    return OpenAIError(400, f"{loc}: {first.get('msg', 'invalid value')}" if loc else str(e),
+                       param=loc.split(".")[0] or None)
+
+
+def params_error(e: ValueError) -> OpenAIError:
+    """A `ValueError` from `DiffusionParams` / the model -> 400 naming the request field."""
+    message = str(e)
+    field = message.split(" ", 1)[0]
+    param = {"height": "size", "width": "size", "num_outputs_per_prompt": "n"}.get(field, field)
+    if param != field:
+        message = f"{param}: {message}"
+    known = set(DiffusionParams.__dataclass_fields__) | {"size", "n", "image", "prompt"}
+    return OpenAIError(400, message, param=param if param in known else None)
+
+
+async def read_form(raw: Request, limits: MediaLimits) -> tuple[dict[str, str], dict[str, list[UploadFile]]]:
+    """A multipart / urlencoded body -> (text fields, files by field name, `image[]` folded into `image`)."""
+    length = raw.headers.get("content-length")
+    cap = limits.max_upload_bytes * limits.max_upload_files + (1 << 20)
+    if length is not None and length.isdigit() and int(length) > cap:
+        raise OpenAIError(413, f"the request body is {length} bytes; the limit is {cap} bytes")
+    try:
+        form = await raw.form(max_files=limits.max_upload_files + 1, max_fields=100)
+    except Exception as e:                      # malformed multipart, too many parts
+        raise OpenAIError(400, f"the request body is not a valid form: {e}") from None
+    fields: dict[str, str] = {}
+    files: dict[str, list[UploadFile]] = {}
+    for key, value in form.multi_items():
+        name = key[:-2] if key.endswith("[]") else key
+        if isinstance(value, UploadFile):
+            files.setdefault(name, []).append(value)
+        else:
+            fields[name] = value
+    return fields, files
+
+
+async def read_body(raw: Request, limits: MediaLimits) -> tuple[dict[str, Any], dict[str, list[UploadFile]]]:
+    """JSON or form body -> (fields, files)."""
+    ctype = raw.headers.get("content-type", "")
+    if ctype.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+        return await read_form(raw, limits)
+    try:
+        body = json.loads(await raw.body() or b"{}")
+    except ValueError as e:
+        raise OpenAIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    return body, {}
+
+
+async def read_upload(upload: UploadFile, limits: MediaLimits, field: str):
+    """An uploaded image file -> RGB PIL image; 413 when too large, 400 when not a readable image."""
+    data = await upload.read(limits.max_upload_bytes + 1)
+    if len(data) > limits.max_upload_bytes:
+        raise OpenAIError(413, f"{field} is larger than the {limits.max_upload_bytes}-byte limit", param=field)
+    return await asyncio.to_thread(_decode, data, limits, field)
+
+
+def decode_data_url(url: Any, limits: MediaLimits, field: str):
+    """A base64 `data:image/...;base64,` URL -> RGB PIL image (no URL is ever fetched)."""
+    if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
+        raise OpenAIError(400, f"{field} must be an uploaded file or a base64 data URL "
+                               "(data:image/png;base64,...); remote URLs are not fetched", param=field)
+    encoded = url.split(";base64,", 1)[1]
+    if len(encoded) > limits.max_upload_bytes * 4 // 3 + 4:
+        raise OpenAIError(413, f"{field} is larger than the {limits.max_upload_bytes}-byte limit", param=field)
+    try:
+        data = base64.b64decode(encoded, validate=True)
+    except ValueError:
+        raise OpenAIError(400, f"{field} is not valid base64", param=field) from None
+    return _decode(data, limits, field)
+
+
+def _decode(data: bytes, limits: MediaLimits, field: str):
+    try:
+        return decode_image(data, max_bytes=limits.max_upload_bytes, max_pixels=limits.max_upload_pixels,
+                            field=field)
+    except ValueError as e:
+        raise OpenAIError(400, str(e), param=field) from None
+
+
+class DiffusionServing(OpenAIServing):
+    """What the image and video routes share: checks, params, and one request run to its end."""
+
+    def __init__(self, engine: Any, served_model_name: str, metrics: Any, limits: MediaLimits):
+        super().__init__(engine, served_model_name, metrics)
+        self.limits = limits
+
+    @property
+    def stage(self) -> Any:
+        """The diffusion stage engine (None for models that are not diffusion pipelines)."""
+        if self.engine.main_stage_kind != "diffusion" or self.engine.orchestrator is None:
+            return None
+        return self.engine.orchestrator.main
+
+    def check_model(self, model: Optional[str], output_kind: str, with_image: bool = False) -> Any:
+        if model is not None and model != self.served_model_name:
+            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
+                                   f"`{self.served_model_name}`.", param="model", code="model_not_found")
+        if not engine_alive(self.engine):
+            raise OpenAIError(503, "the engine is not running; restart the server", code="engine_dead")
+        stage = self.stage
+        if stage is None:
+            raise OpenAIError(400, f"`{self.served_model_name}` does not generate images or videos", param="model")
+        if not hasattr(stage, "output_kind"):   # a StageClient: the stage runs in its own process
+            raise OpenAIError(501, "the image and video routes need the diffusion stage in the server's process; "
+                                   "remove `runner: process` from its deploy config")
+        if stage.output_kind != output_kind:
+            route = "POST /v1/videos" if stage.output_kind == "video" else "POST /v1/images/generations"
+            raise OpenAIError(400, f"`{self.served_model_name}` generates {stage.output_kind}s, not "
+                                   f"{output_kind}s; use {route}", param="model")
+        if with_image and not stage.takes_image:
+            raise OpenAIError(400, f"`{self.served_model_name}` does not take an input image", param="image")
+        return stage
+
+    def params(self, req: DiffusionFields, **extra) -> DiffusionParams:
+        """Request fields -> `DiffusionParams` resolved by the model (defaults filled, sizes checked)."""
+        width, height = parse_size(req.size, self.limits.max_image_pixels)
+        given = dict(height=height, width=width, num_inference_steps=req.num_inference_steps,
+                     guidance_scale=req.guidance_scale, true_cfg_scale=req.true_cfg_scale,
+                     negative_prompt=req.negative_prompt, seed=req.seed, **extra)
+        try:
+            params = DiffusionParams(**given)
+            resolved = self.stage.check_params(params) or params
+        except ValueError as e:
+            raise params_error(e) from None
+        if resolved.height * resolved.width > self.limits.max_image_pixels:
+            raise OpenAIError(400, f"size: the model's default {resolved.width}x{resolved.height} is over the "
+                                   f"{self.limits.max_image_pixels}-pixel limit; pass a smaller size", param="size")
+        return resolved
+
+    async def run(self, raw: Optional[Request], inputs: dict, params: DiffusionParams,
+                  request_id: str) -> RequestOutput:
+        """One engine request to its final output; the client leaving aborts it."""
+        async def final() -> RequestOutput:
+            last = None
+            async for out in self.generate(inputs, params, request_id, default_param="prompt"):
+                last = out
+            if last is None or not last.finished:
+                raise OpenAIError(500, "the engine ended the request without output")
+            if last.error:
+                raise OpenAIError(500, f"generation failed: {last.error}")
+            return last
+
+        return await (self.until_disconnected(raw, final()) if raw is not None else final())
+
+
+def parse_fields(model: type[BaseModel], fields: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(fields)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+class ServingImages(DiffusionServing):
+    def _image_params(self, req: ImageRequest) -> DiffusionParams:
+        if req.response_format not in (None, "b64_json"):
+            raise OpenAIError(400, f"response_format must be \"b64_json\", got {req.response_format!r}; this "
+                                   "server stores no images to serve URLs from", param="response_format")
+        if req.output_format is not None and req.output_format.lower() not in IMAGE_FORMATS:
+            raise OpenAIError(400, f"output_format must be one of png, jpeg, webp; got {req.output_format!r}",
+                              param="output_format")
+        n = 1 if req.n is None else req.n
+        if not 1 <= n <= self.limits.max_images:
+            raise OpenAIError(400, f"n must be an integer in [1, {self.limits.max_images}], got {n}", param="n")
+        return self.params(req, num_outputs_per_prompt=n)
+
+    async def generations(self, raw: Request) -> dict:
+        fields, _ = await read_body(raw, self.limits)
+        req = parse_fields(ImageRequest, fields)
+        self.check_model(req.model, "image")
+        params = self._image_params(req)
+        return await self._respond(raw, req, {"prompt": req.prompt}, params)
+
+    async def edits(self, raw: Request) -> dict:
+        fields, files = await read_body(raw, self.limits)
+        req = parse_fields(ImageRequest, fields)
+        self.check_model(req.model, "image", with_image=True)
+        params = self._image_params(req)
+        uploads = files.get("image", [])
+        if not uploads:
+            raise OpenAIError(400, "image is required: upload one or more image files", param="image")
+        images = [await read_upload(u, self.limits, "image") for u in uploads]
+        inputs: dict[str, Any] = {"prompt": req.prompt, "images": images}
+        if files.get("mask"):
+            mask = await read_upload(files["mask"][0], self.limits, "mask")
+            if not getattr(self.stage, "takes_mask", False):
+                raise OpenAIError(400, f"mask: `{self.served_model_name}` does not use masks", param="mask")
+            inputs["mask"] = mask
+        return await self._respond(raw, req, inputs, params)
+
+    async def _respond(self, raw: Request, req: ImageRequest, inputs: dict, params: DiffusionParams) -> dict:
+        out = await self.run(raw, inputs, params, f"img-{uuid.uuid4().hex}")
+        fmt = (req.output_format or "png").lower()
+        encoded = await asyncio.to_thread(lambda: [encode_image(im, fmt) for im in out.images])
+        return {"created": int(time.time()), "data": [{"b64_json": base64.b64encode(b).decode()} for b in encoded],
+                "output_format": "jpeg" if fmt == "jpg" else fmt, "size": f"{params.width}x{params.height}"}
+
+
+def register_image_routes(app: FastAPI, engine: Any, served_model_name: str, metrics: Any = None,
+                          limits: Union[MediaLimits, None] = None) -> None:
+    serving = ServingImages(engine, served_model_name, metrics, limits or MediaLimits())
+
+    @app.post("/v1/images/generations")
+    async def create_image(raw: Request) -> dict:
+        return await serving.generations(raw)
+
+    @app.post("/v1/images/edits")
+    async def edit_image(raw: Request) -> dict:
+        return await serving.edits(raw)

@@ -1,0 +1,80 @@
+"""Audio encoding for responses: float32 samples -> WAV / PCM / FLAC bytes (API-server process).
+
+In: mono float32 samples in [-1, 1] and their sample rate. Out: bytes of a whole file
+(`encode_audio`) or of a byte stream built chunk by chunk (`AudioStreamEncoder`): PCM is raw
+16-bit little-endian samples; a streamed WAV is a header whose sizes say "unknown length"
+(0xFFFFFFFF, as streaming servers write it; libsndfile, ffmpeg and browsers read to the end) followed
+by PCM; FLAC needs the whole signal for its header, so a FLAC stream is sent as one piece at the end.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from typing import Optional
+
+import numpy as np
+
+AUDIO_FORMATS = ("wav", "pcm", "flac")
+MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
+_UNKNOWN_SIZE = 0xFFFFFFFF
+
+
+def check_format(fmt: str) -> str:
+    if fmt not in AUDIO_FORMATS:
+        raise ValueError(f"response_format must be one of {', '.join(AUDIO_FORMATS)}, got {fmt!r}")
+    return fmt
+
+
+def to_pcm16(samples: np.ndarray) -> bytes:
+    """float32 in [-1, 1] -> 16-bit little-endian PCM (values outside are clipped)."""
+    x = np.clip(np.asarray(samples, dtype=np.float32).reshape(-1), -1.0, 1.0)
+    return (x * 32767.0).round().astype("<i2").tobytes()
+
+
+def wav_header(sample_rate: int, num_samples: Optional[int] = None) -> bytes:
+    """44-byte PCM16 mono WAV header; `num_samples` None writes the streaming "unknown" sizes."""
+    data = _UNKNOWN_SIZE if num_samples is None else 2 * num_samples
+    riff = _UNKNOWN_SIZE if num_samples is None else 36 + data
+    return struct.pack("<4sI4s4sIHHIIHH4sI", b"RIFF", riff, b"WAVE", b"fmt ", 16, 1, 1, sample_rate,
+                       2 * sample_rate, 2, 16, b"data", data)
+
+
+def encode_audio(samples: np.ndarray, sample_rate: int, fmt: str = "wav") -> bytes:
+    check_format(fmt)
+    if fmt == "pcm":
+        return to_pcm16(samples)
+    if fmt == "wav":
+        pcm = to_pcm16(samples)
+        return wav_header(sample_rate, len(pcm) // 2) + pcm
+    import soundfile as sf
+
+    buf = io.BytesIO()
+    sf.write(buf, np.asarray(samples, dtype=np.float32).reshape(-1), sample_rate, format="FLAC", subtype="PCM_16")
+    return buf.getvalue()
+
+
+class AudioStreamEncoder:
+    """Bytes of one audio stream, fed chunk by chunk; `b"".join` of all returned pieces is the file."""
+
+    def __init__(self, fmt: str, sample_rate: int):
+        self.fmt = check_format(fmt)
+        self.sample_rate = sample_rate
+        self._started = False
+        self._held: list[np.ndarray] = []       # FLAC only: everything, encoded at the end
+
+    def encode(self, chunk: np.ndarray) -> bytes:
+        if self.fmt == "flac":
+            self._held.append(np.asarray(chunk, dtype=np.float32).reshape(-1))
+            return b""
+        head = b""
+        if not self._started and self.fmt == "wav":
+            head = wav_header(self.sample_rate)
+        self._started = True
+        return head + to_pcm16(chunk)
+
+    def finish(self) -> bytes:
+        if self.fmt == "flac":
+            samples = np.concatenate(self._held) if self._held else np.zeros(0, np.float32)
+            return encode_audio(samples, self.sample_rate, "flac")
+        return self.encode(np.zeros(0, np.float32)) if not self._started else b""

@@ -1,0 +1,99 @@
+"""`--deploy-config FILE.yaml`: overrides of a detected pipeline (entry point's process, at start-up).
+
+In: a YAML file (or an already parsed dict) and the `PipelineSpec` the registry picked. Out: a new
+`PipelineSpec` with the overrides applied. Only what the file names changes:
+
+```yaml
+stages:
+  llm:                      # a stage of the detected pipeline, by name
+    device: cuda:0          # any EngineConfig field: device, dtype, max_num_seqs, num_kv_blocks, ...
+    max_num_seqs: 64
+    params: {temperature: 0.7}          # default request params of the stage (merged)
+  tts:
+    device: cpu
+    runner: process                     # its own process (default: inline, in the orchestrator's)
+    options:                            # back-end settings (merged)
+      max_batch_sentences: 4
+      voices: {joe-slow: {voice: joe, length_scale: 1.3}}
+  # talker: {enabled: false}            # drop a stage and its edges
+edges:
+  - {src: llm, dst: tts, chunk_size: 2, first_chunk_size: 1}   # null chunk_size = whole output
+```
+Unknown stages, edges and keys are errors that name the allowed values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Union
+
+from omnistage.config import EngineConfig
+from omnistage.pipeline.spec import PipelineSpec, StageSpec
+
+_ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)}
+_STAGE_KEYS = {"options", "params", "enabled", "final_output", "model_dir", "runner"}
+_EDGE_KEYS = {"src", "dst", "chunk_size", "first_chunk_size", "adapter"}
+
+
+def load_deploy_config(path: str) -> dict[str, Any]:
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a deploy config is a mapping with `stages` and/or `edges`")
+    return data
+
+
+def _stage_overrides(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    stages = data.get("stages") or {}
+    if isinstance(stages, list):                # also accept a list of {name: ..., ...}
+        stages = {s["name"]: {k: v for k, v in s.items() if k != "name"} for s in stages}
+    if not isinstance(stages, dict):
+        raise ValueError("deploy config `stages` must map stage names to settings")
+    return stages
+
+
+def apply_deploy_config(spec: PipelineSpec, config: Union[str, dict[str, Any], None]) -> PipelineSpec:
+    if config is None:
+        return spec
+    data = load_deploy_config(config) if isinstance(config, str) else dict(config)
+    unknown = set(data) - {"stages", "edges"}
+    if unknown:
+        raise ValueError(f"deploy config: unknown top-level keys {sorted(unknown)}; allowed: ['edges', 'stages']")
+    names = [s.name for s in spec.stages]
+    overrides = _stage_overrides(data)
+    stages: list[StageSpec] = []
+    for name, over in overrides.items():
+        if name not in names:
+            raise ValueError(f"deploy config: stage must be one of {names}, got {name!r}")
+        bad = set(over or {}) - _ENGINE_KEYS - _STAGE_KEYS
+        if bad:
+            raise ValueError(f"deploy config: stages.{name} has unknown keys {sorted(bad)}; allowed: "
+                             f"{sorted(_ENGINE_KEYS | _STAGE_KEYS)}")
+    for s in spec.stages:
+        over = dict(overrides.get(s.name) or {})
+        if over.pop("enabled", True) is False:
+            continue
+        engine = dataclasses.replace(s.engine, **{k: over.pop(k) for k in list(over) if k in _ENGINE_KEYS})
+        options = {**s.options, **(over.pop("options", None) or {})}
+        params = {**s.params, **(over.pop("params", None) or {})}
+        stages.append(dataclasses.replace(s, engine=engine, options=options, params=params, **over))
+    kept = {s.name for s in stages}
+    if spec.main_stage.name not in kept:
+        raise ValueError(f"deploy config: the main stage {spec.main_stage.name!r} cannot be disabled")
+    edges = [e for e in spec.edges if e.src in kept and e.dst in kept]
+    for item in data.get("edges") or []:
+        bad = set(item) - _EDGE_KEYS
+        if bad or "src" not in item or "dst" not in item:
+            raise ValueError(f"deploy config: an edge needs src and dst and may set {sorted(_EDGE_KEYS - {'src', 'dst'})}; "
+                             f"got {item}")
+        match = [i for i, e in enumerate(edges) if (e.src, e.dst) == (item["src"], item["dst"])]
+        if not match:
+            raise ValueError(f"deploy config: edge must be one of {[f'{e.src}->{e.dst}' for e in edges]}, "
+                             f"got {item['src']}->{item['dst']}")
+        changes = {k: v for k, v in item.items() if k not in ("src", "dst")}
+        if changes.get("chunk_size", edges[match[0]].chunk_size) is None:
+            changes["first_chunk_size"] = None
+        edges[match[0]] = dataclasses.replace(edges[match[0]], **changes)
+    return PipelineSpec(stages, edges)

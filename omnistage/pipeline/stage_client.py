@@ -1,0 +1,230 @@
+"""`StageClient`: one stage engine in its own process, behind the `StageEngine` interface.
+
+The orchestrator's process holds the client; `python -m omnistage.pipeline.stage_client CMD OUT`
+is the stage's process. Control messages go over two zmq ipc sockets (commands in, outputs out),
+encoded by `pipeline.wire` (msgspec; arrays through shared memory). The stage process steps its
+engine whenever it has work, so it runs concurrently with the other stages; `step()` here only
+collects what it has produced. `add_request` and the optional `check_params` are round trips, so a
+bad request raises here as it would in-process; `add_input` and `abort` are one-way; `voices` is
+read once at start. The client's sockets are used from the orchestrator's thread only.
+
+When the stage process dies, every request it held gets a finished `StageOutput` whose
+`data["fatal"]` says so (the orchestrator fails just those requests, and the server answers 503),
+and a fresh process is started for the next requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+import zmq
+
+from omnistage.outputs import RequestOutput
+from omnistage.pipeline import wire
+from omnistage.pipeline.stage import StageOutput
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 100                             # stage process: wait for commands when it has no work
+_COLLECT_POLL_MS = 2                            # client: wait this long in step() when nothing is ready
+_OPTIONAL = ("add_input", "check_params", "voices")
+
+
+class StageClient:
+    def __init__(self, spec, start_timeout_s: float = 180.0):
+        self.spec = spec
+        self.start_timeout_s = start_timeout_s
+        self._ctx = zmq.Context()
+        self._dir = tempfile.mkdtemp(prefix="omnistage-stage-")
+        self._seq = 0
+        self._generation = 0
+        self._held: set[str] = set()            # requests the stage process holds
+        self._ready: list[StageOutput] = []     # outputs received while waiting for a reply
+        self._stats: dict[str, float] = {}
+        self.restarts = 0                       # how many times the stage process was replaced
+        self.proc: Optional[subprocess.Popen] = None
+        info = self._start()
+        self._voice_list = info.get("voices") or []   # read once: other threads may ask for it
+        self.params_type = _import(info["params_type"]) if info.get("params_type") else None
+        for name in _OPTIONAL:                  # offer only the optional verbs the engine has
+            if name in info["methods"]:
+                setattr(self, name, getattr(self, "_" + name))
+
+    # ---- process management ---------------------------------------------------------------------
+    def _start(self) -> dict:
+        self._generation += 1
+        base = os.path.join(self._dir, f"{self.spec.name}-{self._generation}")
+        self._cmd = self._ctx.socket(zmq.PUSH)
+        self._cmd.setsockopt(zmq.LINGER, 0)
+        self._cmd.bind(f"ipc://{base}.cmd")
+        self._out = self._ctx.socket(zmq.PULL)
+        self._out.setsockopt(zmq.LINGER, 0)
+        self._out.bind(f"ipc://{base}.out")
+        self.proc = subprocess.Popen([sys.executable, "-m", "omnistage.pipeline.stage_client",
+                                      f"ipc://{base}.cmd", f"ipc://{base}.out"])
+        self._cmd.send(wire.encode(["init", self.spec]))
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"stage {self.spec.name!r} process exited with {self.proc.returncode} at start")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"stage {self.spec.name!r} did not start in {self.start_timeout_s:.0f} s")
+            if self._out.poll(100):
+                msg = wire.decode(self._out.recv())
+                if msg[0] == "fatal":
+                    raise RuntimeError(f"stage {self.spec.name!r} failed to start: {msg[1]}")
+                if msg[0] == "ready":
+                    return msg[1]
+
+    def _restart_after_death(self) -> list[StageOutput]:
+        code = self.proc.returncode if self.proc is not None else None
+        reason = f"stage {self.spec.name!r} process died (exit code {code}); it is being restarted"
+        logger.error(reason)
+        lost = [StageOutput(rid, RequestOutput(rid, finished=True), True, data={"fatal": reason})
+                for rid in sorted(self._held)]
+        self._held.clear()
+        self._cmd.close()
+        self._out.close()
+        self._start()
+        self.restarts += 1
+        return lost
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self._cmd.send(wire.encode(["stop"]), zmq.NOBLOCK)
+                self.proc.wait(timeout=5)
+            except Exception:
+                self.proc.kill()
+        self._ctx.destroy(linger=0)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ---- messages -------------------------------------------------------------------------------
+    def _receive(self, msg: list) -> None:
+        if msg[0] == "outputs":
+            outs, self._stats = msg[1], msg[2]
+            for out in outs:
+                if out.finished:
+                    self._held.discard(out.request_id)
+            self._ready.extend(outs)
+
+    def _call(self, method: str, *args) -> Any:
+        """A round trip: the stage runs `method(*args)` between two steps and answers."""
+        self._seq += 1
+        seq = self._seq
+        self._cmd.send(wire.encode(["call", seq, method, list(args)]))
+        while True:
+            if self._out.poll(50):
+                msg = wire.decode(self._out.recv())
+                if msg[0] == "reply" and msg[1] == seq:
+                    if msg[2] is not None:
+                        kind, text = msg[2]
+                        raise (ValueError if kind == "ValueError" else RuntimeError)(text)
+                    return msg[3]
+                self._receive(msg)
+            elif self.proc.poll() is not None:
+                self._ready.extend(self._restart_after_death())
+                raise RuntimeError(f"stage {self.spec.name!r} process died; try again")
+
+    # ---- StageEngine ----------------------------------------------------------------------------
+    def add_request(self, request_id: str, inputs: Any, params: Any, arrival_time: Optional[float] = None) -> None:
+        self._call("add_request", request_id, inputs, params, arrival_time)
+        self._held.add(request_id)
+
+    def _add_input(self, request_id: str, piece: Any) -> None:
+        if request_id in self._held:
+            self._cmd.send(wire.encode(["call", 0, "add_input", [request_id, piece]]))
+
+    def _check_params(self, params: Any) -> None:
+        self._call("check_params", params)
+
+    def _voices(self) -> list:
+        return list(self._voice_list)
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._held:
+            self._held.discard(request_id)
+            self._cmd.send(wire.encode(["call", 0, "abort", [request_id]]))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._held) or bool(self._ready)
+
+    def stats(self) -> dict[str, float]:
+        return dict(self._stats)
+
+    def step(self) -> list[StageOutput]:
+        wait = 0 if self._ready else _COLLECT_POLL_MS
+        while self._out.poll(wait):
+            self._receive(wire.decode(self._out.recv()))
+            wait = 0
+        if self._held and self.proc.poll() is not None:
+            self._ready.extend(self._restart_after_death())
+        outs, self._ready = self._ready, []
+        return outs
+
+
+def _import(path: str):
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+# ---- the stage's process --------------------------------------------------------------------------
+def _serve(cmd_addr: str, out_addr: str) -> None:
+    ctx = zmq.Context()
+    cmd, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    cmd.connect(cmd_addr)
+    out.connect(out_addr)
+    parent = os.getppid()
+    _, spec = wire.decode(cmd.recv())
+    try:
+        from omnistage.pipeline.orchestrator import build_stage
+
+        engine = build_stage(dataclasses.replace(spec, runner="inline"))   # the engine itself, here
+    except Exception as e:
+        out.send(wire.encode(["fatal", repr(e)]))
+        return
+    ptype = getattr(engine, "params_type", None)
+    out.send(wire.encode(["ready", {"params_type": f"{ptype.__module__}:{ptype.__qualname__}" if ptype else None,
+                                    "methods": [m for m in _OPTIONAL if hasattr(engine, m)],
+                                    "voices": engine.voices() if hasattr(engine, "voices") else None}]))
+    while os.getppid() == parent:               # the orchestrator's process is gone: stop too
+        wait = 0 if engine.has_unfinished() else _IDLE_POLL_MS
+        while cmd.poll(wait):
+            msg = wire.decode(cmd.recv())
+            if msg[0] == "stop":
+                return
+            _, seq, method, args = msg
+            try:
+                result, error = getattr(engine, method)(*args), None
+            except Exception as e:              # a bad request: tell the caller, keep serving
+                result, error = None, [type(e).__name__, str(e)]
+                if seq == 0:
+                    logger.warning("stage %s: %s failed: %s", spec.name, method, e)
+            if seq:
+                out.send(wire.encode(["reply", seq, error, result]))
+            wait = 0
+        if engine.has_unfinished():
+            outs = engine.step()
+            if outs:
+                out.send(wire.encode(["outputs", outs, engine.stats()]))
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s stage %(levelname)s %(message)s")
+    _serve(sys.argv[1], sys.argv[2])

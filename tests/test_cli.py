@@ -1,0 +1,113 @@
+"""The `omnistage` command: make-tiny writes real checkpoint folders, generate prints the same text
+as `Omni`, serve boots, prints how to talk to it and answers the openai client."""
+
+import contextlib
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from omnistage.entrypoints import cli
+
+
+def _cmd(*args):
+    return [sys.executable, "-m", "omnistage.entrypoints.cli", *args]
+
+
+def _env():
+    return dict(os.environ, HF_HUB_OFFLINE="1", PYTHONIOENCODING="utf-8")
+
+
+def _run(*args, timeout=180):
+    return subprocess.run(_cmd(*args), capture_output=True, text=True, encoding="utf-8", env=_env(),
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """`omnistage make-tiny DIR --kind llm`, run in-process (the subprocess paths are generate and serve)."""
+    out = tmp_path_factory.mktemp("cli")
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert cli.main(["make-tiny", str(out), "--kind", "llm"]) == 0
+    return out, stdout.getvalue()
+
+
+def _greedy(model, prompt, max_tokens):
+    from omnistage import Omni, SamplingParams
+
+    with Omni(model=model, device="cpu", dtype="float32") as omni:
+        return omni.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                             use_tqdm=False)[0].outputs[0].text
+
+
+def test_make_tiny_writes_folders(tiny_dir):
+    out, stdout = tiny_dir
+    for arch in ("llama", "qwen2", "qwen3"):
+        folder = out / f"tiny-{arch}"
+        names = os.listdir(folder)
+        assert {"config.json", "tokenizer.json", "generation_config.json"} <= set(names), names
+        assert any(n.endswith(".safetensors") for n in names)
+        assert str(folder) in stdout.splitlines()
+
+
+def test_make_tiny_unknown_kind(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="not a tiny model kind"):
+        cli.main(["make-tiny", str(tmp_path), "--kind", "nope"])
+
+
+def test_generate_prints_text(tiny_dir, tmp_path):
+    model = str(tiny_dir[0] / "tiny-qwen2")
+    want = _greedy(model, "The harbour town", 8)
+    r = _run("generate", model, "--prompt", "The harbour town", "--max-tokens", "8", "--device", "cpu",
+             "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want + "\n"
+
+    target = tmp_path / "out.txt"
+    assert cli.main(["generate", model, "--prompt", "The harbour town", "--max-tokens", "8", "--device", "cpu",
+                     "--dtype", "float32", "--output", str(target)]) == 0
+    assert target.read_text(encoding="utf-8") == want
+
+
+def test_serve_defaults():
+    args = cli.build_parser().parse_args(["serve"])
+    assert (args.model, args.host, args.port, args.api_key, args.device) == (None, "127.0.0.1", 8000, None, "auto")
+
+
+def test_serve_boots_and_answers(tiny_dir):
+    model = str(tiny_dir[0] / "tiny-qwen2")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(_cmd("serve", model, "--port", str(port), "--device", "cpu", "--dtype", "float32",
+                                 "--served-model-name", "tiny", "--api-key", "k", "--log-level", "warning"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, encoding="utf-8",
+                            env=_env())
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.time() < deadline, "server did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0) as client:
+            reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=4)
+        assert reply.usage.completion_tokens >= 1
+    finally:
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, output
+    assert f"curl http://127.0.0.1:{port}/v1/chat/completions" in output
+    assert "Authorization: Bearer k" in output and "from openai import OpenAI" in output

@@ -30,6 +30,7 @@ class SamplingParams:
     stop: Optional[Union[str, list[str]]] = None  # stop strings, never included in the text
     stop_token_ids: Optional[list[int]] = None  # extra ids that end generation (kept in token_ids)
     ignore_eos: bool = False                    # keep going past EOS
+    bad_token_ids: Optional[list[int]] = None   # ids never sampled (HF suppress_tokens)
     seed: Optional[int] = None                  # per-request generator: same tokens whatever the batch
     presence_penalty: float = 0.0               # subtract once per generated token present, [-2, 2]
     frequency_penalty: float = 0.0              # subtract per occurrence in generated tokens, [-2, 2]
@@ -44,6 +45,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_token_ids = list(self.bad_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
         _check(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "an integer in [1, 128]", self.n)

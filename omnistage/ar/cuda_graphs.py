@@ -1,8 +1,8 @@
 """CUDA-graph capture and replay of decode steps (stage process, CUDA only).
 
-Decode-only steps have static shapes once the batch is padded to a captured size, so the whole
-model forward (every layer, the paged attention included) replays as one graph: the per-kernel
-launch cost that dominates small-batch decoding disappears. Inputs are copied into static buffers;
+Decode-only steps have static shapes once the batch is padded to a captured size, so the model
+forward from the input rows on (every layer, the paged attention included) replays as one graph: the per-kernel
+launch cost that dominates small-batch decoding disappears. The embedding lookup (and any conditioning added to its rows) runs before the graph; inputs are copied into static buffers;
 padded rows write their KV to the scratch slot past the pool and attend to one token.
 """
 
@@ -35,6 +35,8 @@ class CudaGraphs:
         self.slots = torch.full((n,), scratch_slot, dtype=torch.long, device=device)
         self.tables = torch.zeros(n, max_blocks, dtype=torch.long, device=device)
         self.ctx = torch.ones(n, dtype=torch.long, device=device)
+        embed = model.embed_tokens.weight
+        self.x = torch.zeros(n, embed.shape[1], dtype=embed.dtype, device=device)   # the graphs' input rows
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         pool = None
@@ -42,11 +44,11 @@ class CudaGraphs:
             meta = self._meta(b)
             with torch.inference_mode():
                 for _ in range(2):
-                    self.model(self.ids[:b], self.pos[:b], meta)
+                    self.model(self.ids[:b], self.pos[:b], meta, inputs_embeds=self.x[:b])
                 torch.cuda.synchronize(device)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool):
-                    self.outputs[b] = self.model(self.ids[:b], self.pos[:b], meta)
+                    self.outputs[b] = self.model(self.ids[:b], self.pos[:b], meta, inputs_embeds=self.x[:b])
             pool = g.pool()
             self.graphs[b] = g
 
@@ -74,6 +76,8 @@ class CudaGraphs:
         self.tables[:b, :w].copy_(table, non_blocking=True)
         return self.ids[:b], self.pos[:b], self._meta(b)
 
-    def replay(self, meta: AttentionMetadata) -> torch.Tensor:
+    def replay(self, meta: AttentionMetadata, x: torch.Tensor) -> torch.Tensor:
+        """x: the batch's input rows (embeddings plus any conditioning), [graph batch, H]."""
+        self.x[:meta.graph_batch].copy_(x)
         self.graphs[meta.graph_batch].replay()
         return self.outputs[meta.graph_batch]

@@ -13,7 +13,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         # A fast tokenizer's Rust decoder gives the same text as `tokenizer.decode(...,
         # clean_up_tokenization_spaces=False)` at a tenth of the cost of the Python wrapper.
-        rust = getattr(tokenizer, "_tokenizer", None)
+        rust = getattr(tokenizer, "_tokenizer", None) if tokenizer is not None else None
         self._rust_decode = rust.decode if rust is not None and hasattr(rust, "decode") else None
         self.skip_special_tokens = skip_special_tokens
         self.prefix_offset = 0                  # window start (a character boundary)
@@ -21,7 +21,7 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        if not ids:
+        if not ids or self.tokenizer is None:                # e.g. a talker emitting codec ids: no text
             return ""
         if self._rust_decode is not None:
             return self._rust_decode(ids, skip_special_tokens=self.skip_special_tokens)

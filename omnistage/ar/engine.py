@@ -55,17 +55,27 @@ def _eos_ids(model_dir: str, tokenizer) -> frozenset[int]:
 
 
 class AREngine:
-    def __init__(self, model_dir: str, config: Optional[EngineConfig] = None):
+    def __init__(self, model_dir: str, config: Optional[EngineConfig] = None, component: Optional[str] = None):
+        """component: a registered part of a multi-network checkpoint (e.g. an omni model's talker)."""
         self.config = config = config or EngineConfig()
         self.model_dir = model_dir
-        self.hf_config = load_config(model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.eos_ids = _eos_ids(model_dir, self.tokenizer)
         self.device = config.resolve_device()
-        self.dtype = config.resolve_dtype(checkpoint_dtype(self.hf_config), self.device)
-        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 4096
-        max_len = min(config.max_model_len or model_max, model_max)
-        self.model = load_model(model_dir, self.hf_config, self.device, self.dtype, max_len)
+        if component is None:
+            self.hf_config = load_config(model_dir)
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            self.eos_ids = _eos_ids(model_dir, self.tokenizer)
+            self.dtype = config.resolve_dtype(checkpoint_dtype(self.hf_config), self.device)
+            max_len = self._max_len()
+            self.model = load_model(model_dir, self.hf_config, self.device, self.dtype, max_len)
+        else:
+            from omnistage.models.registry import component_loader
+
+            loader = component_loader(component)
+            self.dtype = config.resolve_dtype(checkpoint_dtype(load_config(model_dir)), self.device)
+            self.hf_config = None
+            self.model, self.hf_config, self.tokenizer, self.eos_ids = loader(
+                model_dir, self.device, self.dtype, config.max_model_len)
+            max_len = self._max_len()
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size, config.seed)
         num_blocks = self._num_kv_blocks(max_len)
         self.runner.allocate_kv_cache(num_blocks)
@@ -82,6 +92,10 @@ class AREngine:
                     self.max_model_len)
 
     # ---- sizing --------------------------------------------------------------------------------
+    def _max_len(self) -> int:
+        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        return min(self.config.max_model_len or model_max, model_max)
+
     def _num_kv_blocks(self, max_len: int) -> int:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
@@ -163,10 +177,50 @@ class AREngine:
             seed = None if params.seed is None else params.seed + i
             seq = Sequence(seq_id, request_id, i, ids, params, now, seed)
             seq.detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            if isinstance(inputs, dict):
+                self._condition(seq, inputs)
             seqs.append(seq)
         self.requests[request_id] = _Request(request_id, prompt, ids, params, seqs, now)
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _condition(self, seq: Sequence, inputs: dict) -> None:
+        """Attach embedding-level inputs (see ar/conditioning.py) from a request's input dict."""
+        n = seq.prompt_len
+        embeds = inputs.get("prompt_embeds")
+        if embeds is not None:
+            if tuple(embeds.shape) != (n, self.model.embed_tokens.weight.shape[1]):
+                raise ValueError(f"prompt_embeds must be [{n}, hidden], got {list(embeds.shape)}")
+            seq.prompt_embeds = embeds.to(self.device, self.dtype)
+        positions = inputs.get("mrope_positions")
+        if positions is not None:
+            if self.model.rotary.section_rows is None:
+                raise ValueError("mrope_positions given, but the model's rope has no mrope_section")
+            if tuple(positions.shape) != (3, n):
+                raise ValueError(f"mrope_positions must be [3, {n}], got {list(positions.shape)}")
+            seq.mrope_positions = positions.cpu()
+            seq.position_delta = int(inputs.get("mrope_delta", 0))
+        seq.return_hidden = bool(inputs.get("return_hidden_states", False))
+        seq.stream_extra = bool(inputs.get("stream_extra", False))
+        if (seq.return_hidden or seq.stream_extra) and seq.params.n != 1:
+            raise ValueError("n must be 1 for requests with return_hidden_states or stream_extra")
+
+    def add_input(self, request_id: str, data: dict) -> None:
+        """Streamed inputs of a running request: extra rows for its generated positions."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        for seq in req.seqs:
+            rows = data.get("extra_embeds")
+            if rows is not None and len(rows):
+                seq.extra_chunks.append(rows.to(self.device, self.dtype))
+                seq.num_extra += len(rows)
+            if data.get("pad_embed") is not None:
+                seq.pad_embed = data["pad_embed"].to(self.device, self.dtype)
+            if data.get("finished"):
+                if seq.pad_embed is None:
+                    raise ValueError("a finished extra stream needs a pad_embed")
+                seq.extra_finished = True
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -200,7 +254,9 @@ class AREngine:
         result = self.runner.execute(sched, self.eos_ids)
         self.scheduler.update(sched, result.sampled)
         now = time.time()
-        changed: dict[str, _Request] = {}
+        # Requests that report hidden states emit an output every step they compute, sampled or not.
+        changed: dict[str, _Request] = {s.seq.request_id: self.requests[s.seq.request_id]
+                                        for s in sched.scheduled if s.seq.seq_id in result.hidden}
         by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
         for seq_id, token in result.sampled.items():
             seq = by_id[seq_id]
@@ -216,11 +272,16 @@ class AREngine:
             if finished:
                 req.metrics.finished_time = now
                 del self.requests[req.request_id]
-            outputs.append(StageOutput(req.request_id, self._make_output(req, finished), finished))
+            data = {}
+            report = result.hidden.get(req.seqs[0].seq_id)
+            if report is not None:
+                data = {"hidden_start": report[0], "hidden_states": report[1], "input_embeds": report[2]}
+            outputs.append(StageOutput(req.request_id, self._make_output(req, finished), finished, data))
         return outputs
 
     def _logprobs(self, token: int, chosen: float, top: list[tuple[int, float]]) -> TokenLogprobs:
-        dec = self.tokenizer.decode
+        tok = self.tokenizer
+        dec = (lambda ids: tok.decode(ids)) if tok is not None else (lambda ids: "")
         return TokenLogprobs(Logprob(token, chosen, dec([token])), [Logprob(t, lp, dec([t])) for t, lp in top])
 
     def _check_stop(self, seq: Sequence, token: int) -> None:

@@ -67,7 +67,7 @@ class BlockManager:
         At least one token is always left to compute, so the last prompt position gets logits.
         Returns the number of tokens served from the cache."""
         assert not seq.block_table
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.cacheable:
             return 0
         bs = self.block_size
         parent = None
@@ -97,7 +97,7 @@ class BlockManager:
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """After a step: hash every block that is now full of computed tokens, so others can share it."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.cacheable:
             return
         bs = self.block_size
         num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // bs

@@ -9,11 +9,12 @@ for) to the host in one transfer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
+from omnistage.ar import conditioning
 from omnistage.ar.sampler import SamplerOutput, SamplingBatch, sample
 from omnistage.ar.scheduler import ScheduledSeq, SchedulerOutput
 from omnistage.ar.sequence import Sequence
@@ -24,6 +25,9 @@ from omnistage.layers.attention import AttentionMetadata, PrefillChunk
 class RunnerOutput:
     sampled: dict[str, int]                     # seq_id -> new token id, for rows that sampled
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]]  # seq_id -> (chosen, [(id, logprob)])
+    # seq_id -> (first position, last hidden states [n, H] after the final norm, input rows [n, H]),
+    # for sequences that asked for them; device tensors
+    hidden: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def kv_block_bytes(model, block_size: int, dtype: torch.dtype) -> int:
@@ -67,13 +71,13 @@ class ModelRunner:
         prefills = [s for s in sched.scheduled if not (s.num_new_tokens == 1 and s.start > 0)]
         order = decodes + prefills
         bs = self.block_size
-        ids, pos, slots = [], [], []
+        ids, slots = [], []
         for s in order:
             seq = s.seq
             for p in range(s.start, s.start + s.num_new_tokens):
                 ids.append(seq.token_ids[p])
-                pos.append(p)
                 slots.append(seq.block_table[p // bs] * bs + p % bs)
+        pos, mrope_rows = conditioning.positions(order)
         if not prefills and self.graphs is not None and self.graphs.fits(len(decodes)):
             return order, *self.graphs.load(ids, pos, slots, [s.seq.block_table for s in decodes])
         meta = AttentionMetadata(slot_mapping=self._to_device(slots), num_decodes=len(decodes))
@@ -88,12 +92,13 @@ class ModelRunner:
             table = s.seq.block_table[: -(-ctx // bs)]
             meta.prefills.append(PrefillChunk(row, s.num_new_tokens, ctx, self._to_device(table)))
             row += s.num_new_tokens
-        return order, self._to_device(ids), self._to_device(pos), meta
+        return order, self._to_device(ids), self._to_device(mrope_rows if mrope_rows else pos), meta
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
+                x: Optional[torch.Tensor]) -> torch.Tensor:
         if self.graphs is not None and meta.graph_batch:
-            return self.graphs.replay(meta)
-        return self.model(ids, pos, meta)
+            return self.graphs.replay(meta, x)
+        return self.model(ids, pos, meta, inputs_embeds=x)
 
     def _generator_for(self, seq: Sequence) -> Optional[torch.Generator]:
         if seq.seed is None:
@@ -110,16 +115,24 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, eos_ids: frozenset[int]) -> RunnerOutput:
         order, ids, pos, meta = self.prepare(sched)
-        hidden = self.forward(ids, pos, meta)
+        x = None
+        if meta.graph_batch or conditioning.needs_embeds(order):
+            x = self.model.embed_tokens(ids)
+            conditioning.apply(x, order)
+        hidden = self.forward(ids, pos, meta, x)
         rows, sampling = [], []
+        reports: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}
         row = 0
         for s in order:
+            if s.seq.return_hidden:
+                reports[s.seq.seq_id] = (s.start, hidden[row:row + s.num_new_tokens].clone(),
+                                         x[row:row + s.num_new_tokens].clone())
             row += s.num_new_tokens
             if s.samples:
                 rows.append(row - 1)
                 sampling.append(s.seq)
         if not sampling:
-            return RunnerOutput({}, {})
+            return RunnerOutput({}, {}, reports)
         logits = self.model.compute_logits(hidden[self._to_device(rows)])
         batch = SamplingBatch(
             params=[q.params for q in sampling],
@@ -129,7 +142,9 @@ class ModelRunner:
             banned=[_banned(q, eos_ids) for q in sampling])
         num_logprobs = max((q.params.logprobs for q in sampling if q.params.logprobs is not None), default=-1)
         out = sample(logits, batch, self.generator, num_logprobs)
-        return self._to_host(sampling, out, num_logprobs)
+        res = self._to_host(sampling, out, num_logprobs)
+        res.hidden = reports
+        return res
 
     def _to_host(self, seqs: list[Sequence], out: SamplerOutput, num_logprobs: int) -> RunnerOutput:
         if num_logprobs < 0:
@@ -149,8 +164,8 @@ class ModelRunner:
 
 
 def _banned(seq: Sequence, eos_ids: frozenset[int]) -> list[int]:
-    """Ids that may not end the sequence yet (min_tokens)."""
+    """Ids that may not be sampled now: bad_token_ids always, stop ids until min_tokens."""
     p = seq.params
     if seq.num_output_tokens >= p.min_tokens:
-        return []
-    return sorted((set() if p.ignore_eos else set(eos_ids)) | set(p.stop_token_ids))
+        return p.bad_token_ids
+    return sorted((set() if p.ignore_eos else set(eos_ids)) | set(p.stop_token_ids) | set(p.bad_token_ids))

@@ -74,7 +74,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            n = seq.max_computable(min(len(seq.token_ids) - seq.num_computed_tokens, budget))
+            if n == 0:                                   # waiting for streamed inputs: keep its blocks
+                i += 1
+                continue
             while not self.bm.can_allocate(self.bm.blocks_needed(seq, n)):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -92,8 +95,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             cached = self.bm.match_prefix(seq)
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
-            if not self.bm.can_allocate(self.bm.blocks_needed(seq, n)):
+            n = seq.max_computable(min(len(seq.token_ids) - seq.num_computed_tokens, budget))
+            if n == 0 or not self.bm.can_allocate(self.bm.blocks_needed(seq, n)):
                 self.bm.free_seq(seq)
                 seq.num_computed_tokens = 0
                 break

@@ -40,6 +40,29 @@ class Sequence:
         self.logprobs: list = []                # TokenLogprobs per generated token, when asked for
         self.detok: Any = None                  # incremental detokenizer state (engine-owned)
         self.num_preemptions = 0
+        # Conditioning for models fed embeddings rather than (only) token ids; opaque device tensors
+        # here, read by the runner.
+        self.prompt_embeds: Any = None          # [prompt_len, hidden]: replaces the prompt's embedding rows
+        self.mrope_positions: Any = None        # [3, prompt_len] positions of multimodal rope prefill
+        self.position_delta = 0                 # decode position p uses p + delta (multimodal rope)
+        self.return_hidden = False              # report last hidden states + input rows per step
+        self.stream_extra = False               # generated rows add extra[p - prompt_len] (fed by add_input)
+        self.extra_chunks: list = []            # received extra rows, in order
+        self.num_extra = 0                      # rows received so far
+        self.extra_finished = False             # no more rows will come; pad_embed is used after them
+        self.pad_embed: Any = None
+
+    @property
+    def cacheable(self) -> bool:
+        """Only plain token-id sequences may share KV blocks through the prefix cache."""
+        return self.prompt_embeds is None and self.mrope_positions is None and not self.stream_extra
+
+    def max_computable(self, n: int) -> int:
+        """How many of the next n positions have all their inputs (extra rows) available."""
+        if not self.stream_extra or self.extra_finished:
+            return n
+        start = self.num_computed_tokens
+        return max(0, min(n, self.prompt_len + self.num_extra - start))
 
     def __len__(self) -> int:
         return len(self.token_ids)

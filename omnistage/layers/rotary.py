@@ -38,6 +38,7 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
+        self.section_rows: torch.Tensor | None = None   # multimodal rope: position row of each dim
 
     def build(self, device: torch.device) -> "RotaryEmbedding":
         inv_freq, scaling = rope_inv_freq(self.config)
@@ -45,12 +46,23 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * scaling).to(device)
         self.sin = (emb.sin() * scaling).to(device)
+        section = (getattr(self.config, "rope_parameters", None) or {}).get("mrope_section")
+        if section:
+            # Frequency chunk i takes its angle from position row i % 3 (temporal, height, width);
+            # the cos/sin halves are duplicated, so the map repeats for the second half.
+            rows = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])
+            self.section_rows = torch.cat([rows, rows]).to(device)
         return self
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, D], k [T, KVH, D], positions [T] -> rotated q, k."""
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        """q [T, H, D], k [T, KVH, D], positions [T] (or [3, T] for multimodal rope) -> rotated q, k."""
+        if positions.dim() == 2:
+            pick = self.section_rows.view(1, 1, -1).expand(1, positions.shape[1], -1)
+            cos = self.cos[positions].gather(0, pick)[0].to(q.dtype)[:, None, :]
+            sin = self.sin[positions].gather(0, pick)[0].to(q.dtype)[:, None, :]
+        else:
+            cos = self.cos[positions].to(q.dtype)[:, None, :]
+            sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from omnistage.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -31,3 +32,20 @@ def lookup(architecture: str) -> ModelInfo:
 
 def supported_architectures() -> list[str]:
     return sorted(_REGISTRY)
+
+
+# Components of multi-network checkpoints (e.g. the thinker or the talker of an omni model) that an AR
+# stage serves. A loader maps (model_dir, device, dtype, max_positions) to
+# (model, text_config, tokenizer or None, eos ids); it lives in the model's own file.
+_COMPONENTS: dict[str, Callable] = {}
+
+
+def register_component(name: str, loader: Callable) -> None:
+    _COMPONENTS[name] = loader
+
+
+def component_loader(name: str) -> Callable:
+    try:
+        return _COMPONENTS[name]
+    except KeyError:
+        raise ValueError(f"model component {name!r} is not registered; known: {', '.join(sorted(_COMPONENTS))}") from None

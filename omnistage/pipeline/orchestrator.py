@@ -40,7 +40,7 @@ def build_stage(spec: StageSpec):
     if spec.kind == "ar":
         from omnistage.ar.engine import AREngine
 
-        return AREngine(spec.model_dir, spec.engine)
+        return AREngine(spec.model_dir, spec.engine, component=(spec.options or {}).get("component"))
     if spec.kind == "diffusion":
         from omnistage.diffusion.engine import DiffusionEngine
 

@@ -7,11 +7,14 @@ derives everything else (block count, model dtype) from it and the checkpoint's 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# torch is imported only where a device or dtype is resolved, so that control-plane processes
+# (stage clients, the API server's argument parsing) start without paying for it.
+_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -42,15 +45,19 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
-    def resolve_device(self) -> torch.device:
+    def resolve_device(self) -> "torch.device":
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def resolve_dtype(self, checkpoint_dtype: Optional[torch.dtype], device: torch.device) -> torch.dtype:
+    def resolve_dtype(self, checkpoint_dtype: Optional["torch.dtype"], device: "torch.device") -> "torch.dtype":
         """`auto` keeps the checkpoint's dtype; on CPU half precision becomes bfloat16 (fp16 is slow there)."""
+        import torch
+
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+            return getattr(torch, self.dtype)
         dtype = checkpoint_dtype or torch.float32
         if device.type == "cpu" and dtype == torch.float16:
             return torch.bfloat16

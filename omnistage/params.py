@@ -7,7 +7,7 @@ naming the field and the allowed range; the HTTP layer turns that into a 400.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Optional, Union
 
 _GREEDY_EPS = 1e-5

@@ -8,15 +8,13 @@ aborted requests gave their KV blocks back.
 import asyncio
 import json
 import re
-import socket
-import threading
 import time
 from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from live_server import live_server
 
 API_KEY = "test-key"
 NAME = "tiny-qwen2"
@@ -36,21 +34,9 @@ def server(tmp_path_factory):
     model = make_tiny_lm(str(tmp_path_factory.mktemp("server") / "qwen2"), "qwen2")
     engine = AsyncOmni(model, device="cpu", dtype="float32")
     app = build_app(engine, NAME, api_key=API_KEY)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield SimpleNamespace(url=url, engine=engine, model=model, metrics=app.state.metrics)
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with live_server(app) as url:
+        yield SimpleNamespace(url=url, engine=engine, model=model, metrics=app.state.metrics)
     engine.close()
-    sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ random LM cascaded into the Piper TTS stage (the bundled real voice plus a slowe
 import base64
 import io
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -13,7 +11,7 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-import uvicorn
+from live_server import live_server
 
 pytest.importorskip("piper")
 sf = pytest.importorskip("soundfile")
@@ -31,20 +29,9 @@ def server(tiny_models):
 
     engine = AsyncOmni(tiny_models["llama"], device="cpu", dtype="float32", deploy_config=DEPLOY)
     app = build_app(engine, NAME)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.05)
-    yield SimpleNamespace(url=f"http://127.0.0.1:{sock.getsockname()[1]}", engine=engine)
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with live_server(app) as url:
+        yield SimpleNamespace(url=url, engine=engine)
     engine.close()
-    sock.close()
 
 
 @pytest.fixture(scope="module")

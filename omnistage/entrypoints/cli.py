@@ -26,6 +26,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step at most")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache pool size in blocks")
     p.add_argument("--seed", type=int, default=None, help="seed of unseeded sampled requests")
+    p.add_argument("--deploy-config", default=None, metavar="FILE.yaml",
+                   help="pipeline overrides: per-stage devices, engine sizes, chunking (see pipeline/deploy_config.py)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"))
 
 
@@ -65,11 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    names = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_kv_blocks", "seed")
-    return {k: getattr(args, k) for k in names if getattr(args, k) is not None}
-
-
 def _check_device(args: argparse.Namespace) -> None:
     if not (args.device in _DEVICES or args.device.startswith("cuda:")):
         raise SystemExit(f"omnistage: --device must be one of {', '.join(_DEVICES)} or cuda:N, got {args.device!r}")
@@ -77,10 +74,11 @@ def _check_device(args: argparse.Namespace) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from omnistage import SamplingParams
+    from omnistage.entrypoints.common import engine_kwargs_from_args
     from omnistage.entrypoints.omni import Omni
 
     try:
-        with Omni(model=args.model, device=args.device, dtype=args.dtype, **_engine_kwargs(args)) as omni:
+        with Omni(model=args.model, device=args.device, dtype=args.dtype, **engine_kwargs_from_args(args)) as omni:
             if omni.orchestrator.spec.main_stage.kind == "diffusion":
                 params = _diffusion_params(args)
             else:

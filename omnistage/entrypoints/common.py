@@ -53,6 +53,30 @@ def default_params_for(orch: Orchestrator, entry_stage: Optional[str] = None):
     return DiffusionParams if spec.kind == "diffusion" else SamplingParams
 
 
+class ChatRenderer:
+    """Chat messages -> the main stage's inputs: the pipeline's own renderer (`PipelineSpec.chat_renderer`,
+    e.g. an omni model's processor and media encoders) or else the tokenizer's chat template."""
+
+    def __init__(self, orch: Orchestrator):
+        self.custom = None
+        if orch.spec.chat_renderer:
+            import importlib
+
+            module, name = orch.spec.chat_renderer.split(":")
+            self.custom = getattr(importlib.import_module(module), name)(orch.spec)
+        self.tokenizer = orch.tokenizer
+
+    @property
+    def media_types(self) -> tuple[str, ...]:
+        """Content-part kinds besides text that messages may carry ("image", "audio")."""
+        return tuple(getattr(self.custom, "media_types", ()))
+
+    def __call__(self, messages: Sequence[dict], chat_template_kwargs: Optional[dict] = None) -> dict:
+        if self.custom is not None:
+            return self.custom(list(messages), chat_template_kwargs)
+        return render_chat(self.tokenizer, messages, chat_template_kwargs)
+
+
 def render_chat(tokenizer, messages: Sequence[dict], chat_template_kwargs: Optional[dict] = None,
                 add_generation_prompt: bool = True) -> dict:
     """Messages -> engine input through the model's chat template (no second BOS added)."""
@@ -61,3 +85,9 @@ def render_chat(tokenizer, messages: Sequence[dict], chat_template_kwargs: Optio
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
                                          **(chat_template_kwargs or {}))
     return {"prompt": text, "add_special_tokens": False}
+
+
+def engine_kwargs_from_args(args) -> dict:
+    """The engine options of parsed CLI arguments (`omnistage serve` / `generate`), for Omni / AsyncOmni."""
+    names = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_kv_blocks", "seed", "deploy_config")
+    return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}

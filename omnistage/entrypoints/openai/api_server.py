@@ -131,9 +131,9 @@ def run_server(args) -> None:
 
     from omnistage.entrypoints.async_omni import AsyncOmni
 
-    engine_kwargs = {k: getattr(args, k) for k in ("max_num_seqs", "max_model_len", "max_num_batched_tokens",
-                                                    "num_kv_blocks", "seed") if getattr(args, k, None) is not None}
-    engine = AsyncOmni(model=args.model, device=args.device, dtype=args.dtype, **engine_kwargs)
+    from omnistage.entrypoints.common import engine_kwargs_from_args
+
+    engine = AsyncOmni(model=args.model, device=args.device, dtype=args.dtype, **engine_kwargs_from_args(args))
     try:
         name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
         limits = MediaLimits(**{k: getattr(args, k) for k in ("max_image_pixels", "max_video_jobs")

@@ -29,6 +29,8 @@ def build_orchestrator(model: Optional[str], device: str, dtype: str, deploy_con
     if unknown:
         raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(_ENGINE_FIELDS)}")
     config = EngineConfig(device=device, dtype=dtype, **engine_kwargs)
+    if config.resolve_device().type == "cpu":
+        config.apply_cpu_threads()
     spec = apply_deploy_config(detect_pipeline(resolve_model(model), config), deploy_config)
     return Orchestrator(spec)
 

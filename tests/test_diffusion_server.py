@@ -273,3 +273,36 @@ def test_image_to_video_uploads(i2v):
     _idle(i2v.engine)
     assert _wait(c, c.videos.create(input_reference=ref, extra_body=dict(STEPS, num_frames=5), **kw).id).status \
         == "completed"
+
+
+# ---- image edits ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def image_edit(tmp_path_factory):
+    from omnistage.diffusion.tiny import DIFFUSION_TINY_BUILDERS
+
+    path = DIFFUSION_TINY_BUILDERS["qwen-image-edit"](str(tmp_path_factory.mktemp("qwen-image-edit")))
+    with _serve(path, "tiny-qwen-image-edit") as s:
+        yield s
+
+
+def test_images_edit_returns_an_edited_png(image_edit, tmp_path):
+    from omnistage import DiffusionParams, Omni
+
+    png = tmp_path / "in.png"
+    png.write_bytes(_png())                                                     # 40x24
+    c, extra = image_edit.client, dict(STEPS, seed=3, negative_prompt="blurry", true_cfg_scale=3.0)
+    with open(png, "rb") as f:
+        out = c.images.edit(model=image_edit.name, image=f, prompt="make it red", extra_body=extra)
+    assert out.size == "1312x800"                   # 1024^2 pixels at the input's aspect ratio, multiples of 32
+    got = Image.open(io.BytesIO(base64.b64decode(out.data[0].b64_json)))
+    assert got.format == "PNG" and got.size == (1312, 800)
+    small = c.images.edit(model=image_edit.name, image=("in.png", _png(), "image/png"), prompt="make it red",
+                          size="64x32", extra_body=extra)
+    with Omni(image_edit.model, device="cpu", dtype="float32") as omni:
+        ref = omni.generate([{"prompt": "make it red", "image": Image.open(io.BytesIO(_png()))}],
+                            DiffusionParams(height=32, width=64, **extra), use_tqdm=False)[0]
+    diff = np.abs(_pixels(small.data[0].b64_json).astype(int) - np.asarray(ref.images[0]).astype(int))
+    assert diff.max() <= 2                                                      # the server's edit is Omni's
+    two = lambda: c.images.edit(model=image_edit.name, image=[("a.png", _png(), "image/png")] * 2, prompt="x")
+    assert _status(two) == (400, "image")                                       # Qwen-Image-Edit takes one image
+    assert _status(lambda: c.images.generate(model=image_edit.name, prompt="x"))[0] == 400

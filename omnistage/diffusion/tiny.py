@@ -38,8 +38,12 @@ def _save(pipe, out_dir: str) -> str:
     return out_dir
 
 
-def _qwen25vl_text_encoder(vocab: int):
+def _qwen25vl_text_encoder(vocab: int, vision_ids: dict | None = None):
+    """`vision_ids` (image / video / vision start / vision end token ids) default to the vocabulary's top ids."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = vision_ids or dict(image_token_id=vocab - 1, video_token_id=vocab - 2, vision_start_token_id=vocab - 3,
+                             vision_end_token_id=vocab - 4)
 
     cfg = Qwen2_5_VLConfig(
         text_config=dict(vocab_size=vocab, hidden_size=_TINY_TEXT_DIM, intermediate_size=64, num_hidden_layers=2,
@@ -48,8 +52,7 @@ def _qwen25vl_text_encoder(vocab: int):
                                           "mrope_section": [2, 3, 3]}),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=_TINY_TEXT_DIM,
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[0]),
-        image_token_id=vocab - 1, video_token_id=vocab - 2, vision_start_token_id=vocab - 3,
-        vision_end_token_id=vocab - 4,
+        **ids,
     )
     return Qwen2_5_VLForConditionalGeneration(cfg).eval()
 
@@ -76,6 +79,36 @@ def build_qwen_image(out_dir: str, seed: int = 0) -> str:
     from diffusers import QwenImagePipeline
 
     return _save(QwenImagePipeline(**_qwen_image_parts(seed)), out_dir)
+
+
+_VISION_TOKENS = {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
+                  "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"}
+
+
+def build_qwen_image_edit(out_dir: str, seed: int = 0) -> str:
+    """Qwen-Image-Edit: the Qwen-Image parts with a VAE of 16x downscale (the condition image is encoded
+    at ~1024x1024 whatever the output size), a Qwen2VLProcessor whose image processor keeps ~1 vision
+    token per request, and the tiny tokenizer extended with the vision tokens of the prompt template."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageEditPipeline
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    parts = _qwen_image_parts(seed)
+    tok = parts["tokenizer"]
+    tok.add_special_tokens({"additional_special_tokens": list(_VISION_TOKENS.values())})
+    ids = {k: tok.convert_tokens_to_ids(v) for k, v in _VISION_TOKENS.items()}
+    torch.manual_seed(seed + 1)
+    parts["text_encoder"] = _qwen25vl_text_encoder(max(_vocab(tok), max(ids.values()) + 1), ids)
+    parts["vae"] = AutoencoderKLQwenImage(base_dim=4, z_dim=4, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=0,
+                                          temperal_downsample=[False] * 4, latents_mean=[0.1, -0.2, 0.0, 0.3],
+                                          latents_std=[1.5, 0.8, 1.0, 1.2])
+    with torch.no_grad():  # a random decoder this small maps any latents to one flat image: sharpen it
+        for name, p in parts["vae"].decoder.named_parameters():
+            if name.endswith("weight") and p.dim() == 5:
+                p.mul_(3.0)
+    small = dict(min_pixels=28 * 28, max_pixels=2 * 28 * 28, patch_size=14, merge_size=2, temporal_patch_size=2)
+    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**small), tokenizer=tok,
+                                 video_processor=Qwen2VLVideoProcessor(**small))
+    return _save(QwenImageEditPipeline(processor=processor, **parts), out_dir)
 
 
 def _clip_text(vocab: int, projection: bool, dim: int = _TINY_TEXT_DIM):
@@ -225,6 +258,7 @@ def build_wan_i2v(out_dir: str, seed: int = 0) -> str:
 
 DIFFUSION_TINY_BUILDERS: dict[str, Callable[[str], str]] = {
     "qwen-image": build_qwen_image,
+    "qwen-image-edit": build_qwen_image_edit,
     "flux": build_flux,
     "flux-schnell": build_flux_schnell,
     "sd3": build_sd3,

@@ -201,7 +201,8 @@ def _build_llms(out_dir: str) -> list[str]:
 
 # Diffusion kinds (`omnistage.diffusion.tiny.DIFFUSION_TINY_BUILDERS`); imported only when built,
 # so making a tiny LLM never imports diffusers.
-DIFFUSION_KINDS = ("qwen-image", "flux", "flux-schnell", "sd3", "z-image", "wan", "wan2.2", "wan-i2v")
+DIFFUSION_KINDS = ("qwen-image", "flux", "flux-schnell", "sd3", "z-image", "wan", "wan2.2", "wan-i2v",
+                   "qwen-image-edit")
 
 
 def _diffusion_builder(kind: str) -> Callable[[str], list[str]]:

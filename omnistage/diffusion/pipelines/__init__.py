@@ -11,6 +11,7 @@ import importlib
 # model_index `_class_name` -> "module:Class" of the family serving it
 FAMILIES: dict[str, str] = {
     "QwenImagePipeline": "qwen_image:QwenImageFamily",
+    "QwenImageEditPipeline": "qwen_image_edit:QwenImageEditFamily",
     "FluxPipeline": "flux:FluxFamily",
     "StableDiffusion3Pipeline": "sd3:SD3Family",
     "ZImagePipeline": "z_image:ZImageFamily",

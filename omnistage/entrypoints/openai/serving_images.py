@@ -279,6 +279,8 @@ class ServingImages(DiffusionServing):
         req = parse_fields(ImageRequest, fields)
         self.check_model(req.model, "image", with_image=True)
         params = self._image_params(req)
+        if parse_size(req.size, self.limits.max_image_pixels) == (None, None):
+            params = params.clone(height=None, width=None)     # no size: the model sizes it from the image
         uploads = files.get("image", [])
         if not uploads:
             raise OpenAIError(400, "image is required: upload one or more image files", param="image")
@@ -295,8 +297,10 @@ class ServingImages(DiffusionServing):
         out = await self.run(raw, inputs, params, f"img-{uuid.uuid4().hex}")
         fmt = (req.output_format or "png").lower()
         encoded = await asyncio.to_thread(lambda: [encode_image(im, fmt) for im in out.images])
+        # the images' own size: an edit model's default size follows the input image, unknown to `params`
+        width, height = out.images[0].size if out.images else (params.width, params.height)
         return {"created": int(time.time()), "data": [{"b64_json": base64.b64encode(b).decode()} for b in encoded],
-                "output_format": "jpeg" if fmt == "jpg" else fmt, "size": f"{params.width}x{params.height}"}
+                "output_format": "jpeg" if fmt == "jpg" else fmt, "size": f"{width}x{height}"}
 
 
 def register_image_routes(app: FastAPI, engine: Any, served_model_name: str, metrics: Any = None,

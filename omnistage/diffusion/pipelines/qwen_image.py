@@ -84,13 +84,17 @@ class QwenImageFamily(ImageFamily):
         noise = seeded_noise((task.num_images, 1, c, h, w), task.generator, self.device, self.dtype)
         task.latents = pack(noise[:, 0])
 
+    def img_shapes(self, task) -> list[tuple[int, int, int]]:
+        """The (frames, rows, cols) grids of the packed image tokens of one row, in sequence order."""
+        h, w = task.static["latent_hw"]
+        return [(1, h // 2, w // 2)]
+
     def denoise(self, key, x, t, conds, row_tasks) -> torch.Tensor:
         embeds, img_shapes = [], []
         for cond, task in zip(conds, row_tasks):
-            h, w = task.static["latent_hw"]
             for _ in range(task.num_images):
                 embeds.append(cond.embeds)
-                img_shapes.append([(1, h // 2, w // 2)])
+                img_shapes.append(self.img_shapes(task))
         text, mask = pad_stack(embeds)
         guidance = None
         if self.transformer.config.guidance_embeds:

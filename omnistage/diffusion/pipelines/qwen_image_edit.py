@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from omnistage.diffusion.pipelines.base import assign_conds, cfg_prompts, pad_stack
+from omnistage.diffusion.pipelines.base import assign_conds, cfg_prompts
 from omnistage.diffusion.pipelines.qwen_image import QwenImageFamily, pack
 from omnistage.diffusion.task import Conditioning, DiffusionTask
 from omnistage.params import DiffusionParams
@@ -122,18 +122,10 @@ class QwenImageEditFamily(QwenImageFamily):
     def model_input(self, task: DiffusionTask) -> torch.Tensor:
         return torch.cat([task.latents, task.static["condition"]], dim=1)
 
+    def img_shapes(self, task) -> list[tuple[int, int, int]]:
+        lh, lw = task.static["cond_hw"]
+        return super().img_shapes(task) + [(1, lh // 2, lw // 2)]
+
     def denoise(self, key, x, t, conds, row_tasks) -> torch.Tensor:
-        embeds, img_shapes = [], []
-        for cond, task in zip(conds, row_tasks):
-            (h, w), (lh, lw) = task.static["latent_hw"], task.static["cond_hw"]
-            for _ in range(task.num_images):
-                embeds.append(cond.embeds)
-                img_shapes.append([(1, h // 2, w // 2), (1, lh // 2, lw // 2)])
-        text, mask = pad_stack(embeds)
-        guidance = None
-        if self.transformer.config.guidance_embeds:
-            g = [task.params.guidance_scale or 1.0 for task in row_tasks for _ in range(task.num_images)]
-            guidance = torch.tensor(g, dtype=torch.float32, device=self.device)
-        out = self.transformer(hidden_states=x, timestep=t, guidance=guidance, encoder_hidden_states=text,
-                               encoder_hidden_states_mask=mask, img_shapes=img_shapes, return_dict=False)[0]
+        out = super().denoise(key, x, t, conds, row_tasks)
         return out[:, : key[0][0]]                  # the noisy tokens; the condition's outputs are unused

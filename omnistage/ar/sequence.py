@@ -54,8 +54,10 @@ class Sequence:
 
     @property
     def cacheable(self) -> bool:
-        """Only plain token-id sequences may share KV blocks through the prefix cache."""
-        return self.prompt_embeds is None and self.mrope_positions is None and not self.stream_extra
+        """Only plain token-id sequences may share KV blocks through the prefix cache (a sequence that
+        reports hidden states must compute every position itself)."""
+        return (self.prompt_embeds is None and self.mrope_positions is None and not self.stream_extra
+                and not self.return_hidden)
 
     def max_computable(self, n: int) -> int:
         """How many of the next n positions have all their inputs (extra rows) available."""

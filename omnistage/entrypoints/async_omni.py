@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional
 
-from omnistage.entrypoints.common import build_orchestrator, default_params_for, render_chat
+from omnistage.entrypoints.common import ChatRenderer, build_orchestrator, default_params_for
 from omnistage.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ class _Stream:
 class AsyncOmni:
     def __init__(self, model: Optional[str] = None, device: str = "auto", dtype: str = "auto", **engine_kwargs):
         self.orchestrator = build_orchestrator(model, device, dtype, **engine_kwargs)
+        self._renderer = ChatRenderer(self.orchestrator)
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
@@ -72,16 +73,27 @@ class AsyncOmni:
     @property
     def speech_stage(self) -> Optional[str]:
         """Name of the stage that turns text into speech (entry stage for /v1/audio/speech), or None."""
-        found = self.orchestrator.stage_for("audio")
-        return found[0] if found is not None and hasattr(found[1], "voices") else None
+        from omnistage.codec.speech import TTSParams
+
+        found = self.orchestrator.stage_for("audio")          # a vocoder fed codec ids does not read text
+        if found is None or not hasattr(found[1], "voices") or getattr(found[1], "params_type", None) is not TTSParams:
+            return None
+        return found[0]
 
     def voices(self) -> list[dict]:
         """Voices of the speech stage: [{id, name, sample_rate, language, ...}] (empty without one)."""
         found = self.orchestrator.stage_for("audio")
         return found[1].voices() if found is not None and hasattr(found[1], "voices") else []
 
+    @property
+    def media_types(self) -> tuple[str, ...]:
+        """Kinds of chat content parts besides text that the model reads ("image", "audio")."""
+        return self._renderer.media_types
+
     def render_chat(self, messages, chat_template_kwargs: Optional[dict] = None) -> dict:
-        return render_chat(self.tokenizer, messages, chat_template_kwargs)
+        """Messages -> the main stage's inputs (media parts decoded already; may run encoders: call
+        it off the event loop when there is media)."""
+        return self._renderer(messages, chat_template_kwargs)
 
     def stats(self) -> dict[str, float]:
         """Engine gauges as of the last step (running, waiting, kv_cache_usage, ...)."""

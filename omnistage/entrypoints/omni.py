@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence
 
 from tqdm import tqdm
 
-from omnistage.entrypoints.common import build_orchestrator, default_params_for, per_prompt, render_chat
+from omnistage.entrypoints.common import ChatRenderer, build_orchestrator, default_params_for, per_prompt
 from omnistage.outputs import RequestOutput
 
 
@@ -20,6 +20,7 @@ class Omni:
 
     def __init__(self, model: Optional[str] = None, device: str = "auto", dtype: str = "auto", **engine_kwargs):
         self.orchestrator = build_orchestrator(model, device, dtype, **engine_kwargs)
+        self.render_chat = ChatRenderer(self.orchestrator)
         self._ids = itertools.count()
 
     @property
@@ -54,9 +55,11 @@ class Omni:
         """One conversation (a list of message dicts) or a list of conversations.
 
         `prompt_fields` go into each prompt dict: `modalities=["text", "audio"]`, `voice="joe"`.
+        Models with media input (omni) also read image and audio parts:
+        `{"type": "image", "image": PIL image}`, `{"type": "audio", "audio": (samples, sample_rate)}`.
         """
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [dict(render_chat(self.tokenizer, c, chat_template_kwargs), **prompt_fields) for c in convs]
+        prompts = [dict(self.render_chat(c, chat_template_kwargs), **prompt_fields) for c in convs]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:

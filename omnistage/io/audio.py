@@ -5,6 +5,7 @@ In: mono float32 samples in [-1, 1] and their sample rate. Out: bytes of a whole
 16-bit little-endian samples; a streamed WAV is a header whose sizes say "unknown length"
 (0xFFFFFFFF, as streaming servers write it; libsndfile, ffmpeg and browsers read to the end) followed
 by PCM; FLAC needs the whole signal for its header, so a FLAC stream is sent as one piece at the end.
+`decode_audio` reads an uploaded file (chat audio input) back into mono float32 samples.
 """
 
 from __future__ import annotations
@@ -78,3 +79,26 @@ class AudioStreamEncoder:
             samples = np.concatenate(self._held) if self._held else np.zeros(0, np.float32)
             return encode_audio(samples, self.sample_rate, "flac")
         return self.encode(np.zeros(0, np.float32)) if not self._started else b""
+
+
+DEFAULT_MAX_AUDIO_BYTES = 25 * 1024 * 1024      # OpenAI's audio upload limit
+
+
+def decode_audio(data: bytes, max_bytes: int = DEFAULT_MAX_AUDIO_BYTES, field: str = "audio") -> tuple[np.ndarray, int]:
+    """Untrusted audio file bytes (WAV, FLAC, OGG, MP3: what libsndfile reads) -> (float32 mono, rate).
+
+    Raises ValueError with a message fit for a 4xx when the payload is empty, too large or unreadable.
+    """
+    import soundfile as sf
+
+    if not isinstance(data, (bytes, bytearray)) or len(data) == 0:
+        raise ValueError(f"{field} is empty or not bytes")
+    if len(data) > max_bytes:
+        raise ValueError(f"{field} is {len(data)} bytes; the limit is {max_bytes} bytes")
+    try:
+        samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except Exception as e:                      # libsndfile raises several types for bad input
+        raise ValueError(f"{field} could not be decoded as audio ({type(e).__name__}: {e})") from None
+    if samples.shape[0] == 0:
+        raise ValueError(f"{field} has no samples")
+    return np.ascontiguousarray(samples.mean(axis=1), dtype=np.float32), int(rate)

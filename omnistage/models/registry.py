@@ -45,6 +45,15 @@ def register_component(name: str, loader: Callable) -> None:
 
 
 def component_loader(name: str) -> Callable:
+    """Loaders live in `omnistage.models.<family>.stages` for a name "<family>.<part>"; importing
+    that module registers them (so a fresh stage process finds them too)."""
+    if name not in _COMPONENTS:
+        import importlib
+
+        try:
+            importlib.import_module(f"omnistage.models.{name.split('.')[0]}.stages")
+        except ImportError:
+            pass
     try:
         return _COMPONENTS[name]
     except KeyError:

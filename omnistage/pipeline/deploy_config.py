@@ -18,6 +18,7 @@ stages:
   # talker: {enabled: false}            # drop a stage and its edges
 edges:
   - {src: llm, dst: tts, chunk_size: 2, first_chunk_size: 1}   # null chunk_size = whole output
+  # - {src: thinker, dst: talker, options: {default_voice: Ethan}}  # edge-adapter settings (merged)
 ```
 Unknown stages, edges and keys are errors that name the allowed values.
 """
@@ -32,7 +33,7 @@ from omnistage.pipeline.spec import PipelineSpec, StageSpec
 
 _ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)}
 _STAGE_KEYS = {"options", "params", "enabled", "final_output", "model_dir", "runner"}
-_EDGE_KEYS = {"src", "dst", "chunk_size", "first_chunk_size", "adapter"}
+_EDGE_KEYS = {"src", "dst", "chunk_size", "first_chunk_size", "adapter", "options"}
 
 
 def load_deploy_config(path: str) -> dict[str, Any]:
@@ -93,7 +94,9 @@ def apply_deploy_config(spec: PipelineSpec, config: Union[str, dict[str, Any], N
             raise ValueError(f"deploy config: edge must be one of {[f'{e.src}->{e.dst}' for e in edges]}, "
                              f"got {item['src']}->{item['dst']}")
         changes = {k: v for k, v in item.items() if k not in ("src", "dst")}
+        if "options" in changes:                # merged, like stage options
+            changes["options"] = {**edges[match[0]].options, **(changes["options"] or {})}
         if changes.get("chunk_size", edges[match[0]].chunk_size) is None:
             changes["first_chunk_size"] = None
         edges[match[0]] = dataclasses.replace(edges[match[0]], **changes)
-    return PipelineSpec(stages, edges)
+    return PipelineSpec(stages, edges, spec.chat_renderer)

@@ -7,7 +7,10 @@ cumulative `RequestOutput`s, one per request that changed, in each request's ord
 Per step, every stage with work runs one engine step, upstream first. Each output is routed along
 the edges of its stage to the downstream stages the request uses: a streaming edge forwards new
 units (sentences, tokens) as soon as a piece of the edge's chunk size is complete, so a downstream
-stage starts before its upstream finishes; a whole-output edge forwards once at the end. The
+stage starts before its upstream finishes; a whole-output edge forwards once at the end. Each
+edge has one adapter, built at start-up (`adapters.build_adapter`); it is called with an
+`EdgeContext` held per request and edge (the request's fields and entry inputs, the adapter's
+memory). An adapter or downstream stage that raises fails only that request (`pop_errors`). The
 request's outputs of its final stages are merged into one `RequestOutput`: the entry stage's
 prompt, token ids and metrics; text from the stage that produces text, audio / images / video from
 the stages that produce them. Completion finish reasons are held back until every stage of the
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omnistage.outputs import RequestOutput
-from omnistage.pipeline.adapters import get_adapter
+from omnistage.pipeline.adapters import EdgeContext, build_adapter
 from omnistage.pipeline.spec import EdgeSpec, PipelineSpec, StageSpec
 from omnistage.pipeline.stage import StageDeadError, StageOutput, Streamable
 
@@ -73,14 +76,17 @@ class _Route:
     latest: dict[str, RequestOutput] = field(default_factory=dict)  # stage -> its latest cumulative output
     sent: dict[tuple[str, str], int] = field(default_factory=dict)  # (src, dst) -> units forwarded
     closed: set[tuple[str, str]] = field(default_factory=set)       # edges whose last piece was sent
+    fields: dict[str, Any] = field(default_factory=dict)             # request-level prompt fields (voice, ...)
+    inputs: Any = None                                               # what the request entered with
+    memory: dict[tuple[str, str], dict] = field(default_factory=dict)  # (src, dst) -> edge adapter's state
 
 
 class Orchestrator:
     def __init__(self, spec: PipelineSpec, stages: Optional[dict[str, Any]] = None):
         """`stages`: engines already built (or stage clients), by stage name; the rest are built here."""
         self.spec = spec
-        for e in spec.edges:
-            get_adapter(e.adapter)              # fail at start-up on a misspelled adapter
+        # one adapter per edge, built now: a misspelled adapter or bad options fail at start-up
+        self.adapters = {(e.src, e.dst): build_adapter(e.adapter, e.options) for e in spec.edges}
         given = stages or {}
         self.stages = {s.name: given[s.name] if s.name in given else build_stage(s) for s in spec.stages}
         for e in spec.edges:
@@ -127,10 +133,25 @@ class Orchestrator:
             check = getattr(self.stages[name], "check_params", None)
             if check is not None and name != entry:
                 check(chosen[name])
-        route = _Route(entry, names, chosen, arrival_time or time.time())
+        inputs = self._with_upstream_inputs(entry, names, inputs)
+        route = _Route(entry, names, chosen, arrival_time or time.time(), fields=fields, inputs=inputs)
         self.stages[entry].add_request(request_id, inputs, chosen[entry], route.arrival)
         route.started.add(entry)
         self.routes[request_id] = route
+
+    def _with_upstream_inputs(self, entry: str, names: list[str], inputs: Any) -> Any:
+        """The entry stage's inputs plus what the adapters of the request's edges from it ask for."""
+        extra: dict[str, Any] = {}
+        for e in self.spec.edges_from(entry):
+            if e.dst in names:
+                extra.update(getattr(self.adapters[(e.src, e.dst)], "upstream_inputs", None) or {})
+        if not extra:
+            return inputs
+        if isinstance(inputs, str):
+            inputs = {"prompt": inputs}
+        elif isinstance(inputs, (list, tuple)):
+            inputs = {"prompt_token_ids": list(inputs)}
+        return {**inputs, **extra} if isinstance(inputs, dict) else inputs
 
     def abort(self, request_id: str) -> None:
         route = self.routes.pop(request_id, None)
@@ -167,8 +188,10 @@ class Orchestrator:
                 if out.finished:
                     route.done.add(spec.name)
                 for edge in self.spec.edges_from(spec.name):
-                    if edge.dst in route.stages:
-                        self._forward(edge, route, out)
+                    if edge.dst in route.stages and not self._forward(edge, route, out):
+                        break                   # the request failed on this edge
+                if out.request_id not in self.routes:
+                    continue
                 if spec.final_output is not None or out.finished:
                     changed[out.request_id] = None
         outputs = []
@@ -195,13 +218,23 @@ class Orchestrator:
         errors, self._errors = self._errors, []
         return errors
 
-    def _forward(self, edge: EdgeSpec, route: _Route, out: StageOutput) -> None:
+    def _forward(self, edge: EdgeSpec, route: _Route, out: StageOutput) -> bool:
+        """Routes one output along one edge; False when that failed the request (see `pop_errors`)."""
+        try:
+            self._forward_unchecked(edge, route, out)
+        except Exception as e:                  # a bad request or a stage refusing its input: only it fails
+            self._fail(out.request_id, e)
+            return False
+        return True
+
+    def _forward_unchecked(self, edge: EdgeSpec, route: _Route, out: StageOutput) -> None:
         key = (edge.src, edge.dst)
         if key in route.closed:
             return
         if not edge.streaming and not out.finished:
             return
-        x = get_adapter(edge.adapter)(out)
+        ctx = EdgeContext(route.fields, route.inputs, route.memory.setdefault(key, {}))
+        x = self.adapters[key](out, ctx)
         if x is None:
             return
         if not isinstance(x, Streamable):       # a whole input: sent once, at the end
@@ -218,6 +251,10 @@ class Orchestrator:
             end = n
         last = x.finished and end == n
         route.sent[key] = end
+        head = getattr(x, "head_units", None)   # units a downstream request may start with, at most
+        if head is not None and edge.dst not in route.started and sent + head < end:
+            self._send(edge.dst, route, out.request_id, x.slice(sent, sent + head, False), False)
+            sent += head
         self._send(edge.dst, route, out.request_id, x.slice(sent, end, last), last)
         if last:
             route.closed.add(key)

@@ -53,6 +53,7 @@ class EdgeSpec:
     adapter: str                                # registered adapter turning src output into dst input
     chunk_size: Optional[int] = None            # stream every N units (sentences, tokens); None = whole output once
     first_chunk_size: Optional[int] = None      # units in the first piece (smaller = earlier start); None = chunk_size
+    options: dict[str, Any] = field(default_factory=dict)  # settings of an edge adapter (e.g. its checkpoint)
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "first_chunk_size"):
@@ -76,6 +77,8 @@ class EdgeSpec:
 class PipelineSpec:
     stages: list[StageSpec]                     # in dependency order: every edge goes forward in this list
     edges: list[EdgeSpec] = field(default_factory=list)
+    chat_renderer: Optional[str] = None         # "module:factory" turning chat messages (text, image, audio
+    # parts) into the main stage's inputs, built by the entry point; None = the tokenizer's chat template
 
     def __post_init__(self) -> None:
         names = [s.name for s in self.stages]
@@ -138,6 +141,12 @@ class PipelineSpec:
                 if s.name in reach and (s.name == entry or self._reachable(s.name) & targets)]
 
 
+# config.json model_type -> "module:function" building the model's own pipeline from (model_dir, engine)
+MULTI_STAGE_MODELS = {
+    "qwen2_5_omni": "omnistage.models.qwen2_5_omni.pipeline:omni_pipeline",
+}
+
+
 def tts_cascade(llm: StageSpec) -> PipelineSpec:
     """`llm` followed by the installed TTS back end, streaming one sentence at a time (if installed)."""
     from omnistage.codec import default_tts_backend
@@ -159,7 +168,13 @@ def detect_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
     if not os.path.exists(cfg_path):
         raise ValueError(f"{model_dir} has neither config.json (transformers) nor model_index.json (diffusers)")
     with open(cfg_path) as f:
-        arch = (json.load(f).get("architectures") or ["?"])[0]
+        config = json.load(f)
+    if config.get("model_type") in MULTI_STAGE_MODELS:
+        import importlib
+
+        module, fn = MULTI_STAGE_MODELS[config["model_type"]].split(":")
+        return getattr(importlib.import_module(module), fn)(model_dir, engine)
+    arch = (config.get("architectures") or ["?"])[0]
     from omnistage.models.registry import lookup
 
     lookup(arch)                                # raises a clear error for unsupported architectures

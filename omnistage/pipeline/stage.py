@@ -44,6 +44,8 @@ class Streamable(Protocol):
     """
 
     finished: bool                              # upstream will add no more units
+    # Optional: `head_units` (int), the most units the piece that starts the downstream request
+    # (`add_request`) may hold; the rest of what is ready follows at once through `add_input`.
 
     def __len__(self) -> int: ...               # units available so far
 

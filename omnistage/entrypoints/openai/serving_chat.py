@@ -1,8 +1,10 @@
 """POST /v1/chat/completions (event-loop thread of the API server).
 
 In: a `ChatCompletionRequest`; message content is a string or a list of parts, of which text
-models read only the text parts (joined with newlines) and refuse media parts with a 400. The
-messages go through the model's chat template (`AsyncOmni.render_chat`). Out: a
+models read only the text parts (joined with newlines) and refuse media parts with a 400; models
+that read media (`AsyncOmni.media_types`, e.g. Qwen2.5-Omni: image and audio) get image_url /
+input_audio / audio_url parts decoded (`chat_media`, base64 only) and rendered off the event loop.
+The messages go through the model's chat renderer (`AsyncOmni.render_chat`). Out: a
 `ChatCompletionResponse` with usage, or an SSE stream of `chat.completion.chunk`s: a role chunk
 per choice, content deltas, `finish_reason` on each choice's last chunk, an optional usage chunk,
 then `[DONE]`. With `"modalities": ["text", "audio"]` (a pipeline with a speech stage) the
@@ -11,6 +13,7 @@ message gains `audio` and the stream `delta.audio` chunks (`serving_speech.ChatA
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 import uuid
@@ -20,6 +23,7 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from omnistage.entrypoints.openai import chat_media
 from omnistage.entrypoints.openai.errors import OpenAIError, bad_request
 from omnistage.entrypoints.openai.protocol import (ChatChoice, ChatChoiceLogprobs, ChatCompletionChunk,
                                                    ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
@@ -81,7 +85,8 @@ class ServingChat(OpenAIServing):
         audio = ChatAudio.from_request(self.engine, req.modalities, req.audio)   # None: text only
         if audio is not None and (req.n or 1) > 1:
             raise OpenAIError(400, "n must be 1 when modalities include \"audio\"", param="n")
-        messages = [self._message(m) for m in req.messages]
+        media = tuple(getattr(self.engine, "media_types", ()))
+        messages = [self._message(m, media, f"messages[{i}]") for i, m in enumerate(req.messages)]
         if not messages:
             raise OpenAIError(400, "messages must not be empty", param="messages")
         try:
@@ -89,7 +94,10 @@ class ServingChat(OpenAIServing):
         except ValueError as e:
             raise bad_request(e, req.field_names()) from e
         try:
-            prompt = self.engine.render_chat(messages, req.chat_template_kwargs)
+            if any(isinstance(m["content"], list) for m in messages):   # media: encoders run in a thread
+                prompt = await asyncio.to_thread(self.engine.render_chat, messages, req.chat_template_kwargs)
+            else:
+                prompt = self.engine.render_chat(messages, req.chat_template_kwargs)
         except Exception as e:                  # template errors (e.g. roles must alternate) are the caller's
             raise OpenAIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
         if audio is not None:
@@ -107,19 +115,25 @@ class ServingChat(OpenAIServing):
         return JSONResponse(response.model_dump())
 
     @staticmethod
-    def _message(msg: ChatMessage) -> dict:
+    def _message(msg: ChatMessage, media: tuple[str, ...] = (), field: str = "messages") -> dict:
+        """Text parts joined (text models), or a list of text and decoded media parts (media models)."""
         content = msg.content
         if isinstance(content, list):
-            texts = []
+            texts, parts = [], []
             for part in content:
                 if part.type == "text":
                     texts.append(part.text or "")
+                    parts.append({"type": "text", "text": part.text or ""})
+                elif chat_media.kind(part.type) and chat_media.kind(part.type) in media:
+                    parts.append(chat_media.decode_part(part, f"{field}.content"))
                 elif part.type in _MEDIA_PARTS:
                     raise OpenAIError(400, f"this model does not read {_MEDIA_PARTS[part.type]}",
                                       param="messages")
                 else:
                     raise OpenAIError(400, f"content part type {part.type!r} is not supported; use \"text\"",
                                       param="messages")
+            if len(parts) > len(texts):         # media present: the renderer takes the parts
+                return {"role": msg.role, "content": parts}
             content = "\n".join(texts)
         return {"role": msg.role, "content": content or ""}
 

@@ -71,8 +71,10 @@ def _audio(part: dict, rate: int) -> np.ndarray:
     return samples
 
 
-def build_thinker_inputs(processor, messages: list[dict], add_generation_prompt: bool = True) -> ThinkerInputs:
-    """Renders `messages` with the checkpoint's chat template and runs its processor (see module doc)."""
+def build_thinker_inputs(processor, messages: list[dict], add_generation_prompt: bool = True,
+                         **template_kwargs) -> ThinkerInputs:
+    """Renders `messages` with the checkpoint's chat template (extra keywords go to the template)
+    and runs its processor (see module doc)."""
     rate = processor.feature_extractor.sampling_rate
     images, audios, rendered = [], [], []
     for message in messages:
@@ -95,7 +97,8 @@ def build_thinker_inputs(processor, messages: list[dict], add_generation_prompt:
                 raise ValueError(f"message part type must be one of text, {', '.join(_IMAGE_TYPES + _AUDIO_TYPES)}; "
                                  f"got {kind!r}")
         rendered.append({**message, "content": parts})
-    text = processor.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tokenize=False)
+    text = processor.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                         **template_kwargs)
     batch = processor(text=text, images=images or None, audio=audios or None, return_tensors="pt")
     features = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask") and torch.is_tensor(v)}
     return ThinkerInputs(text, batch["input_ids"], batch["attention_mask"], features)

@@ -1,0 +1,230 @@
+"""Qwen2.5-Omni streaming speech on one GPU: time to first audio packet and real-time factor.
+
+Builds once (under --work, default /tmp/omnibench) a random-weight bf16 checkpoint in the real
+layout with Qwen2.5-Omni-7B's shape -- random weights time exactly like real ones:
+  thinker  Qwen2-7B text decoder: hidden 3584, 28 layers, 28 heads, 4 KV heads, MLP 18944, vocab 152064
+  talker   the 7B checkpoint's talker_config: hidden 896, 24 layers, 12 heads, 4 KV heads, head_dim 128,
+           MLP 18944, codec vocab 8448, input width (embedding_size) 3584
+  token2wav transformers' defaults (DiT 22 layers x 1024, BigVGAN 1536 channels); the DiT's codec
+           table covers all 8448 talker ids (real: 8194) so random codes always decode (same speed)
+  encoders tiny (the prompts are text), the tiny tokenizer / processor (ids below 800), two voices.
+Then, through `AsyncOmni` (thinker, talker, code2wav in one process on one GPU, streaming edges),
+N concurrent requests (N = 1, 4, 8), each: a chat prompt, THINKER_TOKENS text tokens (EOS ignored),
+TALKER_CODES codec ids (stop codes banned) = TALKER_CODES / 50 s of audio, measured per request:
+  TTFA  request arrival -> the first audio samples reach the caller
+  RTF   (last audio samples - arrival) / seconds of audio; below 1 = faster than real time
+and transformers' `Qwen2_5OmniForConditionalGeneration.generate` on the same weights for 1
+request (not streaming: its first audio is its whole answer). Prints a markdown table last.
+
+    python benchmarks/omni_bench.py [--work /tmp/omnibench] [--out results.json]
+    python benchmarks/omni_bench.py --smoke          # tiny checkpoint, CPU, seconds (a test runs it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+from typing import Any, Optional
+
+import torch
+
+CODEC_STOPS = (8292, 8293, 8294)                # pad, bos, eos: banned so every answer has the same length
+SAMPLE_RATE = 24000
+
+
+def omni_7b_config(ids: dict[str, int]):
+    """`Qwen2_5OmniConfig` of the 7B's shape (see the module docstring); `ids`: tiny tokenizer ids."""
+    from transformers import Qwen2_5OmniConfig
+
+    mrope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}
+    marks = dict(audio_token_index=ids["audio_token"], image_token_index=ids["image_token"],
+                 video_token_index=ids["video_token"], audio_start_token_id=ids["audio_bos_token"],
+                 audio_end_token_id=ids["audio_eos_token"], vision_start_token_id=ids["vision_bos_token"],
+                 vision_end_token_id=ids["vision_eos_token"])
+    text = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                rope_parameters=mrope, tie_word_embeddings=False, eos_token_id=ids["im_end"],
+                pad_token_id=ids["endoftext"])
+    audio = dict(num_mel_bins=128, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64, d_model=32,
+                 output_dim=3584, max_source_positions=1500, n_window=100)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=112, out_hidden_size=3584, fullatt_block_indexes=[0])
+    talker = dict(vocab_size=8448, embedding_size=3584, hidden_size=896, intermediate_size=18944,
+                  num_hidden_layers=24, num_attention_heads=12, num_key_value_heads=4, head_dim=128,
+                  max_position_embeddings=32768, rms_norm_eps=1e-6, rope_parameters=mrope, **marks)
+    return Qwen2_5OmniConfig(
+        thinker_config=dict(text_config=text, audio_config=audio, vision_config=vision, **marks),
+        talker_config=talker, token2wav_config={"dit_config": {"num_embeds": 8447}, "bigvgan_config": {}})
+
+
+def build_checkpoint(path: str) -> str:
+    """The random 7B-shape folder (kept across runs)."""
+    from transformers import GenerationConfig, Qwen2_5OmniForConditionalGeneration
+
+    from omnistage.models.qwen2_5_omni import tiny
+
+    if os.path.exists(os.path.join(path, "spk_dict.pt")):
+        return path
+    tokenizer = tiny.make_omni_tokenizer()
+    ids = tiny._token_ids(tokenizer)
+    config = omni_7b_config(ids)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen2_5OmniForConditionalGeneration._from_config(config, dtype=torch.bfloat16).eval()
+    eos = [ids["im_end"], ids["endoftext"]]
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=ids["endoftext"])
+    model.save_pretrained(path)
+    torch.save(tiny.make_speakers(config, torch.Generator().manual_seed(1)), os.path.join(path, "spk_dict.pt"))
+    tiny.make_processor(tokenizer).save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()
+    return path
+
+
+MESSAGES = [{"role": "system", "content": "You are a helpful voice assistant. Answer in a few sentences."},
+            {"role": "user", "content": "Tell me about the harbour town where you grew up, and the market there."}]
+
+
+def stage_params(thinker_tokens: int, talker_codes: int) -> list:
+    from omnistage import SamplingParams
+
+    thinker = SamplingParams(max_tokens=thinker_tokens, temperature=0.7, ignore_eos=True, seed=0)
+    talker = SamplingParams(max_tokens=talker_codes, temperature=0.9, top_k=40, top_p=0.8, repetition_penalty=1.05,
+                            bad_token_ids=list(CODEC_STOPS), seed=0)
+    return [thinker, talker, None]
+
+
+async def one_request(engine, prompt: dict, params: list, voice: str) -> dict[str, float]:
+    start = time.perf_counter()
+    first = last = None
+    samples = text = 0
+    async for out in engine.generate(dict(prompt, modalities=["text", "audio"], voice=voice), params[0],
+                                     sampling_params_list=params):
+        n = 0 if out.audio is None else out.audio.samples.size
+        if n > samples:
+            last = time.perf_counter()
+            first = first or last
+            samples = n
+        text = len(out.outputs[0].token_ids)
+    audio_s = samples / SAMPLE_RATE
+    return {"ttfa_s": first - start, "rtf": (last - start) / audio_s, "audio_s": audio_s, "text_tokens": text,
+            "seconds": last - start}
+
+
+async def concurrent(engine, prompt: dict, n: int, params: list) -> dict[str, Any]:
+    voices = [v["id"] for v in engine.voices()]
+    start = time.perf_counter()
+    runs = await asyncio.gather(*(one_request(engine, prompt, params, voices[i % len(voices)]) for i in range(n)))
+    wall = time.perf_counter() - start
+    ttfa = [r["ttfa_s"] for r in runs]
+    return {"concurrency": n, "ttfa_mean_s": statistics.mean(ttfa), "ttfa_max_s": max(ttfa),
+            "rtf_mean": statistics.mean(r["rtf"] for r in runs), "rtf_max": max(r["rtf"] for r in runs),
+            "audio_s_per_request": runs[0]["audio_s"], "audio_s_per_wall_s": sum(r["audio_s"] for r in runs) / wall,
+            "wall_s": wall}
+
+
+def bench_ours(path: str, device: str, dtype: str, levels: list[int], thinker_tokens: int,
+               talker_codes: int, deploy: Optional[dict] = None) -> list[dict]:
+    from omnistage.entrypoints.async_omni import AsyncOmni
+
+    engine = AsyncOmni(path, device=device, dtype=dtype, deploy_config=deploy)
+    try:
+        prompt = engine.render_chat(MESSAGES)
+        warm = stage_params(8, 48)
+        asyncio.run(concurrent(engine, prompt, 2, warm))      # compile / allocate outside the timings
+        return [asyncio.run(concurrent(engine, prompt, n, stage_params(thinker_tokens, talker_codes)))
+                for n in levels]
+    finally:
+        engine.close()
+
+
+def bench_hf(path: str, device: str, dtype: torch.dtype, thinker_tokens: int, talker_codes: int) -> dict:
+    """transformers' whole-answer `generate`, 1 request, same lengths (sampled, EOS and stops held back)."""
+    from transformers import AutoProcessor, Qwen2_5OmniForConditionalGeneration
+
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device).eval()
+    processor = AutoProcessor.from_pretrained(path)
+    text = processor.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=text, return_tensors="pt").to(device)
+    timings = []
+    for tokens, codes in ((4, 24), (thinker_tokens, talker_codes)):   # the first call warms up
+        torch.manual_seed(0)
+        start = time.perf_counter()
+        _, wav = model.generate(**inputs, speaker="Chelsie", thinker_max_new_tokens=tokens,
+                                thinker_min_new_tokens=tokens, talker_max_new_tokens=codes,
+                                talker_min_new_tokens=codes)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        timings.append((time.perf_counter() - start, wav.numel() / SAMPLE_RATE))
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    seconds, audio_s = timings[-1]
+    return {"concurrency": 1, "ttfa_mean_s": seconds, "ttfa_max_s": seconds, "rtf_mean": seconds / audio_s,
+            "rtf_max": seconds / audio_s, "audio_s_per_request": audio_s, "audio_s_per_wall_s": audio_s / seconds,
+            "wall_s": seconds}
+
+
+def table(res: dict) -> str:
+    rows = [f"| engine, concurrent requests ({res['shape']}, {res['device']}) | TTFA mean s | TTFA max s | "
+            "RTF mean | RTF max | audio s per wall s |", "|---|---|---|---|---|---|"]
+    for name, runs in (("omnistage AsyncOmni, streaming", res["ours"]), ("transformers generate", res["hf"])):
+        for r in runs:
+            rows.append(f"| {name}, {r['concurrency']} | {r['ttfa_mean_s']:.3f} | {r['ttfa_max_s']:.3f} | "
+                        f"{r['rtf_mean']:.3f} | {r['rtf_max']:.3f} | {r['audio_s_per_wall_s']:.2f} |")
+    return "\n".join(rows)
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--work", default="/tmp/omnibench", help="where the random checkpoint is kept")
+    ap.add_argument("--smoke", action="store_true", help="tiny checkpoint on CPU with short answers")
+    ap.add_argument("--levels", default=None, help="comma-separated concurrency levels (default 1,4,8; smoke 1,2)")
+    ap.add_argument("--thinker-tokens", type=int, default=None, help="text tokens per answer (default 64; smoke 8)")
+    ap.add_argument("--talker-codes", type=int, default=None, help="codec ids per answer, 50/s (default 500; smoke 30)")
+    ap.add_argument("--code2wav-chunk", type=int, default=None, help="codes per code2wav chunk (default: the pipeline's)")
+    ap.add_argument("--code2wav-runner", choices=("inline", "process"), default=None,
+                    help="code2wav in the orchestrator's process or its own (default: the pipeline's)")
+    ap.add_argument("--skip-hf", action="store_true", help="no transformers reference")
+    ap.add_argument("--out", default=None, help="also write the results as JSON here")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.smoke:
+        from omnistage.models.qwen2_5_omni.tiny import make_tiny_qwen2_5_omni
+
+        path = os.path.join(args.work, "tiny-qwen2_5_omni")
+        if not os.path.exists(os.path.join(path, "spk_dict.pt")):
+            make_tiny_qwen2_5_omni(path)
+        device, dtype, shape = "cpu", "float32", "tiny Qwen2.5-Omni, fp32"
+        levels, tokens, codes = [1, 2], 8, 30
+    else:
+        path = build_checkpoint(os.path.join(args.work, "qwen2_5_omni_7b_shape"))
+        device, dtype, shape = "cuda", "bfloat16", "Qwen2.5-Omni-7B shape, bf16"
+        levels, tokens, codes = [1, 4, 8], 64, 500
+    levels = [int(x) for x in args.levels.split(",")] if args.levels else levels
+    tokens, codes = args.thinker_tokens or tokens, args.talker_codes or codes
+    code2wav: dict[str, Any] = {}
+    if args.code2wav_chunk:
+        code2wav["options"] = {"chunk_codes": args.code2wav_chunk}
+    if args.code2wav_runner:
+        code2wav["runner"] = args.code2wav_runner
+    deploy = {"stages": {"code2wav": code2wav}} if code2wav else None
+    res = {"shape": shape, "device": torch.cuda.get_device_name() if device == "cuda" else "CPU",
+           "thinker_tokens": tokens, "talker_codes": codes, "deploy_config": deploy,
+           "ours": bench_ours(path, device, dtype, levels, tokens, codes, deploy),
+           "hf": [] if args.skip_hf else [bench_hf(path, device, getattr(torch, dtype), tokens, codes)]}
+    print(json.dumps(res, indent=1))
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(res, f, indent=1)
+    print(f"\nEach request: a chat prompt, {tokens} text tokens, {codes} codec ids = {codes / 50:.1f} s of audio.\n")
+    print(table(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Qwen2.5-Omni stage-to-stage glue: thinker -> talker and talker -> code2wav (orchestrator's process).
+
+thinker -> talker (`qwen2_5_omni.thinker_to_talker`, an edge adapter built per edge with
+`options={"model_dir": ...}`). In: the thinker's `StageOutput`s of one request, each carrying
+`data["hidden_states"]` / `data["input_embeds"]` for the rows computed that step
+(`data["hidden_start"]` = position of the first); the voice from the request's fields; 3-D rope
+positions from the request's thinker inputs when it had an image or video. Out: a cumulative
+`TalkerInput` whose first unit is the talker's prompt and every further unit one streamed row.
+With T(x) = input_embed(x) + last_hidden(x) (the input embedding zeroed on audio / image / video
+placeholder rows of the prompt), W, b = `thinker_to_talker_proj`, for a prompt of P tokens and
+thinker output g_0 .. g_{n-1} (as transformers' `Qwen2_5OmniForConditionalGeneration.generate`):
+  prompt rows (P + 2)  W T(prompt_i) + b;  W (embed(voice bos) + codec_embed(pad)) + b;
+                       W (T(g_0) + codec_embed(bos)) + b      (ids: codec mask x P, pad, bos)
+  streamed rows        W T(g_1) + b, ..., W T(g_{n-2}) + b, then W embed(tts_eos) + b
+  pad row              W embed(tts_pad) + b, used for every position past the stream's end
+The talker stage adds its folded codec table (`embed[c] = codec_embed[c] W^T`, `stages.py`) to the
+streamed rows, which makes each decode input `W (codec_embed(c) + T(g_j)) + b` as in transformers.
+The thinker's rows of one step arrive per output; the prompt rows wait in the request's edge
+memory until T(g_0) exists (the thinker step after its prefill).
+
+talker -> code2wav (`qwen2_5_omni.talker_to_code2wav`, a pure function): the talker's codes so far,
+without the stop code that ended it, as a streamed `CodecInput`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from omnistage.codec.code2wav import CodecInput
+from omnistage.pipeline.adapters import EdgeContext, register_adapter, register_adapter_factory
+from omnistage.pipeline.stage import StageOutput
+
+DEFAULT_VOICE = "Chelsie"
+
+
+@dataclass
+class TalkerConditioning:
+    """The checkpoint's constants that the adapter needs (all float32, on the CPU until `on`)."""
+
+    weight: torch.Tensor                        # thinker_to_talker_proj.weight [talker hidden, thinker hidden]
+    bias: torch.Tensor                          # thinker_to_talker_proj.bias [talker hidden]
+    codec_pad: torch.Tensor                     # codec_embed[pad] [thinker hidden]
+    codec_bos: torch.Tensor                     # codec_embed[bos] [thinker hidden]
+    tts_eos: torch.Tensor                       # thinker embed(tts_eos) [thinker hidden]
+    tts_pad: torch.Tensor                       # thinker embed(tts_pad) [thinker hidden]
+    voices: dict[str, torch.Tensor]             # voice -> thinker embed(its bos token) [thinker hidden]
+    media_ids: frozenset[int]                   # audio / image / video placeholder ids (embedding zeroed)
+    codec_mask_id: int
+    codec_pad_id: int
+    codec_bos_id: int
+    default_voice: str
+    _moved: dict = field(default_factory=dict, repr=False)   # (device, dtype) -> projected constants
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """W x + b for thinker-width rows x [k, thinker hidden] (in float32, returned in x's dtype)."""
+        w, b = self._on(x.device)["w"], self._on(x.device)["b"]
+        return torch.addmm(b, x.float(), w.T).to(x.dtype)
+
+    def _on(self, device: torch.device) -> dict[str, Any]:
+        key = str(device)
+        if key not in self._moved:
+            w, b = self.weight.to(device), self.bias.to(device)
+
+            def proj(v: torch.Tensor) -> torch.Tensor:
+                return torch.addmm(b, v.to(device)[None], w.T)[0]
+
+            self._moved[key] = {
+                "w": w, "b": b, "codec_bos": self.codec_bos.to(device),
+                "eos_row": proj(self.tts_eos), "pad_row": proj(self.tts_pad),
+                "voice_rows": {v: proj(e + self.codec_pad) for v, e in self.voices.items()}}
+        return self._moved[key]
+
+    def voice_row(self, voice: str, device: torch.device) -> torch.Tensor:
+        rows = self._on(device)["voice_rows"]
+        if voice not in rows:
+            raise ValueError(f"voice must be one of {sorted(rows)}, got {voice!r}")
+        return rows[voice]
+
+
+def _rows(model_dir: str, name: str, ids: list[int]) -> torch.Tensor:
+    """Rows `ids` of one checkpoint matrix, read without loading the rest of it."""
+    from safetensors import safe_open
+
+    from omnistage.models.loader import safetensors_files
+
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            if name in f.keys():
+                sl = f.get_slice(name)
+                return torch.cat([sl[i:i + 1] for i in ids]).float() if ids else sl[:].float()
+    raise ValueError(f"{model_dir}: the checkpoint has no tensor {name!r}")
+
+
+@functools.lru_cache(maxsize=8)
+def load_conditioning(model_dir: str, default_voice: Optional[str] = None) -> TalkerConditioning:
+    from omnistage.models.qwen2_5_omni.stages import omni_config
+
+    config = omni_config(model_dir)
+    talker, thinker = config.talker_config, config.thinker_config
+    speakers = torch.load(os.path.join(model_dir, "spk_dict.pt"), weights_only=True)
+    names = list(speakers)
+    default = default_voice or (DEFAULT_VOICE if DEFAULT_VOICE in speakers else names[0])
+    if default not in speakers:
+        raise ValueError(f"default_voice must be one of {sorted(names)}, got {default!r}")
+    codec = _rows(model_dir, "talker.model.embed_tokens.weight",
+                  [talker.tts_codec_pad_token_id, talker.tts_codec_start_token_id])
+    text = _rows(model_dir, "thinker.model.embed_tokens.weight",
+                 [talker.tts_text_end_token_id, talker.tts_text_pad_token_id]
+                 + [int(speakers[v]["bos_token"]) for v in names])
+    return TalkerConditioning(
+        weight=_rows(model_dir, "talker.thinker_to_talker_proj.weight", []),
+        bias=_rows(model_dir, "talker.thinker_to_talker_proj.bias", []),
+        codec_pad=codec[0], codec_bos=codec[1], tts_eos=text[0], tts_pad=text[1],
+        voices={v: text[2 + i] for i, v in enumerate(names)},
+        media_ids=frozenset({thinker.audio_token_index, thinker.image_token_index, thinker.video_token_index}),
+        codec_mask_id=talker.tts_codec_mask_token_id, codec_pad_id=talker.tts_codec_pad_token_id,
+        codec_bos_id=talker.tts_codec_start_token_id, default_voice=default)
+
+
+@dataclass
+class TalkerInput:
+    """Cumulative input of the talker for one request: unit 0 = the prompt, unit j >= 1 = streamed row j-1.
+
+    `slice` returns what `AREngine` takes: the first piece (unit 0 alone, `head_units`) is the
+    talker's request inputs (`prompt_token_ids`, `prompt_embeds`, optional `mrope_positions` /
+    `mrope_delta`, `stream_extra`), later pieces `add_input` dicts with `extra_embeds` [k, talker
+    hidden], the last one with `finished=True` and the `pad_embed` row.
+    """
+
+    head_units = 1                              # the prompt starts the talker; rows follow via add_input
+
+    prompt: dict[str, Any]                      # the talker's request inputs
+    rows: list[torch.Tensor]                    # streamed rows so far, each [talker hidden]
+    finished: bool                              # the stream is complete (thinker done)
+    pad: torch.Tensor                           # the row used past the end of a finished stream
+
+    def __len__(self) -> int:
+        return 1 + len(self.rows)
+
+    def slice(self, start: int, end: int, finished: bool) -> dict[str, Any]:
+        if start == 0:
+            if end > 1 or finished:
+                raise ValueError("the talker's prompt piece must come alone (head_units = 1)")
+            return dict(self.prompt)
+        rows = self.rows[start - 1: end - 1]
+        return {"extra_embeds": torch.stack(rows) if rows else self.pad.new_zeros(0, self.pad.shape[-1]),
+                "finished": finished, "pad_embed": self.pad if finished else None}
+
+
+class ThinkerToTalker:
+    """The thinker -> talker edge adapter of one pipeline (see the module docstring)."""
+
+    upstream_inputs = {"return_hidden_states": True}   # what the thinker must report for this edge
+
+    def __init__(self, options: dict[str, Any]):
+        if "model_dir" not in options:
+            raise ValueError("the qwen2_5_omni.thinker_to_talker edge needs options.model_dir")
+        self.cond = load_conditioning(options["model_dir"], options.get("default_voice"))
+
+    def __call__(self, out: StageOutput, ctx: EdgeContext) -> Optional[TalkerInput]:
+        mem = ctx.memory
+        hidden = out.data.get("hidden_states")
+        if hidden is not None:
+            text = self._text_rows(out, mem, hidden)
+            if "prompt" in mem:                 # rows of g_1, g_2, ...: streamed
+                mem["rows"].extend(self.cond.project(text).unbind(0))
+            elif text.shape[0]:
+                mem["text"] = text if "text" not in mem else torch.cat([mem["text"], text])
+        elif "text" not in mem and "prompt" not in mem:
+            raise ValueError("the talker needs the thinker's hidden states: send a chat prompt "
+                             "(Omni.chat, /v1/chat/completions) or set return_hidden_states")
+        n_prompt = len(out.output.prompt_token_ids)
+        if "prompt" not in mem and "text" in mem and (mem["text"].shape[0] > n_prompt or out.finished):
+            self._start(mem, ctx, n_prompt)     # T(g_0) is here (or the thinker said one token only)
+        if "prompt" not in mem:
+            return None
+        if out.finished and not mem.get("closed"):
+            mem["rows"].append(mem["eos_row"])
+            mem["closed"] = True
+        return TalkerInput(mem["prompt"], list(mem["rows"]), bool(mem.get("closed")), mem["pad_row"])
+
+    def _text_rows(self, out: StageOutput, mem: dict, hidden: torch.Tensor) -> torch.Tensor:
+        """T rows of the positions not seen before: input embedding (zero on media rows) + hidden."""
+        start, seen = int(out.data["hidden_start"]), mem.get("seen", 0)
+        if start > seen:
+            raise RuntimeError(f"request {out.request_id}: thinker rows {seen}..{start - 1} never arrived")
+        skip = seen - start                     # rows recomputed after a preemption: already taken
+        hidden, embeds = hidden[skip:], out.data["input_embeds"][skip:]
+        start += skip
+        mem["seen"] = start + hidden.shape[0]
+        ids = out.output.prompt_token_ids
+        text = embeds + hidden
+        media = [i - start for i in range(start, min(start + text.shape[0], len(ids)))
+                 if ids[i] in self.cond.media_ids]
+        if media:                               # as transformers: placeholders keep only the hidden state
+            text[media] = hidden[media]
+        return text
+
+    def _start(self, mem: dict, ctx: EdgeContext, n_prompt: int) -> None:
+        cond, text = self.cond, mem.pop("text")
+        voice = ctx.fields.get("voice") or cond.default_voice
+        dev, dtype = text.device, text.dtype
+        const = cond._on(dev)
+        first = text[n_prompt] if text.shape[0] > n_prompt else cond.tts_eos.to(dev)
+        embeds = torch.cat([cond.project(text[:n_prompt]), cond.voice_row(voice, dev).to(dtype)[None],
+                            cond.project((first.float() + const["codec_bos"])[None]).to(dtype)])
+        prompt: dict[str, Any] = {
+            "prompt_token_ids": [cond.codec_mask_id] * n_prompt + [cond.codec_pad_id, cond.codec_bos_id],
+            "prompt_embeds": embeds, "stream_extra": True}
+        entry = ctx.entry_inputs if isinstance(ctx.entry_inputs, dict) else {}
+        if entry.get("mrope_positions") is not None:
+            # The talker's own rope index over (prompt, voice bos, g_0) = the thinker's prompt
+            # positions followed by two text positions; decode continues with the same delta.
+            pos = torch.as_tensor(entry["mrope_positions"]).long().reshape(3, -1)[:, :n_prompt].cpu()
+            top = int(pos.max())
+            prompt["mrope_positions"] = torch.cat([pos, torch.tensor([[top + 1, top + 2]] * 3)], dim=1)
+            prompt["mrope_delta"] = top + 3 - (n_prompt + 2)
+        mem["prompt"] = prompt
+        mem["rows"] = list(cond.project(text[n_prompt + 1:]).unbind(0))
+        mem["eos_row"], mem["pad_row"] = const["eos_row"].to(dtype), const["pad_row"].to(dtype)
+
+
+@register_adapter_factory("qwen2_5_omni.thinker_to_talker")
+def thinker_to_talker(options: dict[str, Any]) -> ThinkerToTalker:
+    return ThinkerToTalker(options)
+
+
+@register_adapter("qwen2_5_omni.talker_to_code2wav")
+def talker_to_code2wav(out: StageOutput) -> CodecInput:
+    """Codes so far; once the talker has finished on a stop code (codec pad / eos), without it."""
+    comps = out.output.outputs
+    codes = list(comps[0].token_ids) if comps else []
+    if out.finished and comps and comps[0].finish_reason == "stop" and codes:
+        codes = codes[:-1]
+    return CodecInput(codes, finished=out.finished)

@@ -1,0 +1,146 @@
+"""Qwen2.5-Omni as an omnistage pipeline, and its chat input (entry point's process, at start-up).
+
+`omni_pipeline(model_dir, engine)` (picked by `detect_pipeline` for config.json `model_type`
+"qwen2_5_omni") returns three stages on the engine's device:
+
+  thinker  (ar, component "qwen2_5_omni.thinker")  final output: text
+     |  qwen2_5_omni.thinker_to_talker, streaming: one vector per thinker token
+  talker   (ar, component "qwen2_5_omni.talker")   codec ids; sampling defaults of transformers'
+     |  qwen2_5_omni.talker_to_code2wav, streaming: every code as it is sampled
+  code2wav (codec "qwen2_5_omni_code2wav")          final output: audio (24 kHz), chunked decode
+
+A request asks for `modalities` ["text"] (the default: the thinker alone) or ["text", "audio"],
+and a `voice` (a key of spk_dict.pt, default "Chelsie"). On a GPU the stages share it: the
+thinker's KV cache may grow to 65 % of the engine's `gpu_memory_utilization`, the talker's up to
+80 % (each engine sizes its cache against what is already allocated), which leaves room for
+code2wav (in its own process on a GPU), the media encoders and activations. The AR stages stay in
+the orchestrator's process: the hidden states they pass are device tensors.
+
+`OmniChatRenderer(spec)` is the pipeline's `chat_renderer`: chat messages with text, image and
+audio parts -> the thinker's inputs (`processor.py`): prompt ids (one placeholder per encoder row),
+merged `prompt_embeds` when there is media, and 3-D rope positions + delta when there is an image.
+The audio and vision encoders run here, in the entry point's process, on the thinker's device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Optional
+
+import torch
+
+from omnistage.config import EngineConfig
+# importing these modules registers the adapters and the AR components
+from omnistage.models.qwen2_5_omni.adapters import DEFAULT_VOICE
+from omnistage.models.qwen2_5_omni.stages import TALKER, THINKER, omni_config, read_tensors
+from omnistage.pipeline.spec import EdgeSpec, PipelineSpec, StageSpec
+
+THINKER_MEMORY_SHARE, TALKER_MEMORY_SHARE = 0.65, 0.80
+# Measured on an H200 (7B shape, random bf16 weights, 1 stream, 6 s answers; benchmarks/omni_bench.py):
+# each chunk costs about the same (36 DiT evaluations, launch-bound), so larger chunks decode faster
+# than real time: chunk 48 -> RTF 1.7, 96 -> 0.98, 192 -> 0.86 (with code2wav in its own process).
+CODE2WAV_OPTIONS = {"first_chunk_codes": 12, "chunk_codes": 96, "past_blocks": 2, "future_blocks": 1}
+
+
+def talker_params(config) -> dict[str, Any]:
+    """transformers' talker `generate` defaults as `SamplingParams` fields (docs/qwen2_5_omni_notes.md)."""
+    talker = config.talker_config
+    stops = [talker.tts_codec_pad_token_id, talker.tts_codec_end_token_id]
+    # Ids the code2wav DiT has no row for (real checkpoint: 8194..8447) could only crash the decode.
+    table = config.token2wav_config.dit_config.num_embeds + 1
+    bad = [talker.tts_codec_start_token_id] + [i for i in range(table, talker.vocab_size) if i not in stops
+                                               and i != talker.tts_codec_start_token_id]
+    return {"temperature": 0.9, "top_k": 40, "top_p": 0.8, "repetition_penalty": 1.05, "stop_token_ids": stops,
+            "bad_token_ids": bad, "max_tokens": min(4096, talker.max_position_embeddings // 2)}
+
+
+def voices(model_dir: str) -> list[str]:
+    return list(torch.load(os.path.join(model_dir, "spk_dict.pt"), weights_only=True))
+
+
+def omni_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
+    config = omni_config(model_dir)
+    names = voices(model_dir)
+    default_voice = DEFAULT_VOICE if DEFAULT_VOICE in names else names[0]
+    share = engine.gpu_memory_utilization
+    # Requests that feed the talker report hidden states and so skip the prefix cache (see
+    # `Sequence.cacheable`); text-only requests keep it.
+    thinker = StageSpec("thinker", "ar", model_dir, dataclasses.replace(
+        engine, gpu_memory_utilization=share * THINKER_MEMORY_SHARE),
+        final_output="text", options={"component": THINKER})
+    talker = StageSpec("talker", "ar", model_dir, dataclasses.replace(
+        engine, gpu_memory_utilization=share * TALKER_MEMORY_SHARE, max_model_len=None),
+        options={"component": TALKER}, params=talker_params(config))
+    # On a GPU code2wav runs in its own process: its chunk decodes (36 DiT evaluations each) then
+    # overlap the talker's steps instead of stalling them (H200, chunk 96: RTF 1.17 inline, 0.98 apart).
+    runner = "process" if engine.resolve_device().type == "cuda" else "inline"
+    code2wav = StageSpec("code2wav", "codec", model_dir, engine, final_output="audio", runner=runner,
+                         backend="qwen2_5_omni_code2wav", options={**CODE2WAV_OPTIONS, "default_voice": default_voice})
+    edges = [EdgeSpec("thinker", "talker", "qwen2_5_omni.thinker_to_talker", chunk_size=1,
+                      options={"model_dir": model_dir, "default_voice": default_voice}),
+             EdgeSpec("talker", "code2wav", "qwen2_5_omni.talker_to_code2wav", chunk_size=1)]
+    return PipelineSpec([thinker, talker, code2wav], edges,
+                        chat_renderer="omnistage.models.qwen2_5_omni.pipeline:OmniChatRenderer")
+
+
+def load_thinker_encoders(model_dir: str, device: torch.device, dtype: torch.dtype):
+    """What `processor.py` uses of transformers' thinker -- the token embeddings, the audio and
+    vision encoders, `get_rope_index` -- as a `Qwen2_5OmniThinkerModel` without decoder layers."""
+    from transformers.initialization import no_init_weights
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniThinkerModel
+
+    config = omni_config(model_dir).thinker_config
+    config.text_config.num_hidden_layers = 0
+    with torch.device(device), no_init_weights():   # every weight is loaded below; buffers are built here
+        model = Qwen2_5OmniThinkerModel._from_config(config, dtype=dtype)
+    state = {}
+    for name, tensor in read_tensors(model_dir, lambda n: n.startswith(
+            ("thinker.audio_tower.", "thinker.visual.", "thinker.model.embed_tokens."))):
+        name = name[len("thinker."):]
+        state[name.replace("model.embed_tokens.", "language_model.embed_tokens.")] = tensor
+    missing, _ = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.startswith("language_model.norm")]   # unused: no decoder layers
+    if missing:
+        raise ValueError(f"{model_dir}: thinker encoder weights missing from the checkpoint: {missing[:5]}")
+    return model.eval()
+
+
+class OmniChatRenderer:
+    """Chat messages -> the thinker's request inputs (see the module docstring)."""
+
+    media_types = ("image", "audio")            # message parts this renderer reads besides text
+
+    def __init__(self, spec: PipelineSpec):
+        from transformers import AutoProcessor
+
+        from omnistage.models.loader import checkpoint_dtype
+
+        stage = spec.main_stage
+        self.processor = AutoProcessor.from_pretrained(stage.model_dir)
+        device = stage.engine.resolve_device()
+        config = omni_config(stage.model_dir)
+        dtype = stage.engine.resolve_dtype(checkpoint_dtype(config), device)   # as the thinker stage's
+        self.model = load_thinker_encoders(stage.model_dir, device, dtype)
+        self.config = self.model.config
+        self.device = device
+
+    @torch.no_grad()
+    def __call__(self, messages: list[dict], chat_template_kwargs: Optional[dict] = None) -> dict[str, Any]:
+        from omnistage.models.qwen2_5_omni.processor import (build_thinker_inputs, thinker_input_embeds,
+                                                             thinker_positions)
+
+        inputs = build_thinker_inputs(self.processor, list(messages), **(chat_template_kwargs or {}))
+        out: dict[str, Any] = {"prompt": inputs.text, "prompt_token_ids": inputs.input_ids[0].tolist()}
+        if inputs["input_features"] is None and inputs["pixel_values"] is None:
+            return out                          # text only: the thinker's own embedding lookup
+        out["prompt_embeds"] = thinker_input_embeds(self, inputs)[0]
+        if inputs["image_grid_thw"] is not None:
+            positions, delta = thinker_positions(self, inputs)
+            out["mrope_positions"] = positions[:, 0].cpu()
+            out["mrope_delta"] = int(delta.reshape(-1)[0])
+        return out
+
+    def get_rope_index(self, *args):
+        """processor.py reads `model`, `config`, `device` and this from what it takes as the thinker."""
+        return self.model.get_rope_index(*args)

@@ -67,20 +67,20 @@ class _EngineStatsCollector:
     def collect(self):
         stats = self.engine.stats()
         label = [self.model_name]
-        gauges = (("num_requests_running", "Requests in the running batch.", "num_running"),
-                  ("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
-                  ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", "kv_cache_usage"))
-        for name, doc, key in gauges:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            g.add_metric(label, float(stats.get(key, 0)))
-            yield g
-        counters = (("num_preemptions", "Sequences preempted (their KV recomputed later).", "num_preemptions"),
-                    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
-                    ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"))
-        for name, doc, key in counters:
-            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            c.add_metric(label, float(stats.get(key, 0)))
-            yield c
+        families = (
+            (GaugeMetricFamily, "num_requests_running", "Requests in the running batch.", "num_running"),
+            (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+            (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+             "kv_cache_usage"),
+            (CounterMetricFamily, "num_preemptions", "Sequences preempted (their KV recomputed later).",
+             "num_preemptions"),
+            (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             "prefix_cache_queries"),
+            (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"))
+        for family, name, doc, key in families:
+            m = family(PREFIX + name, doc, labels=["model_name"])
+            m.add_metric(label, float(stats.get(key, 0)))
+            yield m
 
 
 class EngineMetrics:

@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(VENV)/bin/omnistage serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
-	$(PY) -m pytest tests -q -p no:cacheprovider
+	$(PY) -m pytest tests -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -81,6 +81,19 @@ class _EngineStatsCollector:
             m = family(PREFIX + name, doc, labels=["model_name"])
             m.add_metric(label, float(stats.get(key, 0)))
             yield m
+        # Stage-to-stage edges of multi-stage pipelines: stats keys "edge:<src>-><dst>:<what>".
+        edges = {k: v for k, v in stats.items() if k.startswith("edge:")}
+        if edges:
+            docs = {"seconds": "Seconds spent adapting and handing stage outputs to the next stage.",
+                    "bytes": "Array bytes handed from one stage to the next.",
+                    "pieces": "Pieces (chunks) handed from one stage to the next."}
+            for what, doc in docs.items():
+                c = CounterMetricFamily(PREFIX + f"edge_transfer_{what}", doc, labels=["model_name", "edge"])
+                for key, value in edges.items():
+                    edge, _, kind = key[len("edge:"):].rpartition(":")
+                    if kind == what:
+                        c.add_metric(label + [edge], float(value))
+                yield c
 
 
 class EngineMetrics:

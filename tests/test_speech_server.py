@@ -153,3 +153,21 @@ def test_chat_audio_whole_and_streamed(client):
     last_text = len(order) - 1 - order[::-1].index("text")
     assert order.index("audio") < last_text         # speech started before the text was finished
     assert 0.7 < _seconds(wav) / alone < 1.4
+
+
+def test_edge_transfer_metrics_count_the_cascade(client, server):
+    before = _edge_pieces(server.url)
+    client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Say something."}],
+                                   max_tokens=20, modalities=["text", "audio"], audio={"voice": "joe", "format": "wav"},
+                                   extra_body={"ignore_eos": True})
+    after = _edge_pieces(server.url)
+    assert after > before                           # the LM's sentences crossed the llm -> tts edge
+    text = httpx.get(server.url + "/metrics").text
+    assert 'omnistage:edge_transfer_seconds_total{' in text and 'edge="llm->tts"' in text
+
+
+def _edge_pieces(url: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("omnistage:edge_transfer_pieces_total{") and 'edge="llm->tts"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0

@@ -35,6 +35,23 @@ from omnistage.pipeline.stage import StageDeadError, StageOutput, Streamable
 REQUEST_FIELDS = ("modalities", "voice")
 
 
+def payload_bytes(obj: Any) -> int:
+    """Bytes of the arrays (tensors, numpy) an edge piece carries; control fields count as nothing."""
+    if hasattr(obj, "element_size") and hasattr(obj, "numel"):
+        return obj.element_size() * obj.numel()
+    if hasattr(obj, "nbytes") and not isinstance(obj, (bytes, bytearray)):
+        return int(obj.nbytes)
+    if isinstance(obj, (bytes, bytearray)):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(payload_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(payload_bytes(v) for v in obj)
+    if dataclasses.is_dataclass(obj):
+        return sum(payload_bytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    return 0
+
+
 def build_stage(spec: StageSpec):
     if spec.runner == "process":
         from omnistage.pipeline.stage_client import StageClient
@@ -87,6 +104,8 @@ class Orchestrator:
         self.spec = spec
         # one adapter per edge, built now: a misspelled adapter or bad options fail at start-up
         self.adapters = {(e.src, e.dst): build_adapter(e.adapter, e.options) for e in spec.edges}
+        # (src, dst) -> [seconds spent adapting + handing over, payload bytes, pieces], for metrics
+        self.edge_totals = {key: [0.0, 0, 0] for key in self.adapters}
         given = stages or {}
         self.stages = {s.name: given[s.name] if s.name in given else build_stage(s) for s in spec.stages}
         for e in spec.edges:
@@ -234,11 +253,13 @@ class Orchestrator:
         if not edge.streaming and not out.finished:
             return
         ctx = EdgeContext(route.fields, route.inputs, route.memory.setdefault(key, {}))
+        started = time.perf_counter()
         x = self.adapters[key](out, ctx)
+        timing = {"src": edge.src, "started": started}
         if x is None:
             return
         if not isinstance(x, Streamable):       # a whole input: sent once, at the end
-            self._send(edge.dst, route, out.request_id, x, last=True)
+            self._send(edge.dst, route, out.request_id, x, last=True, **timing)
             route.closed.add(key)
             return
         sent, n = route.sent.get(key, 0), len(x)
@@ -253,19 +274,26 @@ class Orchestrator:
         route.sent[key] = end
         head = getattr(x, "head_units", None)   # units a downstream request may start with, at most
         if head is not None and edge.dst not in route.started and sent + head < end:
-            self._send(edge.dst, route, out.request_id, x.slice(sent, sent + head, False), False)
+            self._send(edge.dst, route, out.request_id, x.slice(sent, sent + head, False), False, **timing)
             sent += head
-        self._send(edge.dst, route, out.request_id, x.slice(sent, end, last), last)
+            timing["started"] = time.perf_counter()
+        self._send(edge.dst, route, out.request_id, x.slice(sent, end, last), last, **timing)
         if last:
             route.closed.add(key)
 
-    def _send(self, dst: str, route: _Route, request_id: str, piece: Any, last: bool) -> None:
+    def _send(self, dst: str, route: _Route, request_id: str, piece: Any, last: bool,
+              src: Optional[str] = None, started: Optional[float] = None) -> None:
         stage = self.stages[dst]
         if dst not in route.started:
             stage.add_request(request_id, piece, route.params.get(dst), route.arrival)
             route.started.add(dst)
         else:
             stage.add_input(request_id, piece)
+        totals = self.edge_totals.get((src, dst))
+        if totals is not None:
+            totals[0] += time.perf_counter() - started
+            totals[1] += payload_bytes(piece)
+            totals[2] += 1
 
     def _merge(self, request_id: str, route: _Route, finished: bool) -> RequestOutput:
         entry = route.latest.get(route.entry) or RequestOutput(request_id=request_id)
@@ -299,6 +327,10 @@ class Orchestrator:
         for name, stage in self.stages.items():
             if stage is not self.main:
                 stats.update({f"{name}:{k}": v for k, v in stage.stats().items()})
+        for (src, dst), (seconds, nbytes, pieces) in self.edge_totals.items():
+            stats[f"edge:{src}->{dst}:seconds"] = seconds
+            stats[f"edge:{src}->{dst}:bytes"] = nbytes
+            stats[f"edge:{src}->{dst}:pieces"] = pieces
         return stats
 
     def stage_for(self, modality: str) -> Optional[tuple[str, Any]]:

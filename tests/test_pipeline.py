@@ -261,3 +261,39 @@ def test_stage_process_death_fails_only_its_requests_and_restarts(tiny_models):
         assert client.restarts == 1
     finally:
         engine.close()
+
+
+def test_killed_stage_process_gives_503_over_http_and_the_next_request_succeeds(tiny_models):
+    pytest.importorskip("piper")
+    import threading
+    import time
+
+    import httpx
+    from live_server import live_server
+
+    from omnistage.entrypoints.async_omni import AsyncOmni
+    from omnistage.entrypoints.openai.api_server import build_app
+
+    engine = AsyncOmni(tiny_models["llama"], device="cpu", dtype="float32",
+                       deploy_config={"stages": {"tts": {"runner": "process"}}})
+    stage = engine.orchestrator.stages["tts"]
+    body = {"model": "m", "voice": "joe", "input": "This sentence is spoken again and again. " * 40}
+    try:
+        with live_server(build_app(engine, "m")) as url:
+            result = {}
+            thread = threading.Thread(target=lambda: result.update(
+                r=httpx.post(url + "/v1/audio/speech", json=body, timeout=120)))
+            thread.start()
+            deadline = time.time() + 30
+            while not stage.has_unfinished():                # the request reached the stage process
+                assert time.time() < deadline
+                time.sleep(0.01)
+            stage.proc.kill()
+            thread.join(timeout=60)
+            assert result["r"].status_code == 503, result["r"].text
+            assert "error" in result["r"].json()
+            again = httpx.post(url + "/v1/audio/speech", json={**body, "input": "Back again."}, timeout=60)
+            assert again.status_code == 200 and again.content[:4] == b"RIFF"
+            assert httpx.get(url + "/health").status_code == 200
+    finally:
+        engine.close()

@@ -7,7 +7,7 @@ naming the field and the allowed range; the HTTP layer turns that into a 400.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 _GREEDY_EPS = 1e-5
@@ -77,9 +77,6 @@ class SamplingParams:
 
     def clone(self, **changes) -> "SamplingParams":
         return replace(self, **changes)
-
-    def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass

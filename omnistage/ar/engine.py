@@ -86,7 +86,6 @@ class AREngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    max(config.max_num_batched_tokens, 1))
         self.requests: dict[str, _Request] = {}
-        self.stop_holdback = 0
         logger.info("AR engine: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
                     type(self.model).__name__, self.device, self.dtype, num_blocks, config.block_size,
                     self.max_model_len)

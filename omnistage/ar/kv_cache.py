@@ -119,8 +119,3 @@ class BlockManager:
                 self.free[block] = None
         seq.block_table = []
         seq.block_hashes = []
-
-    def reset_prefix_cache(self) -> None:
-        for block in list(self.free):
-            self.hash_of[block] = None
-        self.cached = {h: b for h, b in self.cached.items() if self.ref_count[b] > 0}

@@ -29,7 +29,6 @@ from omnistage.entrypoints.openai.errors import OpenAIError, install_error_handl
 from omnistage.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from omnistage.entrypoints.openai.serving_chat import ServingChat
 from omnistage.entrypoints.openai.serving_completion import ServingCompletion
-from omnistage.entrypoints.openai.serving_engine import engine_alive
 from omnistage.entrypoints.openai.serving_images import MediaLimits, register_image_routes
 from omnistage.entrypoints.openai.serving_speech import register_speech_routes
 from omnistage.entrypoints.openai.serving_videos import register_video_routes
@@ -81,7 +80,7 @@ def build_app(engine: Any, served_model_name: str, api_key: Optional[str] = None
 
     @app.get("/health")
     async def health() -> Response:
-        if not engine_alive(engine):
+        if not engine.is_running:
             return OpenAIError(503, "the engine is not running", code="engine_dead").response()
         return Response(status_code=200)
 

@@ -38,10 +38,6 @@ def clamp_logprob(value: float) -> float:
     return max(float(value), LOGPROB_FLOOR)
 
 
-def engine_alive(engine: Any) -> bool:
-    return engine.is_running
-
-
 @dataclass
 class ChoiceDelta:
     index: int                                  # choice index in the response: prompt index * n + completion index
@@ -109,7 +105,7 @@ class OpenAIServing:
         if model is not None and model != self.served_model_name:
             raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
                                    f"`{self.served_model_name}`.", param="model", code="model_not_found")
-        if not engine_alive(self.engine):
+        if not self.engine.is_running:
             raise OpenAIError(503, "the engine is not running; restart the server", code="engine_dead")
         if self.engine.main_stage_kind != "ar":
             raise OpenAIError(400, f"`{self.served_model_name}` does not generate text", param="model")

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.datastructures import UploadFile
 
 from omnistage.entrypoints.openai.errors import OpenAIError
-from omnistage.entrypoints.openai.serving_engine import OpenAIServing, engine_alive
+from omnistage.entrypoints.openai.serving_engine import OpenAIServing
 from omnistage.io.media import IMAGE_FORMATS, decode_image, encode_image
 from omnistage.outputs import RequestOutput
 from omnistage.params import DiffusionParams
@@ -199,7 +199,7 @@ class DiffusionServing(OpenAIServing):
         if model is not None and model != self.served_model_name:
             raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
                                    f"`{self.served_model_name}`.", param="model", code="model_not_found")
-        if not engine_alive(self.engine):
+        if not self.engine.is_running:
             raise OpenAIError(503, "the engine is not running; restart the server", code="engine_dead")
         stage = self.stage
         if stage is None:

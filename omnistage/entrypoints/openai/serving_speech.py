@@ -30,7 +30,6 @@ from sse_starlette import EventSourceResponse
 from omnistage.codec.speech import TTSParams
 from omnistage.entrypoints.async_omni import EngineDeadError
 from omnistage.entrypoints.openai.errors import OpenAIError, bad_request
-from omnistage.entrypoints.openai.serving_engine import engine_alive
 from omnistage.io.audio import AUDIO_FORMATS, MEDIA_TYPES, AudioStreamEncoder, encode_audio
 from omnistage.outputs import RequestOutput
 
@@ -105,7 +104,7 @@ class ServingSpeech:
         if req.model is not None and req.model != self.served_model_name:
             raise OpenAIError(404, f"The model `{req.model}` does not exist; this server serves "
                                    f"`{self.served_model_name}`.", param="model", code="model_not_found")
-        if not engine_alive(self.engine):
+        if not self.engine.is_running:
             raise OpenAIError(503, "the engine is not running; restart the server", code="engine_dead")
         if getattr(self.engine, "speech_stage", None) is None:
             raise OpenAIError(400, f"`{self.served_model_name}` has no speech stage; install "

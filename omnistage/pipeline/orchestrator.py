@@ -113,6 +113,7 @@ class Orchestrator:
                 raise ValueError(f"edge {e.src}->{e.dst} streams, but stage {e.dst!r} takes no streamed input; "
                                  "set chunk_size: null")
         self.main = self.stages[spec.main_stage.name]
+        self._clients = [self.stages[s.name] for s in spec.stages if s.runner == "process"]
         self.routes: dict[str, _Route] = {}
         self._errors: list[tuple[str, Exception]] = []     # requests failed since the last pop_errors
 
@@ -183,6 +184,11 @@ class Orchestrator:
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        busy = [s for s in self.stages.values() if s.has_unfinished()]
+        if busy and all(s in self._clients for s in busy):   # all work is in stage processes: wait for one
+            from omnistage.pipeline.stage_client import wait_any
+
+            wait_any(busy)
         changed: dict[str, None] = {}           # request ids with new output, in first-change order
         single: dict[str, RequestOutput] = {}
         for spec in self.spec.stages:

@@ -6,7 +6,9 @@ encoded by `pipeline.wire` (msgspec; arrays through shared memory). The stage pr
 engine whenever it has work, so it runs concurrently with the other stages; `step()` here only
 collects what it has produced. `add_request` and the optional `check_params` are round trips, so a
 bad request raises here as it would in-process; `add_input` and `abort` are one-way; `voices` is
-read once at start. The client's sockets are used from the orchestrator's thread only.
+read once at start, as are what entry points read of a main stage (`max_model_len`, and the
+`tokenizer`, loaded here from the folder the stage's tokenizer came from). The client's sockets
+are used from the orchestrator's thread only.
 
 When the stage process dies, every request it held gets a finished `StageOutput` whose
 `data["fatal"]` says so (the orchestrator fails just those requests, and the server answers 503),
@@ -35,7 +37,7 @@ from omnistage.pipeline.stage import StageOutput
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 100                             # stage process: wait for commands when it has no work
-_COLLECT_POLL_MS = 2                            # client: wait this long in step() when nothing is ready
+_WAIT_MS = 5                                    # orchestrator: wait at most this long for any stage process
 _OPTIONAL = ("add_input", "check_params", "voices")
 
 
@@ -55,6 +57,12 @@ class StageClient:
         info = self._start()
         self._voice_list = info.get("voices") or []   # read once: other threads may ask for it
         self.params_type = _import(info["params_type"]) if info.get("params_type") else None
+        self.max_model_len = info.get("max_model_len")
+        self.tokenizer = None
+        if info.get("tokenizer"):
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(info["tokenizer"])
         for name in _OPTIONAL:                  # offer only the optional verbs the engine has
             if name in info["methods"]:
                 setattr(self, name, getattr(self, "_" + name))
@@ -169,14 +177,24 @@ class StageClient:
         return dict(self._stats)
 
     def step(self) -> list[StageOutput]:
-        wait = 0 if self._ready else _COLLECT_POLL_MS
-        while self._out.poll(wait):
+        """What the stage process has sent since the last call (never waits: see `wait_any`)."""
+        while self._out.poll(0):
             self._receive(wire.decode(self._out.recv()))
-            wait = 0
         if self._held and self.proc.poll() is not None:
             self._ready.extend(self._restart_after_death())
         outs, self._ready = self._ready, []
         return outs
+
+
+def wait_any(clients: list["StageClient"], timeout_ms: int = _WAIT_MS) -> None:
+    """Blocks until one of the clients' stage processes has sent something (or `timeout_ms`), so an
+    orchestrator whose work all sits in stage processes sleeps instead of spinning."""
+    if any(c._ready for c in clients):
+        return
+    poller = zmq.Poller()
+    for c in clients:
+        poller.register(c._out, zmq.POLLIN)
+    poller.poll(timeout_ms)
 
 
 def _import(path: str):
@@ -200,9 +218,13 @@ def _serve(cmd_addr: str, out_addr: str) -> None:
         out.send(wire.encode(["fatal", repr(e)]))
         return
     ptype = getattr(engine, "params_type", None)
+    tokenizer = getattr(engine, "tokenizer", None)
     out.send(wire.encode(["ready", {"params_type": f"{ptype.__module__}:{ptype.__qualname__}" if ptype else None,
                                     "methods": [m for m in _OPTIONAL if hasattr(engine, m)],
-                                    "voices": engine.voices() if hasattr(engine, "voices") else None}]))
+                                    "voices": engine.voices() if hasattr(engine, "voices") else None,
+                                    "max_model_len": getattr(engine, "max_model_len", None),
+                                    "tokenizer": getattr(tokenizer, "name_or_path", None)}]))
+    sent = 0
     while os.getppid() == parent:               # the orchestrator's process is gone: stop too
         wait = 0 if engine.has_unfinished() else _IDLE_POLL_MS
         while cmd.poll(wait):
@@ -223,6 +245,9 @@ def _serve(cmd_addr: str, out_addr: str) -> None:
             outs = engine.step()
             if outs:
                 out.send(wire.encode(["outputs", outs, engine.stats()]))
+                sent += 1
+                if sent % 256 == 0 and "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
+                    sys.modules["torch"].cuda.ipc_collect()   # free blocks whose CUDA IPC readers are done
 
 
 if __name__ == "__main__":

@@ -2,55 +2,123 @@
 
 `encode(obj) -> bytes` / `decode(bytes) -> obj` carry plain data (str, int, float, bool, None, bytes,
 lists, tuples as lists, str-keyed dicts), omnistage dataclasses (`SamplingParams`, `TTSInput`,
-`RequestOutput`, `StageOutput`, ...; rebuilt by class path, only from the `omnistage` package) and
-numpy arrays. An array of at least `SHM_MIN_BYTES` goes through a POSIX shared-memory segment: the
-sender creates it and hands over ownership, the receiver copies it out and unlinks it; smaller
-arrays travel inline. Runs in both the orchestrator's and the stage's process.
+`RequestOutput`, `StageOutput`, ...; rebuilt by class path, only from the `omnistage` package), numpy
+arrays and torch tensors. Runs in both the orchestrator's and the stage's process.
+
+* An array (or CPU tensor) of at least `SHM_MIN_BYTES` goes through a POSIX shared-memory segment:
+  the sender creates it and hands over ownership, the receiver copies it out and unlinks it;
+  smaller ones travel inline in the message.
+* A CUDA tensor of at least `CUDA_IPC_MIN_BYTES` goes by CUDA IPC (torch's handle, ref counter and
+  event): the receiver maps the sender's memory, copies it into its own allocation on the same
+  device and drops the mapping, so the sender's block is free again as soon as the copy is done.
+* A smaller CUDA tensor (a hidden-state row per token: kilobytes, where opening an IPC handle costs
+  more than the copy) is staged through pinned host memory -- all of a message's with one
+  synchronisation -- and put back on its device by the receiver.
+
+A tensor arrives with the dtype, shape and device it left with (bfloat16 included).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
 from typing import Any
 
 import msgspec
 import numpy as np
 
 SHM_MIN_BYTES = 64 * 1024                       # arrays this large go through shared memory
-_TYPE, _ARRAY, _SHM = "__os_type__", "__os_array__", "__os_shm__"
+CUDA_IPC_MIN_BYTES = 1 << 20                    # CUDA tensors this large go by CUDA IPC
+_TYPE, _ARRAY, _SHM, _TENSOR, _CUDA_IPC = "__os_type__", "__os_array__", "__os_shm__", "__os_tensor__", "__os_ipc__"
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
 
 
-def _to_wire(obj: Any) -> Any:
+def _array_to_wire(arr: np.ndarray) -> dict:
+    arr = np.ascontiguousarray(arr)
+    meta = {"dtype": arr.dtype.str, "shape": list(arr.shape)}
+    if arr.nbytes < SHM_MIN_BYTES:
+        return {_ARRAY: arr.tobytes(), **meta}
+    from multiprocessing import resource_tracker, shared_memory
+
+    shm = shared_memory.SharedMemory(create=True, size=arr.nbytes)
+    np.ndarray(arr.shape, arr.dtype, buffer=shm.buf)[...] = arr
+    resource_tracker.unregister(shm._name, "shared_memory")   # the receiver unlinks it
+    name = shm.name
+    shm.close()
+    return {_SHM: name, **meta}
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _host_bytes(t) -> np.ndarray:
+    """A CPU tensor's bytes as a uint8 array (any dtype, bfloat16 included)."""
+    return t.contiguous().reshape(-1).view(_torch().uint8).numpy()
+
+
+def _tensor_to_wire(t, pending: list) -> dict:
+    t = t.detach()
+    meta = {_TENSOR: str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "device": str(t.device)}
+    if t.device.type == "cuda" and t.numel() * t.element_size() >= CUDA_IPC_MIN_BYTES:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        t = t.contiguous()
+        (_, size, stride, offset, _, _, device, handle, storage_bytes, storage_offset, _, ref_handle,
+         ref_offset, event, event_sync) = reduce_tensor(t)[1]
+        return {**meta, _CUDA_IPC: [list(stride), offset, device, handle, storage_bytes, storage_offset,
+                                    ref_handle, ref_offset, event, event_sync]}
+    if t.device.type == "cuda":               # copied after every copy of the message is queued
+        host = t.contiguous().to("cpu", non_blocking=True)
+        meta["pending"] = True
+        pending.append((meta, host))
+        return meta
+    return {**meta, "data": _array_to_wire(_host_bytes(t.cpu()))}
+
+
+def _to_wire(obj: Any, pending: list) -> Any:
     if obj is None or isinstance(obj, (str, int, float, bool, bytes)):
         return obj
     if isinstance(obj, np.ndarray):
-        arr = np.ascontiguousarray(obj)
-        meta = {"dtype": arr.dtype.str, "shape": list(arr.shape)}
-        if arr.nbytes < SHM_MIN_BYTES:
-            return {_ARRAY: arr.tobytes(), **meta}
-        from multiprocessing import resource_tracker, shared_memory
-
-        shm = shared_memory.SharedMemory(create=True, size=arr.nbytes)
-        np.ndarray(arr.shape, arr.dtype, buffer=shm.buf)[...] = arr
-        resource_tracker.unregister(shm._name, "shared_memory")   # the receiver unlinks it
-        name = shm.name
-        shm.close()
-        return {_SHM: name, **meta}
+        return _array_to_wire(obj)
     if isinstance(obj, np.generic):
         return obj.item()
+    torch = sys.modules.get("torch")            # a tensor exists only once torch is imported
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return _tensor_to_wire(obj, pending)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         cls = type(obj)
-        fields = {f.name: _to_wire(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        fields = {f.name: _to_wire(getattr(obj, f.name), pending) for f in dataclasses.fields(obj)}
         return {_TYPE: f"{cls.__module__}:{cls.__qualname__}", **fields}
     if isinstance(obj, dict):
-        return {str(k): _to_wire(v) for k, v in obj.items()}
+        return {str(k): _to_wire(v, pending) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set, frozenset)):
-        return [_to_wire(v) for v in obj]
+        return [_to_wire(v, pending) for v in obj]
     raise TypeError(f"{type(obj).__name__} cannot cross a stage-process boundary")
+
+
+def _tensor_from_wire(obj: dict):
+    torch = _torch()
+    dtype, shape, device = getattr(torch, obj[_TENSOR]), obj["shape"], torch.device(obj["device"])
+    if _CUDA_IPC in obj:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        (stride, offset, dev, handle, storage_bytes, storage_offset, ref_handle, ref_offset, event,
+         event_sync) = obj[_CUDA_IPC]
+        mapped = rebuild_cuda_tensor(torch.Tensor, torch.Size(shape), tuple(stride), offset,
+                                     torch.storage.TypedStorage, dtype, dev, handle, storage_bytes,
+                                     storage_offset, False, ref_handle, ref_offset, event, event_sync)
+        owned = mapped.clone()                  # our own memory; the mapping goes with `mapped`
+        torch.cuda.current_stream(owned.device).synchronize()
+        return owned
+    raw = torch.from_numpy(_from_wire(obj["data"]))
+    t = raw.view(dtype).reshape(shape) if raw.numel() else torch.empty(shape, dtype=dtype)
+    return t.to(device) if device.type != "cpu" else t
 
 
 def _from_wire(obj: Any) -> Any:
@@ -58,6 +126,8 @@ def _from_wire(obj: Any) -> Any:
         return [_from_wire(v) for v in obj]
     if not isinstance(obj, dict):
         return obj
+    if _TENSOR in obj:
+        return _tensor_from_wire(obj)
     if _ARRAY in obj:
         return np.frombuffer(obj[_ARRAY], dtype=np.dtype(obj["dtype"])).reshape(obj["shape"]).copy()
     if _SHM in obj:
@@ -85,7 +155,16 @@ def _from_wire(obj: Any) -> Any:
 
 
 def encode(obj: Any) -> bytes:
-    return _encoder.encode(_to_wire(obj))
+    pending: list = []
+    wire = _to_wire(obj, pending)
+    if pending:                                 # one wait for all of the message's device -> host copies
+        torch = _torch()
+        for device in {meta["device"] for meta, _ in pending}:
+            torch.cuda.current_stream(torch.device(device)).synchronize()
+        for meta, host in pending:
+            del meta["pending"]
+            meta["data"] = _array_to_wire(_host_bytes(host))
+    return _encoder.encode(wire)
 
 
 def decode(data: bytes) -> Any:

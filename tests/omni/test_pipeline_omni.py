@@ -261,3 +261,32 @@ def test_openai_client_chat_with_audio_in_and_out(async_omni):
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+
+
+def test_every_stage_in_its_own_process_gives_the_same_text_codes_and_audio(omni, omni_dir):
+    """The GPU layout on CPU: thinker, talker and code2wav each in a stage process (tensors -- hidden
+    states, prompt embeddings, codes -- cross through `pipeline.wire`). Greedy text, talker codes and
+    waveform equal the in-process pipeline's, for a text and an image+audio prompt, two at once."""
+    from omnistage import Omni
+    from omnistage.codec.code2wav import Code2WavParams
+
+    deploy = {"stages": {"thinker": {"runner": "process"}, "code2wav": {"runner": "process"},
+                         "talker": {"runner": "process", "params": {"max_tokens": 40}}}}
+    thinker = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    talker = SamplingParams(**{**omni.orchestrator.spec.stage("talker").params, "temperature": 0, "max_tokens": 24})
+    prompts = [dict(omni.render_chat(m), modalities=["text", "audio"], voice=v)
+               for m, v in ((TEXT_MESSAGE, "Ethan"), (image_and_audio_message(), "Chelsie"))]
+    per_stage = [thinker, talker, Code2WavParams(seed=7)]       # the same initial noise in both runs
+    want = omni.generate(prompts, thinker, sampling_params_list=per_stage, use_tqdm=False)
+    with Omni(omni_dir, device="cpu", dtype="float32", max_num_batched_tokens=16, deploy_config=deploy) as apart:
+        from omnistage.pipeline.stage_client import StageClient
+
+        assert all(isinstance(s, StageClient) for s in apart.orchestrator.stages.values())
+        assert apart.tokenizer is not None and apart.orchestrator.max_model_len == omni.orchestrator.max_model_len
+        got = apart.generate(prompts, thinker, sampling_params_list=per_stage, use_tqdm=False)
+        stats = apart.orchestrator.stats()
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.audio.samples.shape == w.audio.samples.shape and g.audio.samples.size > 0
+        np.testing.assert_allclose(g.audio.samples, w.audio.samples, atol=1e-5)
+    assert stats["edge:thinker->talker:bytes"] > 0 and stats["edge:talker->code2wav:pieces"] > 0

@@ -1,0 +1,57 @@
+"""`pipeline.wire`: what crosses a stage-process boundary comes back equal, tensors included.
+
+A tensor keeps its dtype (bfloat16 too), shape and device; large arrays go through shared memory
+and the segment is gone once read. The CUDA paths (IPC and staged copies) run in
+`benchmarks/check_cuda.py` on the GPU.
+"""
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from omnistage.outputs import AudioOutput, RequestOutput
+from omnistage.params import SamplingParams
+from omnistage.pipeline import wire
+from omnistage.pipeline.stage import StageOutput
+
+
+def _shm_segments() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool])
+@pytest.mark.parametrize("shape", [(), (0, 3), (5, 7), (300, 128)])   # 300x128 fp32 goes by shared memory
+def test_tensors_keep_dtype_shape_and_values(dtype, shape):
+    t = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 50).to(dtype)
+    back = wire.decode(wire.encode({"t": t, "view": t.T if t.dim() == 2 else t}))
+    for got, want in ((back["t"], t), (back["view"], t.T if t.dim() == 2 else t)):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape
+        assert got.device.type == "cpu" and torch.equal(got, want)
+
+
+def test_stage_output_with_tensors_and_arrays_round_trips_and_frees_shared_memory():
+    before = _shm_segments()
+    hidden = torch.randn(1000, 64).to(torch.bfloat16)          # 128 KB: shared memory
+    audio = np.random.RandomState(0).randn(48000).astype(np.float32)
+    out = StageOutput("r1", RequestOutput("r1", prompt_token_ids=[1, 2], audio=AudioOutput(audio, 24000)),
+                      False, {"hidden_start": 3, "hidden_states": hidden, "ids": (4, 5)})
+    data = wire.encode([out, SamplingParams(max_tokens=3, stop_token_ids=[7])])
+    assert _shm_segments() - before                          # the arrays wait in shared memory
+    got, params = wire.decode(data)
+    assert _shm_segments() == before                         # ... and are unlinked once read
+    assert params == SamplingParams(max_tokens=3, stop_token_ids=[7])
+    assert got.request_id == "r1" and got.data["hidden_start"] == 3 and got.data["ids"] == [4, 5]
+    assert got.data["hidden_states"].dtype == torch.bfloat16 and torch.equal(got.data["hidden_states"], hidden)
+    np.testing.assert_array_equal(got.output.audio.samples, audio)
+    assert dataclasses.replace(got, data={}) == dataclasses.replace(out, data={}, output=got.output)
+
+
+def test_unknown_objects_and_foreign_classes_are_refused():
+    with pytest.raises(TypeError, match="cannot cross"):
+        wire.encode({"f": object()})
+    bad = wire._encoder.encode({wire._TYPE: "os:system"})
+    with pytest.raises(ValueError, match="refusing to build os:system"):
+        wire.decode(bad)

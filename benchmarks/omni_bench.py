@@ -8,13 +8,17 @@ layout with Qwen2.5-Omni-7B's shape -- random weights time exactly like real one
   token2wav transformers' defaults (DiT 22 layers x 1024, BigVGAN 1536 channels); the DiT's codec
            table covers all 8448 talker ids (real: 8194) so random codes always decode (same speed)
   encoders tiny (the prompts are text), the tiny tokenizer / processor (ids below 800), two voices.
-Then, through `AsyncOmni` (thinker, talker, code2wav in one process on one GPU, streaming edges),
+Then, through `AsyncOmni` (thinker, talker, code2wav on one GPU, each in its own stage process --
+the pipeline's default on a GPU; `--ar-runner inline` keeps thinker and talker in the orchestrator's),
 N concurrent requests (N = 1, 4, 8), each: a chat prompt, THINKER_TOKENS text tokens (EOS ignored),
 TALKER_CODES codec ids (stop codes banned) = TALKER_CODES / 50 s of audio, measured per request:
   TTFA  request arrival -> the first audio samples reach the caller
   RTF   (last audio samples - arrival) / seconds of audio; below 1 = faster than real time
 and transformers' `Qwen2_5OmniForConditionalGeneration.generate` on the same weights for 1
-request (not streaming: its first audio is its whole answer). Prints a markdown table last.
+request (not streaming: its first audio is its whole answer), and the floor: the RTF if every
+thinker token and talker code cost only reading the decoder weights once at the measured copy
+bandwidth (requests decoded together share those reads, so the floor holds at every concurrency;
+code2wav's compute is left out, so the true floor is higher). Prints a markdown table last.
 
     python benchmarks/omni_bench.py [--work /tmp/omnibench] [--out results.json]
     python benchmarks/omni_bench.py --smoke          # tiny checkpoint, CPU, seconds (a test runs it)
@@ -169,6 +173,30 @@ def bench_hf(path: str, device: str, dtype: torch.dtype, thinker_tokens: int, ta
             "wall_s": seconds}
 
 
+def copy_bandwidth() -> float:
+    """Device copy bandwidth in bytes/s (read + write of a 1 GiB buffer)."""
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * 10 * x.numel() / (time.perf_counter() - start)
+
+
+def floor(path: str, thinker_tokens: int, talker_codes: int, bandwidth: float) -> dict:
+    from omnistage.pipeline.memory import weight_bytes   # from the safetensors headers (bf16 checkpoint)
+
+    # a decode step reads every layer and the output head; of the embedding table only its rows
+    thinker = weight_bytes(path, ("thinker.model.layers.", "thinker.model.norm.", "thinker.lm_head."))
+    talker = weight_bytes(path, ("talker.model.layers.", "talker.model.norm.", "talker.codec_head."))
+    seconds = (thinker * thinker_tokens + talker * talker_codes) / bandwidth
+    return {"thinker_bytes": thinker, "talker_bytes": talker, "bandwidth_Bps": bandwidth,
+            "rtf": seconds / (talker_codes / 50)}
+
+
 def table(res: dict) -> str:
     rows = [f"| engine, concurrent requests ({res['shape']}, {res['device']}) | TTFA mean s | TTFA max s | "
             "RTF mean | RTF max | audio s per wall s |", "|---|---|---|---|---|---|"]
@@ -176,6 +204,11 @@ def table(res: dict) -> str:
         for r in runs:
             rows.append(f"| {name}, {r['concurrency']} | {r['ttfa_mean_s']:.3f} | {r['ttfa_max_s']:.3f} | "
                         f"{r['rtf_mean']:.3f} | {r['rtf_max']:.3f} | {r['audio_s_per_wall_s']:.2f} |")
+    if res.get("floor"):
+        f = res["floor"]
+        rows.append(f"| floor: decoder weights read once per token ({f['thinker_bytes'] / 1e9:.1f} + "
+                    f"{f['talker_bytes'] / 1e9:.1f} GB at {f['bandwidth_Bps'] / 1e9:.0f} GB/s) | - | - | "
+                    f"{f['rtf']:.3f} | - | - |")
     return "\n".join(rows)
 
 
@@ -189,6 +222,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--code2wav-chunk", type=int, default=None, help="codes per code2wav chunk (default: the pipeline's)")
     ap.add_argument("--code2wav-runner", choices=("inline", "process"), default=None,
                     help="code2wav in the orchestrator's process or its own (default: the pipeline's)")
+    ap.add_argument("--no-code2wav-graphs", action="store_true", help="code2wav's ODE without CUDA graphs")
+    ap.add_argument("--ar-runner", choices=("inline", "process"), default=None,
+                    help="thinker and talker in the orchestrator's process or their own (default: the pipeline's)")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers reference")
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     args = ap.parse_args(argv)
@@ -212,11 +248,17 @@ def main(argv: Optional[list[str]] = None) -> dict:
         code2wav["options"] = {"chunk_codes": args.code2wav_chunk}
     if args.code2wav_runner:
         code2wav["runner"] = args.code2wav_runner
-    deploy = {"stages": {"code2wav": code2wav}} if code2wav else None
+    if args.no_code2wav_graphs:
+        code2wav["cuda_graphs"] = False
+    stages = {"code2wav": code2wav} if code2wav else {}
+    if args.ar_runner:
+        stages.update({name: {"runner": args.ar_runner} for name in ("thinker", "talker")})
+    deploy = {"stages": stages} if stages else None
     res = {"shape": shape, "device": torch.cuda.get_device_name() if device == "cuda" else "CPU",
            "thinker_tokens": tokens, "talker_codes": codes, "deploy_config": deploy,
            "ours": bench_ours(path, device, dtype, levels, tokens, codes, deploy),
-           "hf": [] if args.skip_hf else [bench_hf(path, device, getattr(torch, dtype), tokens, codes)]}
+           "hf": [] if args.skip_hf else [bench_hf(path, device, getattr(torch, dtype), tokens, codes)],
+           "floor": floor(path, tokens, codes, copy_bandwidth()) if device == "cuda" else None}
     print(json.dumps(res, indent=1))
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:

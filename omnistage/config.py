@@ -26,7 +26,8 @@ class EngineConfig:
     max_model_len: Optional[int] = None         # prompt + output tokens; None = the model's limit
     block_size: int = 16                        # tokens per KV block
     num_kv_blocks: Optional[int] = None         # KV pool size; None = derived from free memory
-    gpu_memory_utilization: float = 0.90        # fraction of GPU memory the engine may take
+    gpu_memory_utilization: float = 0.90        # fraction of the GPU this stage may take (weights, activations,
+    # KV, its CUDA context); stages sharing a GPU get planned shares of this (pipeline/memory.py)
     cpu_kv_cache_gb: float = 2.0                # KV pool budget on CPU when num_kv_blocks is None
     enable_prefix_caching: bool = True          # share full KV blocks across requests by content
     seed: int = 0                               # seed of the generator used by unseeded requests

@@ -26,9 +26,12 @@ from omnistage.config import EngineConfig
 from omnistage.models.loader import checkpoint_dtype, load_config, load_model
 from omnistage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from omnistage.params import SamplingParams
+from omnistage.pipeline.memory import CUDA_CONTEXT_BYTES
 from omnistage.pipeline.stage import StageOutput
 
 logger = logging.getLogger(__name__)
+
+FREE_MARGIN_BYTES = 256 * 2**20                 # left free on the device when the KV cache is capped by what is free
 
 
 class _Request:
@@ -60,6 +63,8 @@ class AREngine:
         self.config = config = config or EngineConfig()
         self.model_dir = model_dir
         self.device = config.resolve_device()
+        # what this process held on the device before this engine (another inline stage, the renderer)
+        self._mem_base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         if component is None:
             self.hf_config = load_config(model_dir)
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -112,9 +117,13 @@ class AREngine:
         return int(blocks)
 
     def _profile_cuda_budget(self) -> int:
-        """Bytes left for KV after weights and the peak activations of a largest step."""
+        """Bytes for KV: this stage's own share of the GPU (`gpu_memory_utilization`; stages sharing a
+        GPU get planned shares, pipeline/memory.py) minus what it holds at the peak of a largest step
+        (weights + activations, measured) and its CUDA context (estimated); at most what the device
+        has free once the step's activations are released, less their room again and a margin."""
         cfg = self.config
         torch.cuda.empty_cache()
+        # the peak restarts at what is allocated now: `_mem_base` + this engine's weights
         torch.cuda.reset_peak_memory_stats(self.device)
         self.runner.allocate_kv_cache(1)
         n = min(cfg.max_num_batched_tokens, 8192)
@@ -127,13 +136,21 @@ class AREngine:
             self.model.compute_logits(hidden[: min(n, cfg.max_num_seqs)])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        other = total - free - torch.cuda.memory_reserved(self.device)   # other processes, CUDA context
+        del ids, meta, hidden
         for attn in self.model.attention_layers:
             attn.kv_cache = None
         self.runner.kv_caches = []
         torch.cuda.empty_cache()
-        return int(total * cfg.gpu_memory_utilization - peak - other)
+        activations = peak - torch.cuda.memory_allocated(self.device)   # room a largest step needs again
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = int(total * cfg.gpu_memory_utilization - (peak - self._mem_base) - CUDA_CONTEXT_BYTES)
+        free_for_kv = free - activations - FREE_MARGIN_BYTES
+        if budget > free_for_kv:
+            logger.warning("KV cache capped at the %.2f GiB free on %s; gpu_memory_utilization %.3f would give "
+                           "%.2f GiB: the device holds more than the memory plan estimated (other stages or "
+                           "processes)", free_for_kv / 2**30, self.device, cfg.gpu_memory_utilization, budget / 2**30)
+            budget = free_for_kv
+        return int(budget)
 
     # ---- requests ------------------------------------------------------------------------------
     def encode(self, inputs: Any) -> tuple[Optional[str], list[int]]:

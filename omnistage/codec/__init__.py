@@ -6,7 +6,10 @@ heavy dependencies only when built, so listing what is installed stays cheap.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+
+from omnistage.pipeline.memory import engine_options
 
 # backend name -> "module:class" of an engine class with `from_stage_spec(spec)`
 CODEC_BACKENDS = {
@@ -27,4 +30,5 @@ def build_codec_stage(spec):
     if target is None:
         raise ValueError(f"stage {spec.name!r}: backend must be one of {sorted(CODEC_BACKENDS)}, got {spec.backend!r}")
     module, cls = target.split(":")
+    spec = dataclasses.replace(spec, options=engine_options(spec.options))   # less the memory planner's keys
     return getattr(importlib.import_module(module), cls).from_stage_spec(spec)

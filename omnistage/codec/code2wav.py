@@ -9,7 +9,8 @@ cumulative `AudioOutput` (float32 mono in [-1, 1] at 24000 Hz), `data["audio_chu
 added this step; the last one has `finished=True`.
 
 How a request is decoded (the modules are transformers' own: `Qwen2_5OmniToken2WavDiTModel`'s
-embeddings, blocks and output head, its `RungeKutta4ODESolver`, `Qwen2_5OmniToken2WavBigVGANModel`):
+embeddings, blocks and output head, `Qwen2_5OmniToken2WavBigVGANModel`; the ODE loop is its
+`RungeKutta4ODESolver`'s arithmetic without host syncs, `_ode`):
   * Noise: a per-request `torch.Generator` seeded with `params.seed` draws the initial mel noise
     frame by frame as codes arrive; the draws concatenate to exactly `torch.randn([1, frames, 80])`
     after `torch.manual_seed(seed)`, which is what transformers' `token2wav` uses, so whole-sequence
@@ -31,6 +32,10 @@ embeddings, blocks and output head, its `RungeKutta4ODESolver`, `Qwen2_5OmniToke
     and padded keys are masked out of the DiT's block mask, so a batched request decodes as if
     alone. BigVGAN runs once per group of equal-length inputs (padding would change a
     convolution's tail).
+  * CUDA graphs (on a GPU, chunked mode, `cuda_graphs`): the ODE of a chunk (36 DiT evaluations,
+    launch-bound) replays as one graph when the window has a steady length (`_steady_windows`);
+    the batch is padded to a captured size (1, 2, 4, 8, ... up to `max_batch_requests`) with
+    empty rows. Graphs are captured at start-up for the default ODE settings (`layers/graph_cache.py`).
 """
 
 from __future__ import annotations
@@ -167,7 +172,7 @@ class Code2WavEngine:
     def __init__(self, model_dir: str, device: str = "cpu", default_voice: Optional[str] = None,
                  chunk_codes: Optional[int] = None, first_chunk_codes: Optional[int] = None,
                  past_blocks: int = 2, future_blocks: int = 1, vocoder_context_frames: Optional[int] = None,
-                 max_batch_requests: int = 8):
+                 max_batch_requests: int = 8, cuda_graphs: bool = True):
         for name, value in (("chunk_codes", chunk_codes), ("first_chunk_codes", first_chunk_codes)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -195,16 +200,28 @@ class Code2WavEngine:
         self.voc_ctx = vocoder_context_frames if vocoder_context_frames is not None \
             else vocoder_context(self.vocoder.config)
         self.max_batch_requests = max_batch_requests
+        # The ODE of a chunk replays as a CUDA graph when its window has one of the steady sizes (the
+        # first chunk's, a later chunk's); other windows (a request's tail, whole mode) run eagerly.
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and self.chunk_frames is not None
+        self._graph_frames: set[int] = set()
+        self._batch_sizes = [b for b in (1, 2, 4, 8, 16, 32) if b < max_batch_requests] + [max_batch_requests]
+        if self.cuda_graphs:
+            from omnistage.layers.graph_cache import GraphCache
+
+            self._graph_frames = self._steady_windows()
+            self._graphs = GraphCache(max_graphs=4 * len(self._batch_sizes) * len(self._graph_frames))
         self._voice_cache: dict[str, tuple[torch.Tensor, ...]] = {}
         self.requests: dict[str, _Request] = {}
         self._totals = {"audio_seconds_total": 0.0, "dit_seconds_total": 0.0, "vocoder_seconds_total": 0.0,
                         "dit_batches_total": 0, "dit_rows_total": 0}
+        if self.cuda_graphs:
+            self._capture_graphs()
 
     @classmethod
     def from_stage_spec(cls, spec) -> "Code2WavEngine":
         device = spec.engine.device if spec.engine.device != "auto" else (
             "cuda" if torch.cuda.is_available() else "cpu")
-        return cls(spec.model_dir, device=device, **dict(spec.options))
+        return cls(spec.model_dir, device=device, **{"cuda_graphs": spec.engine.cuda_graphs, **dict(spec.options)})
 
     # ---- voices ---------------------------------------------------------------------------------
     def voices(self) -> list[dict[str, Any]]:
@@ -321,50 +338,104 @@ class Code2WavEngine:
     @torch.no_grad()
     def _decode_mel(self, reqs: list[_Request], windows: list[tuple[int, int, int, int]]) -> list[torch.Tensor]:
         """Runs the ODE for every request's window in one batch; returns each window's mel [frames, 80]."""
-        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
-
-        dev, n = self.device, len(reqs)
+        n = len(reqs)
         lengths = [we - ws for _, _, ws, we in windows]
         frames = max(lengths)
-        noise = torch.zeros(n, frames, self.mel_dim)
-        codes = torch.zeros(n, frames // self.repeats + 1, dtype=torch.long)
+        graphed = self.cuda_graphs and frames in self._graph_frames
+        # a graphed batch is padded to a captured size with empty rows (every key masked but their own)
+        size = next(b for b in self._batch_sizes if b >= n) if graphed else n
+        noise = torch.zeros(size, frames, self.mel_dim)
+        codes = torch.zeros(size, frames // self.repeats + 1, dtype=torch.long)
         for i, (req, (_, _, ws, we)) in enumerate(zip(reqs, windows)):
             noise[i, : we - ws] = req.draw_noise(we)[ws:]
             window_codes = req.codes[ws // self.repeats: math.ceil(we / self.repeats)]
             codes[i, : len(window_codes)] = torch.tensor(window_codes, dtype=torch.long)
-        voices = [self._voice(r.params.voice) for r in reqs]
+        voices = [r.params.voice for r in reqs] + [reqs[0].params.voice] * (size - n)
+        mel = self._run_ode(noise, codes, voices, lengths + [0] * (size - n), reqs[0].params, graphed)
+        return [mel[i, :length].float().cpu() for i, length in enumerate(lengths)]
+
+    def _run_ode(self, noise: torch.Tensor, codes: torch.Tensor, voice_names: list[str], lengths: list[int],
+                 params: Code2WavParams, graphed: bool) -> torch.Tensor:
+        """The DiT's conditioning for a batch, then its ODE (from a CUDA graph when `graphed`)."""
+        dev, frames = self.device, noise.shape[1]
+        voices = [self._voice(v) for v in voice_names]
         cond = torch.stack([v[0] for v in voices])
         spk = torch.stack([v[1] for v in voices])
         spk_null = torch.stack([v[2] for v in voices])
-        params = reqs[0].params
         cfg = params.guidance_scale >= 1e-5     # as transformers: below that, a plain conditional forward
         code_emb = self.dit.text_embed(codes.to(dev))[:, :frames]
         if cfg:
             code_emb = torch.cat([code_emb, self.dit.text_embed(torch.zeros_like(codes).to(dev))[:, :frames]])
             cond, spk = torch.cat([cond, torch.zeros_like(cond)]), torch.cat([spk, spk_null])
-        rows = code_emb.shape[0]
         static = torch.cat([spk[:, None].expand(-1, frames, -1), code_emb, cond[:, None].expand(-1, frames, -1)], -1)
         block_diff = self._block_diff(lengths * (2 if cfg else 1), frames).to(dev)
-        positions = torch.arange(frames, device=dev)[None].expand(rows, -1)
+        t = torch.linspace(0, 1, params.num_steps, device=dev, dtype=torch.float32)
+        if params.sway_coefficient is not None:
+            t = t + params.sway_coefficient * (torch.cos(torch.pi / 2 * t) - 1 + t)
+        inputs = (noise.to(dev), static, block_diff, t)
+        guidance = params.guidance_scale if cfg else None
+        if not graphed:
+            return self._ode(*inputs, guidance)
+        return self._graphs.run((noise.shape[0], frames, guidance, params.num_steps), inputs,
+                                lambda x, st, bd, tt: self._ode(x, st, bd, tt, guidance))
 
-        def velocity(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-            x_rows = torch.cat([x, x]) if cfg else x
-            t_emb = self.dit.time_embed(t.reshape(1).expand(rows))
+    @torch.no_grad()
+    def _capture_graphs(self) -> None:
+        """Captures the ODE for every padded batch size and steady window at start-up (default ODE
+        settings), so that no request waits for a capture."""
+        params = Code2WavParams(voice=self.default_voice)
+        for size in self._batch_sizes:
+            for frames in sorted(self._graph_frames):
+                noise = torch.zeros(size, frames, self.mel_dim)
+                codes = torch.zeros(size, frames // self.repeats + 1, dtype=torch.long)
+                self._run_ode(noise, codes, [self.default_voice] * size, [frames] * size, params, True)
+        torch.cuda.synchronize(self.device)
+
+    def _steady_windows(self, most: int = 4) -> set[int]:
+        """Window lengths (mel frames) that chunks other than a request's last have: the first
+        chunk's, and the `most` - 1 commonest of the next 63 (one when chunks are whole DiT blocks)."""
+        counts: dict[int, int] = {}
+        s = 0
+        for _ in range(64):
+            e = s + (self.first_chunk_frames if s == 0 else self.chunk_frames)
+            length = e + self.future - max(0, (s - self.past) // self.block * self.block)
+            counts[length] = counts.get(length, 0) + 1
+            s = e
+        first = self.first_chunk_frames + self.future
+        common = sorted((n for n in counts if n != first), key=lambda n: -counts[n])
+        return {first, *common[: most - 1]}
+
+    def _ode(self, x: torch.Tensor, static: torch.Tensor, block_diff: torch.Tensor, t: torch.Tensor,
+             guidance: Optional[float]) -> torch.Tensor:
+        """The DiT's flow ODE from noise `x` [n, frames, mel] over time points `t`: transformers'
+        `RungeKutta4ODESolver` (3/8-rule RK4) written without host syncs, so that it can be captured
+        in a CUDA graph; the same tensor operations in the same order, so the same numbers."""
+        rows, frames = static.shape[:2]
+        positions = torch.arange(frames, device=x.device)[None].expand(rows, -1)
+
+        def velocity(tv: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            x_rows = torch.cat([x, x]) if guidance is not None else x
+            t_emb = self.dit.time_embed(tv.reshape(1).expand(rows))
             h = self.dit.input_embed.proj(torch.cat([x_rows, static], -1))
             rope = self.dit.rotary_embed(h, positions)
             for block in self.dit.transformer_blocks:
                 h = block(h, t_emb, position_embeddings=rope, block_diff=block_diff)
             v = self.dit.proj_out(self.dit.norm_out(h, t_emb))
-            if not cfg:
+            if guidance is None:
                 return v
             v_cond, v_null = v.chunk(2)
-            return v_cond + (v_cond - v_null) * params.guidance_scale
+            return v_cond + (v_cond - v_null) * guidance
 
-        t = torch.linspace(0, 1, params.num_steps, device=dev, dtype=torch.float32)
-        if params.sway_coefficient is not None:
-            t = t + params.sway_coefficient * (torch.cos(torch.pi / 2 * t) - 1 + t)
-        mel = RungeKutta4ODESolver(function=velocity, initial_value=noise.to(dev)).integrate(t)[-1]
-        return [mel[i, :length].float().cpu() for i, length in enumerate(lengths)]
+        third, two_thirds = 1 / 3, 2 / 3
+        for i in range(t.shape[0] - 1):
+            t0, t1 = t[i], t[i + 1]
+            dt = t1 - t0
+            k1 = velocity(t0, x)
+            k2 = velocity(t0 + dt * third, x + dt * k1 * third)
+            k3 = velocity(t0 + dt * two_thirds, x + dt * (k2 - k1 * third))
+            k4 = velocity(t1, x + dt * (k1 - k2 + k3))
+            x = x + (k1 + 3 * (k2 + k3) + k4) * dt / 8
+        return x
 
     def _block_diff(self, lengths: Sequence[int], frames: int) -> torch.Tensor:
         """Per-row DiT block offsets [rows, 1, frames, frames]; padded keys get a huge offset (masked).

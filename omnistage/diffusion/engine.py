@@ -86,14 +86,15 @@ class DiffusionEngine:
     def from_stage_spec(cls, spec) -> "DiffusionEngine":
         """Build from a pipeline `StageSpec`: `spec.engine` (EngineConfig) gives device, dtype and the
         batch limits (left at EngineConfig's defaults, they take this engine's own defaults);
-        `spec.options` may set `vae_tile_pixels`."""
+        `spec.options` may set `vae_tile_pixels` (and the memory planner's keys, `pipeline/memory.py`)."""
         from omnistage.config import EngineConfig
+        from omnistage.pipeline.memory import engine_options
 
         cfg, base = spec.engine, EngineConfig()
         seqs = cfg.max_num_seqs if cfg.max_num_seqs != base.max_num_seqs else DEFAULT_MAX_NUM_SEQS
         tokens = (cfg.max_num_batched_tokens if cfg.max_num_batched_tokens != base.max_num_batched_tokens
                   else DEFAULT_MAX_NUM_BATCHED_TOKENS)
-        unknown = set(spec.options) - {"vae_tile_pixels"}
+        unknown = set(engine_options(spec.options)) - {"vae_tile_pixels"}
         if unknown:
             raise ValueError(f"stage {spec.name!r}: diffusion options must be among ['vae_tile_pixels'], "
                              f"got {sorted(unknown)}")

@@ -8,7 +8,8 @@ from typing import Any, Optional, Sequence
 from omnistage.config import EngineConfig
 from omnistage.params import DiffusionParams, SamplingParams
 from omnistage.pipeline.orchestrator import Orchestrator
-from omnistage.pipeline.deploy_config import apply_deploy_config
+from omnistage.pipeline.deploy_config import apply_deploy_config, pinned_stages
+from omnistage.pipeline.memory import plan_gpu_memory
 from omnistage.pipeline.spec import detect_pipeline
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -32,6 +33,7 @@ def build_orchestrator(model: Optional[str], device: str, dtype: str, deploy_con
     if config.resolve_device().type == "cpu":
         config.apply_cpu_threads()
     spec = apply_deploy_config(detect_pipeline(resolve_model(model), config), deploy_config)
+    spec = plan_gpu_memory(spec, pinned=pinned_stages(deploy_config))   # stages sharing a GPU split it
     return Orchestrator(spec)
 
 

@@ -8,6 +8,8 @@ stages:
   llm:                      # a stage of the detected pipeline, by name
     device: cuda:0          # any EngineConfig field: device, dtype, max_num_seqs, num_kv_blocks, ...
     max_num_seqs: 64
+    gpu_memory_utilization: 0.5         # this stage's own share of its GPU, kept as given ("pinned");
+                                        # unset, stages sharing a GPU get planned shares (pipeline/memory.py)
     params: {temperature: 0.7}          # default request params of the stage (merged)
   tts:
     device: cpu
@@ -46,6 +48,10 @@ def load_deploy_config(path: str) -> dict[str, Any]:
     return data
 
 
+def _load(config: Union[str, dict[str, Any]]) -> dict[str, Any]:
+    return load_deploy_config(config) if isinstance(config, str) else dict(config)
+
+
 def _stage_overrides(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     stages = data.get("stages") or {}
     if isinstance(stages, list):                # also accept a list of {name: ..., ...}
@@ -58,7 +64,7 @@ def _stage_overrides(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def apply_deploy_config(spec: PipelineSpec, config: Union[str, dict[str, Any], None]) -> PipelineSpec:
     if config is None:
         return spec
-    data = load_deploy_config(config) if isinstance(config, str) else dict(config)
+    data = _load(config)
     unknown = set(data) - {"stages", "edges"}
     if unknown:
         raise ValueError(f"deploy config: unknown top-level keys {sorted(unknown)}; allowed: ['edges', 'stages']")
@@ -99,4 +105,12 @@ def apply_deploy_config(spec: PipelineSpec, config: Union[str, dict[str, Any], N
         if changes.get("chunk_size", edges[match[0]].chunk_size) is None:
             changes["first_chunk_size"] = None
         edges[match[0]] = dataclasses.replace(edges[match[0]], **changes)
-    return PipelineSpec(stages, edges, spec.chat_renderer)
+    return dataclasses.replace(spec, stages=stages, edges=edges)   # keeps chat_renderer, renderer_weights
+
+
+def pinned_stages(config: Union[str, dict[str, Any], None]) -> frozenset[str]:
+    """Stages whose `gpu_memory_utilization` the deploy config sets: the memory plan keeps their share."""
+    if config is None:
+        return frozenset()
+    return frozenset(name for name, over in _stage_overrides(_load(config)).items()
+                     if "gpu_memory_utilization" in (over or {}))

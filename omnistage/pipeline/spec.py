@@ -79,6 +79,8 @@ class PipelineSpec:
     edges: list[EdgeSpec] = field(default_factory=list)
     chat_renderer: Optional[str] = None         # "module:factory" turning chat messages (text, image, audio
     # parts) into the main stage's inputs, built by the entry point; None = the tokenizer's chat template
+    renderer_weights: tuple[str, ...] = ()      # tensor-name prefixes in the main stage's folder that the chat
+    # renderer loads on the main stage's device, in the entry point's process (GPU memory plan: pipeline/memory.py)
 
     def __post_init__(self) -> None:
         names = [s.name for s in self.stages]

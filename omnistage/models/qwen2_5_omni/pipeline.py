@@ -10,11 +10,12 @@
   code2wav (codec "qwen2_5_omni_code2wav")          final output: audio (24 kHz), chunked decode
 
 A request asks for `modalities` ["text"] (the default: the thinker alone) or ["text", "audio"],
-and a `voice` (a key of spk_dict.pt, default "Chelsie"). On a GPU the stages share it: the
-thinker's KV cache may grow to 65 % of the engine's `gpu_memory_utilization`, the talker's up to
-80 % (each engine sizes its cache against what is already allocated), which leaves room for
-code2wav (in its own process on a GPU), the media encoders and activations. The AR stages stay in
-the orchestrator's process: the hidden states they pass are device tensors.
+and a `voice` (a key of spk_dict.pt, default "Chelsie"). On a GPU each stage runs in its own process
+and the stages share the GPU: each stage's options name the checkpoint tensors it loads
+(`weights_prefix`) and, for the AR stages, the shape of its decoder (`lm_shape`), so that the
+entry point's memory plan (`pipeline/memory.py`) can give every stage its own share of the GPU
+from the weights' sizes (the KV caches split what is left in proportion to what each can use);
+`renderer_weights` names what the chat renderer loads next to them.
 
 `OmniChatRenderer(spec)` is the pipeline's `chat_renderer`: chat messages with text, image and
 audio parts -> the thinker's inputs (`processor.py`): prompt ids (one placeholder per encoder row),
@@ -34,9 +35,14 @@ from omnistage.config import EngineConfig
 # importing these modules registers the adapters and the AR components
 from omnistage.models.qwen2_5_omni.adapters import DEFAULT_VOICE
 from omnistage.models.qwen2_5_omni.stages import TALKER, THINKER, omni_config, read_tensors
+from omnistage.pipeline.memory import lm_shape
 from omnistage.pipeline.spec import EdgeSpec, PipelineSpec, StageSpec
 
-THINKER_MEMORY_SHARE, TALKER_MEMORY_SHARE = 0.65, 0.80
+# Tensor-name prefixes each part loads (stages.py, codec/code2wav.py, `load_thinker_encoders` below).
+THINKER_WEIGHTS = ["thinker.model.", "thinker.lm_head."]
+TALKER_WEIGHTS = ["talker."]
+CODE2WAV_WEIGHTS = ["token2wav."]
+RENDERER_WEIGHTS = ("thinker.audio_tower.", "thinker.visual.", "thinker.model.embed_tokens.")
 # Measured on an H200 (7B shape, random bf16 weights, 1 stream, 6 s answers; benchmarks/omni_bench.py):
 # each chunk costs about the same (36 DiT evaluations, launch-bound), so larger chunks decode faster
 # than real time: chunk 48 -> RTF 1.7, 96 -> 0.98, 192 -> 0.86 (with code2wav in its own process).
@@ -63,25 +69,31 @@ def omni_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
     config = omni_config(model_dir)
     names = voices(model_dir)
     default_voice = DEFAULT_VOICE if DEFAULT_VOICE in names else names[0]
-    share = engine.gpu_memory_utilization
+    # On a GPU every stage runs in its own process (the default of the issue): the thinker, talker and
+    # code2wav steps overlap instead of taking turns in one Python thread; the hidden states they
+    # pass cross as tensors (`pipeline.wire`).
+    runner = "process" if engine.resolve_device().type == "cuda" else "inline"
     # Requests that feed the talker report hidden states and so skip the prefix cache (see
     # `Sequence.cacheable`); text-only requests keep it.
-    thinker = StageSpec("thinker", "ar", model_dir, dataclasses.replace(
-        engine, gpu_memory_utilization=share * THINKER_MEMORY_SHARE),
-        final_output="text", options={"component": THINKER})
-    talker = StageSpec("talker", "ar", model_dir, dataclasses.replace(
-        engine, gpu_memory_utilization=share * TALKER_MEMORY_SHARE, max_model_len=None),
-        options={"component": TALKER}, params=talker_params(config))
-    # On a GPU code2wav runs in its own process: its chunk decodes (36 DiT evaluations each) then
-    # overlap the talker's steps instead of stalling them (H200, chunk 96: RTF 1.17 inline, 0.98 apart).
-    runner = "process" if engine.resolve_device().type == "cuda" else "inline"
+    thinker = StageSpec("thinker", "ar", model_dir, engine, final_output="text", runner=runner,
+                        options={"component": THINKER, "weights_prefix": THINKER_WEIGHTS,
+                                 "lm_shape": lm_shape(config.thinker_config.text_config)})
+    talker = StageSpec("talker", "ar", model_dir, dataclasses.replace(engine, max_model_len=None),
+                       runner=runner, options={"component": TALKER, "weights_prefix": TALKER_WEIGHTS,
+                                               "lm_shape": lm_shape(config.talker_config)},
+                       params=talker_params(config))
+    # code2wav's chunk decodes (36 DiT evaluations each) in their own process overlap the talker's
+    # steps instead of stalling them (H200, chunk 96: RTF 1.17 inline, 0.98 apart).
     code2wav = StageSpec("code2wav", "codec", model_dir, engine, final_output="audio", runner=runner,
-                         backend="qwen2_5_omni_code2wav", options={**CODE2WAV_OPTIONS, "default_voice": default_voice})
+                         backend="qwen2_5_omni_code2wav", options={
+                             **CODE2WAV_OPTIONS, "default_voice": default_voice,
+                             "weights_prefix": CODE2WAV_WEIGHTS, "weights_dtype": "float32"})  # runs in fp32
     edges = [EdgeSpec("thinker", "talker", "qwen2_5_omni.thinker_to_talker", chunk_size=1,
                       options={"model_dir": model_dir, "default_voice": default_voice}),
              EdgeSpec("talker", "code2wav", "qwen2_5_omni.talker_to_code2wav", chunk_size=1)]
     return PipelineSpec([thinker, talker, code2wav], edges,
-                        chat_renderer="omnistage.models.qwen2_5_omni.pipeline:OmniChatRenderer")
+                        chat_renderer="omnistage.models.qwen2_5_omni.pipeline:OmniChatRenderer",
+                        renderer_weights=RENDERER_WEIGHTS)
 
 
 def load_thinker_encoders(model_dir: str, device: torch.device, dtype: torch.dtype):
@@ -95,8 +107,7 @@ def load_thinker_encoders(model_dir: str, device: torch.device, dtype: torch.dty
     with torch.device(device), no_init_weights():   # every weight is loaded below; buffers are built here
         model = Qwen2_5OmniThinkerModel._from_config(config, dtype=dtype)
     state = {}
-    for name, tensor in read_tensors(model_dir, lambda n: n.startswith(
-            ("thinker.audio_tower.", "thinker.visual.", "thinker.model.embed_tokens."))):
+    for name, tensor in read_tensors(model_dir, lambda n: n.startswith(RENDERER_WEIGHTS)):
         name = name[len("thinker."):]
         state[name.replace("model.embed_tokens.", "language_model.embed_tokens.")] = tensor
     missing, _ = model.load_state_dict(state, strict=False)

@@ -1,0 +1,268 @@
+"""How the stages that share a GPU split its memory (entry point's process, at start-up; no GPU work).
+
+In: a `PipelineSpec` (after the deploy config) and the stages whose `gpu_memory_utilization` the
+user set (`pinned`). Out: a new spec in which each stage on a shared CUDA device carries its OWN
+planned share of that device in `engine.gpu_memory_utilization`. The AR engine reads its share as
+"KV budget = share x total - its measured peak (weights + a largest step) - CUDA_CONTEXT_BYTES"
+(`ar/engine.py`); codec and diffusion stages get a share too, for the log (they size no cache).
+
+Per CUDA device, with U the pipeline-level `gpu_memory_utilization` (that of the device's first
+unpinned stage in pipeline order: the main stage's, unless it is elsewhere or pinned):
+
+    total x U  -  reserves: pinned stages' shares; the entry point's process when it uses the device
+                  (its CUDA context, and the chat renderer's weights + WORKSPACE_BYTES when the main
+                  stage is there)
+               -  each planned stage's fixed cost: its process's CUDA context (runner "process"), its
+                  weights, and an activation estimate (AR) or a workspace (codec, diffusion)
+               =  what the AR stages' KV caches share, in proportion to how much KV each can use.
+
+Weights are counted from the safetensors headers (no tensor is read) at the dtype the stage runs
+in. Activations and contexts are estimates; the AR engine measures its real peak and caps its KV
+at what the device really has free, so an estimate that is off costs KV blocks, not a crash.
+A device holding one stage and no renderer keeps that stage's setting as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from omnistage.pipeline.spec import PipelineSpec, StageSpec
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+GiB = 2**30
+CUDA_CONTEXT_BYTES = GiB // 2                   # CUDA context + torch kernels of one process on one GPU (estimate)
+WORKSPACE_BYTES = GiB                           # activations of a codec / diffusion step, or of the chat renderer
+# Keys of `StageSpec.options` that only this planner reads (engines ignore them: `engine_options`):
+#   weights_prefix: str or list of tensor-name prefixes the stage loads (absent: every tensor)
+#   weights_dtype: "float32" | "bfloat16" | "float16", the dtype a codec runs its weights in (absent: as stored)
+#   lm_shape: `lm_shape(config)` of an AR component's text config (absent: from model_dir/config.json)
+#   workspace_bytes: a codec / diffusion stage's activation room (absent: WORKSPACE_BYTES)
+MEMORY_OPTIONS = frozenset({"weights_prefix", "weights_dtype", "lm_shape", "workspace_bytes"})
+
+_WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def engine_options(options: dict[str, Any]) -> dict[str, Any]:
+    """A stage's options without the planner's own keys: what its engine is built with."""
+    return {k: v for k, v in options.items() if k not in MEMORY_OPTIONS}
+
+
+def lm_shape(config) -> dict[str, int]:
+    """The numbers of a decoder-only LM's config that size its KV cache and activations."""
+    heads = config.num_attention_heads
+    return {"layers": config.num_hidden_layers,
+            "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+            "hidden": config.hidden_size, "intermediate": config.intermediate_size, "vocab": config.vocab_size,
+            "max_positions": getattr(config, "max_position_embeddings", None) or 4096}
+
+
+def safetensors_header(path: str) -> dict[str, dict]:
+    """tensor name -> {"dtype", "shape", "data_offsets"} of a .safetensors file, from its header only."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header
+
+
+def _weight_files(model_dir: str) -> list[str]:
+    """The safetensors a stage loads: the checkpoint's shards, or every sub-folder's of a diffusers folder."""
+    from omnistage.models.loader import safetensors_files
+
+    if not os.path.exists(os.path.join(model_dir, "model_index.json")):
+        return safetensors_files(model_dir)
+    files = []
+    for root, _, names in os.walk(model_dir):
+        for name in names:
+            # `x.fp16.safetensors` is a variant of `x.safetensors`; from_pretrained loads the plain one
+            plain = name.split(".")[0] + ".safetensors"
+            if name.endswith(".safetensors") and (name == plain or plain not in names):
+                files.append(os.path.join(root, name))
+    return sorted(files)
+
+
+def weight_bytes(model_dir: str, prefixes: Optional[tuple[str, ...]] = None,
+                 dtype: Optional["torch.dtype"] = None) -> int:
+    """Bytes the tensors whose names start with one of `prefixes` (None: all) take once loaded:
+    floating tensors at `dtype` (None: as stored), others as stored."""
+    total = 0
+    for path in _weight_files(model_dir):
+        for name, info in safetensors_header(path).items():
+            if prefixes is None or name.startswith(prefixes):
+                begin, end = info["data_offsets"]
+                floating = info["dtype"].startswith(("F", "BF"))
+                total += (math.prod(info["shape"]) * dtype.itemsize) if floating and dtype else end - begin
+    return total
+
+
+@dataclass
+class StageCost:
+    context: int                                # CUDA context of the stage's own process (runner "process")
+    weights: int                                # weights at the dtype the stage runs in
+    work: int                                   # activation estimate (AR) or workspace (codec, diffusion)
+    kv_demand: int = 0                          # KV bytes the AR stage can use at most (0: no KV cache)
+
+    @property
+    def fixed(self) -> int:
+        return self.context + self.weights + self.work
+
+
+def _prefixes(stage: StageSpec) -> Optional[tuple[str, ...]]:
+    p = stage.options.get("weights_prefix")
+    return None if p is None else (p,) if isinstance(p, str) else tuple(p)
+
+
+def _ar_dtype(stage: StageSpec, device: str) -> "torch.dtype":
+    """As `AREngine` picks it (and the chat renderer, for the main stage's folder)."""
+    import torch
+
+    from omnistage.models.loader import checkpoint_dtype, load_config
+
+    return stage.engine.resolve_dtype(checkpoint_dtype(load_config(stage.model_dir)), torch.device(device))
+
+
+def _run_dtype(stage: StageSpec, device: str) -> Optional["torch.dtype"]:
+    if stage.kind == "ar":
+        return _ar_dtype(stage, device)
+    if stage.kind == "diffusion":
+        from omnistage.diffusion.engine import resolve_device_dtype
+
+        return resolve_device_dtype(device, stage.engine.dtype)[1]
+    name = stage.options.get("weights_dtype")
+    if name is None:
+        return None
+    if name not in _WEIGHT_DTYPES:
+        raise ValueError(f"stage {stage.name!r}: options.weights_dtype must be one of {', '.join(_WEIGHT_DTYPES)}; "
+                         f"got {name!r}")
+    import torch
+
+    return getattr(torch, name)
+
+
+def stage_cost(stage: StageSpec, device: str) -> StageCost:
+    """A stage's memory on `device` (a CUDA device string) apart from its KV share (see the module docstring)."""
+    dtype = _run_dtype(stage, device)
+    context = CUDA_CONTEXT_BYTES if stage.runner == "process" else 0
+    weights = weight_bytes(stage.model_dir, _prefixes(stage), dtype) if stage.model_dir else 0
+    if stage.kind != "ar":
+        return StageCost(context, weights, int(stage.options.get("workspace_bytes", WORKSPACE_BYTES)))
+    shape = stage.options.get("lm_shape")
+    if shape is None:
+        from omnistage.models.loader import load_config
+
+        shape = lm_shape(load_config(stage.model_dir))
+    e, size = stage.engine, dtype.itemsize
+    # A largest step's activations, twice for the allocator's slack, plus fp32 logits of every
+    # sequence; an estimate: the engine measures its real peak before it sizes its KV.
+    tokens = min(e.max_num_batched_tokens, 8192)
+    work = tokens * (4 * shape["hidden"] + 2 * shape["intermediate"]) * size * 2 + e.max_num_seqs * shape["vocab"] * 4
+    if e.num_kv_blocks is not None:
+        blocks = e.num_kv_blocks
+    else:                                       # as many as the engine would ever use (`AREngine._num_kv_blocks`)
+        max_len = min(e.max_model_len or shape["max_positions"], shape["max_positions"])
+        blocks = e.max_num_seqs * -(-max_len // e.block_size) + 1
+    per_token = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * size
+    return StageCost(context, weights, work, blocks * e.block_size * per_token)
+
+
+def split_kv(pool: int, demands: dict[str, int]) -> dict[str, int]:
+    """`pool` split in proportion to `demands`, none above its demand. (With proportional shares
+    every stage reaches its cap at the same pool size, so there is nothing left to re-distribute.)"""
+    want = sum(demands.values())
+    scale = 1.0 if want <= pool else pool / want
+    return {name: int(d * scale) for name, d in demands.items()}
+
+
+def cuda_device(device: str) -> Optional[str]:
+    """`EngineConfig.device` -> "cuda:N", or None for the CPU."""
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return None
+    return "cuda:0" if device == "cuda" else device
+
+
+def _cuda_total(device: str) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(torch.device(device)).total_memory
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def _renderer_on(spec: PipelineSpec, stages: list[StageSpec]) -> bool:
+    """Whether the chat renderer loads weights on the device of `stages` (the main stage's)."""
+    return bool(spec.renderer_weights) and spec.main_stage.name in {s.name for s in stages}
+
+
+def _plan_device(device: str, stages: list[StageSpec], spec: PipelineSpec, pinned: frozenset[str],
+                 total: int) -> dict[str, float]:
+    """stage name -> its share of `device` for the unpinned `stages` on it."""
+    free = [s for s in stages if s.name not in pinned]
+    if not free:
+        return {}
+    util = free[0].engine.gpu_memory_utilization
+    reserves = {f"{s.name} (pinned)": int(s.engine.gpu_memory_utilization * total)
+                for s in stages if s.name in pinned}
+    renderer = _renderer_on(spec, stages)
+    if renderer or any(s.runner == "inline" for s in stages):
+        reserves["entry point's CUDA context"] = CUDA_CONTEXT_BYTES
+    if renderer:
+        main = spec.main_stage
+        reserves["chat renderer"] = WORKSPACE_BYTES + weight_bytes(
+            main.model_dir, tuple(spec.renderer_weights), _ar_dtype(main, device))
+    costs = {s.name: stage_cost(s, device) for s in free}
+    left = int(total * util) - sum(reserves.values()) - sum(c.fixed for c in costs.values())
+    described = [f"{n} {_gib(c.fixed)} (weights {_gib(c.weights)}, activations {_gib(c.work)}, "
+                 f"context {_gib(c.context)})" for n, c in costs.items()]
+    described += [f"{label} {_gib(b)}" for label, b in reserves.items()]
+    if left < 0:
+        raise ValueError(
+            f"{device}: the stages do not fit in gpu_memory_utilization {util} x {_gib(total)}; estimates: "
+            f"{'; '.join(described)}. Set a stage's own share in the deploy config (`stages: {{NAME: "
+            f"{{gpu_memory_utilization: F}}}}`), raise gpu_memory_utilization, or put fewer or smaller stages "
+            f"on {device}")
+    kv = split_kv(left, {n: c.kv_demand for n, c in costs.items() if c.kv_demand})
+    shares = {n: min(1.0, (c.fixed + kv.get(n, 0)) / total) for n, c in costs.items()}
+    logger.info("GPU memory plan of %s (%s x %s): %s; KV: %s; fixed: %s", device, _gib(total), util,
+                ", ".join(f"{n} {v:.3f}" for n, v in shares.items()),
+                ", ".join(f"{n} {_gib(b)} of {_gib(costs[n].kv_demand)} wanted" for n, b in kv.items()) or "none",
+                "; ".join(described))
+    return shares
+
+
+def plan_gpu_memory(spec: PipelineSpec, pinned: frozenset[str] = frozenset(),
+                    device_total: Optional[Callable[[str], int]] = None) -> PipelineSpec:
+    """`spec` with each stage on a shared CUDA device given its own share of it (module docstring).
+
+    `pinned`: stages whose `gpu_memory_utilization` the user set (kept, and reserved for them).
+    `device_total(device) -> bytes` of a "cuda:N" device (default: torch's device properties)."""
+    device_total = device_total or _cuda_total
+    by_device: dict[str, list[StageSpec]] = {}
+    for s in spec.stages:
+        dev = cuda_device(s.engine.device)
+        if dev is not None:
+            by_device.setdefault(dev, []).append(s)
+    shares: dict[str, float] = {}
+    for dev, stages in by_device.items():
+        if len(stages) > 1 or _renderer_on(spec, stages):
+            shares.update(_plan_device(dev, stages, spec, pinned, device_total(dev)))
+    stages = [dataclasses.replace(s, engine=dataclasses.replace(s.engine, gpu_memory_utilization=shares[s.name]))
+              if s.name in shares else s for s in spec.stages]
+    return dataclasses.replace(spec, stages=stages)

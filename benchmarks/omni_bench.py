@@ -119,16 +119,28 @@ async def one_request(engine, prompt: dict, params: list, voice: str) -> dict[st
             "seconds": last - start}
 
 
+BUSY_KEYS = {"thinker_model_s": "step_seconds_total", "thinker_steps": "steps_total",
+             "talker_model_s": "talker:step_seconds_total", "talker_steps": "talker:steps_total",
+             "code2wav_dit_s": "code2wav:dit_seconds_total", "code2wav_vocoder_s": "code2wav:vocoder_seconds_total",
+             "code2wav_batches": "code2wav:dit_batches_total",
+             "edge_thinker_talker_s": "edge:thinker->talker:seconds", "edge_talker_code2wav_s": "edge:talker->code2wav:seconds"}
+
+
 async def concurrent(engine, prompt: dict, n: int, params: list) -> dict[str, Any]:
     voices = [v["id"] for v in engine.voices()]
+    before = engine.stats()
     start = time.perf_counter()
     runs = await asyncio.gather(*(one_request(engine, prompt, params, voices[i % len(voices)]) for i in range(n)))
     wall = time.perf_counter() - start
+    await asyncio.sleep(0.3)                    # the engine loop refreshes its stats snapshot
+    after = engine.stats()
+    # where the time went: each stage's busy seconds (and steps) during this level
+    busy = {name: round(after.get(key, 0) - before.get(key, 0), 3) for name, key in BUSY_KEYS.items()}
     ttfa = [r["ttfa_s"] for r in runs]
     return {"concurrency": n, "ttfa_mean_s": statistics.mean(ttfa), "ttfa_max_s": max(ttfa),
             "rtf_mean": statistics.mean(r["rtf"] for r in runs), "rtf_max": max(r["rtf"] for r in runs),
             "audio_s_per_request": runs[0]["audio_s"], "audio_s_per_wall_s": sum(r["audio_s"] for r in runs) / wall,
-            "wall_s": wall}
+            "wall_s": wall, "busy": busy}
 
 
 def bench_ours(path: str, device: str, dtype: str, levels: list[int], thinker_tokens: int,

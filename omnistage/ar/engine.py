@@ -91,6 +91,7 @@ class AREngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    max(config.max_num_batched_tokens, 1))
         self.requests: dict[str, _Request] = {}
+        self._steps, self._step_seconds = 0, 0.0   # model steps run, and their time (schedule excluded)
         logger.info("AR engine: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
                     type(self.model).__name__, self.device, self.dtype, num_blocks, config.block_size,
                     self.max_model_len)
@@ -256,7 +257,8 @@ class AREngine:
                 "kv_cache_usage": bm.usage,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "prefix_cache_queries": bm.prefix_queries,
-                "prefix_cache_hits": bm.prefix_hits}
+                "prefix_cache_hits": bm.prefix_hits,
+                "steps_total": self._steps, "step_seconds_total": self._step_seconds}
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[StageOutput]:
@@ -267,7 +269,10 @@ class AREngine:
         for s in sched.scheduled:
             m = self.requests[s.seq.request_id].metrics
             m.first_scheduled_time = m.first_scheduled_time or now
+        started = time.perf_counter()
         result = self.runner.execute(sched, self.eos_ids)
+        self._steps += 1
+        self._step_seconds += time.perf_counter() - started
         self.scheduler.update(sched, result.sampled)
         now = time.time()
         # Requests that report hidden states emit an output every step they compute, sampled or not.

@@ -70,7 +70,8 @@ def check_code2wav_graphs() -> float:
     path = make_tiny_qwen2_5_omni(os.path.join(tempfile.mkdtemp(), "omni"))
     audio = {}
     for graphs in (False, True):
-        engine = Code2WavEngine(path, device="cuda", chunk_codes=24, first_chunk_codes=12, cuda_graphs=graphs)
+        engine = Code2WavEngine(path, device="cuda", chunk_codes=24, first_chunk_codes=12, cuda_graphs=graphs,
+                                tf32=False)
         for i, n in enumerate((150, 97, 200)):
             codes = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(i)).tolist()
             engine.add_request(f"r{i}", codes, Code2WavParams(voice=VOICES[i % len(VOICES)], seed=i))
@@ -81,6 +82,26 @@ def check_code2wav_graphs() -> float:
         if graphs:
             print(f"code2wav graphs: {engine._graphs.captures} captured, {engine._graphs.replays} replays")
     return max(float(abs(audio[True][k] - audio[False][k]).max()) for k in audio[False])
+
+
+def check_code2wav_tf32(path: str) -> float:
+    """Waveform change from TF32 DiT matmuls (the GPU default) vs plain fp32, 7B-shape token2wav:
+    max abs difference relative to the fp32 waveform's peak, for 3 requests (random codes, seeded)."""
+    from omnistage.codec.code2wav import Code2WavEngine, Code2WavParams
+    from omnistage.models.qwen2_5_omni.pipeline import CODE2WAV_OPTIONS
+
+    audio = {}
+    for tf32 in (False, True):
+        engine = Code2WavEngine(path, device="cuda", tf32=tf32, **CODE2WAV_OPTIONS)
+        for i in range(3):
+            codes = torch.randint(0, 8000, (300,), generator=torch.Generator().manual_seed(i)).tolist()
+            engine.add_request(f"r{i}", codes, Code2WavParams(seed=i))
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o.output.audio.samples for o in engine.step() if o.finished})
+        audio[tf32] = done
+        del engine
+    return max(float(abs(audio[True][k] - audio[False][k]).max() / abs(audio[False][k]).max()) for k in audio[False])
 
 
 def _wire_tensors(seed: int) -> dict:
@@ -123,6 +144,8 @@ def check_wire() -> bool:
 if __name__ == "__main__":
     err = check_triton()
     print(f"triton paged decode vs SDPA reference: max abs diff {err:.2e}")
+    if len(sys.argv) > 1:                    # a 7B-shape omni folder (omni_bench.py): the TF32 change
+        print(f"code2wav TF32 vs fp32 (7B-shape token2wav, 6 s): max abs diff / peak {check_code2wav_tf32(sys.argv[1]):.2e}")
     c2w = check_code2wav_graphs()
     print(f"code2wav: CUDA-graph chunked decode vs eager: max abs diff {c2w:.2e}")
     ok = check_wire() and check_greedy() and err < 2e-2 and c2w < 1e-3

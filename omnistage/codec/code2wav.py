@@ -172,7 +172,7 @@ class Code2WavEngine:
     def __init__(self, model_dir: str, device: str = "cpu", default_voice: Optional[str] = None,
                  chunk_codes: Optional[int] = None, first_chunk_codes: Optional[int] = None,
                  past_blocks: int = 2, future_blocks: int = 1, vocoder_context_frames: Optional[int] = None,
-                 max_batch_requests: int = 8, cuda_graphs: bool = True):
+                 max_batch_requests: int = 8, cuda_graphs: bool = True, tf32: bool = True):
         for name, value in (("chunk_codes", chunk_codes), ("first_chunk_codes", first_chunk_codes)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -200,6 +200,11 @@ class Code2WavEngine:
         self.voc_ctx = vocoder_context_frames if vocoder_context_frames is not None \
             else vocoder_context(self.vocoder.config)
         self.max_batch_requests = max_batch_requests
+        # token2wav runs in float32 (as transformers runs it); on a GPU its DiT matmuls may use TF32
+        # tensor cores (inputs rounded to 10-bit mantissas): measured on an H200, the ODE of a steady
+        # chunk at batch 1 takes XXX ms in TF32 and 469 ms in plain fp32 (benchmarks/profile_talker.py);
+        # the waveform change is stated in benchmarks/check_cuda.py. `tf32: false` turns it off.
+        self.tf32 = tf32 and self.device.type == "cuda"
         # The ODE of a chunk replays as a CUDA graph when its window has one of the steady sizes (the
         # first chunk's, a later chunk's); other windows (a request's tail, whole mode) run eagerly.
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and self.chunk_frames is not None
@@ -374,10 +379,15 @@ class Code2WavEngine:
             t = t + params.sway_coefficient * (torch.cos(torch.pi / 2 * t) - 1 + t)
         inputs = (noise.to(dev), static, block_diff, t)
         guidance = params.guidance_scale if cfg else None
-        if not graphed:
-            return self._ode(*inputs, guidance)
-        return self._graphs.run((noise.shape[0], frames, guidance, params.num_steps), inputs,
-                                lambda x, st, bd, tt: self._ode(x, st, bd, tt, guidance))
+        saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = self.tf32   # this stage's setting, captured into its graphs
+        try:
+            if not graphed:
+                return self._ode(*inputs, guidance)
+            return self._graphs.run((noise.shape[0], frames, guidance, params.num_steps), inputs,
+                                    lambda x, st, bd, tt: self._ode(x, st, bd, tt, guidance))
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = saved
 
     @torch.no_grad()
     def _capture_graphs(self) -> None:

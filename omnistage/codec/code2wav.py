@@ -201,9 +201,10 @@ class Code2WavEngine:
             else vocoder_context(self.vocoder.config)
         self.max_batch_requests = max_batch_requests
         # token2wav runs in float32 (as transformers runs it); on a GPU its DiT matmuls may use TF32
-        # tensor cores (inputs rounded to 10-bit mantissas): measured on an H200, the ODE of a steady
-        # chunk at batch 1 takes XXX ms in TF32 and 469 ms in plain fp32 (benchmarks/profile_talker.py);
-        # the waveform change is stated in benchmarks/check_cuda.py. `tf32: false` turns it off.
+        # tensor cores (inputs rounded to 10-bit mantissas): measured on an H200 (7B shape), the CUDA-graph
+        # ODE of 8 steady chunks takes 546 ms with TF32 and 1514 ms in plain fp32
+        # (benchmarks/profile_talker.py); the waveform moves by 2e-3 of its peak (benchmarks/check_cuda.py).
+        # `tf32: false` turns it off.
         self.tf32 = tf32 and self.device.type == "cuda"
         # The ODE of a chunk replays as a CUDA graph when its window has one of the steady sizes (the
         # first chunk's, a later chunk's); other windows (a request's tail, whole mode) run eagerly.

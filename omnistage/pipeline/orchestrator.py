@@ -203,6 +203,10 @@ class Orchestrator:
                     self._fail(out.request_id, StageDeadError(out.data["fatal"]))
                     changed.pop(out.request_id, None)
                     continue
+                if out.data.get("error"):      # a stage process refused input handed on to it
+                    self._fail(out.request_id, ValueError(out.data["error"]))
+                    changed.pop(out.request_id, None)
+                    continue
                 if len(route.stages) == 1:      # one-stage request: pass through untouched
                     single[out.request_id] = out.output
                     if out.finished:
@@ -290,8 +294,8 @@ class Orchestrator:
     def _send(self, dst: str, route: _Route, request_id: str, piece: Any, last: bool,
               src: Optional[str] = None, started: Optional[float] = None) -> None:
         stage = self.stages[dst]
-        if dst not in route.started:
-            stage.add_request(request_id, piece, route.params.get(dst), route.arrival)
+        if dst not in route.started:            # a stage process takes it without a round trip
+            getattr(stage, "submit", stage.add_request)(request_id, piece, route.params.get(dst), route.arrival)
             route.started.add(dst)
         else:
             stage.add_input(request_id, piece)

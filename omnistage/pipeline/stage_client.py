@@ -5,7 +5,9 @@ is the stage's process. Control messages go over two zmq ipc sockets (commands i
 encoded by `pipeline.wire` (msgspec; arrays through shared memory). The stage process steps its
 engine whenever it has work, so it runs concurrently with the other stages; `step()` here only
 collects what it has produced. `add_request` and the optional `check_params` are round trips, so a
-bad request raises here as it would in-process; `add_input` and `abort` are one-way; `voices` is
+bad request raises here as it would in-process (check verdicts are remembered per params value);
+`submit` (add_request for requests handed on by an upstream stage), `add_input` and `abort` are
+one-way, so the orchestrator never waits for a busy downstream stage; `voices` is
 read once at start, as are what entry points read of a main stage (`max_model_len`, and the
 `tokenizer`, loaded here from the folder the stage's tokenizer came from). The client's sockets
 are used from the orchestrator's thread only.
@@ -52,6 +54,7 @@ class StageClient:
         self._held: set[str] = set()            # requests the stage process holds
         self._ready: list[StageOutput] = []     # outputs received while waiting for a reply
         self._stats: dict[str, float] = {}
+        self._checked: dict[bytes, str] = {}    # check_params verdicts by encoded params ("" = accepted)
         self.restarts = 0                       # how many times the stage process was replaced
         self.proc: Optional[subprocess.Popen] = None
         info = self._start()
@@ -155,12 +158,32 @@ class StageClient:
         self._call("add_request", request_id, inputs, params, arrival_time)
         self._held.add(request_id)
 
+    def submit(self, request_id: str, inputs: Any, params: Any, arrival_time: Optional[float] = None) -> None:
+        """`add_request` without waiting for the stage process (it may be mid-step): for requests
+        handed on by an upstream stage. A refusal comes back as a finished output whose
+        `data["error"]` says why (the orchestrator fails the request with it)."""
+        self._cmd.send(wire.encode(["call", 0, "add_request", [request_id, inputs, params, arrival_time]]))
+        self._held.add(request_id)
+
     def _add_input(self, request_id: str, piece: Any) -> None:
         if request_id in self._held:
             self._cmd.send(wire.encode(["call", 0, "add_input", [request_id, piece]]))
 
     def _check_params(self, params: Any) -> None:
-        self._call("check_params", params)
+        """A round trip the first time a params value is seen; its verdict is remembered (checks are
+        pure functions of the params: a voice name, ODE settings)."""
+        key = wire.encode(params)
+        verdict = self._checked.get(key)
+        if verdict is None:
+            try:
+                self._call("check_params", params)
+                verdict = ""
+            except ValueError as e:
+                verdict = str(e)
+            if len(self._checked) < 1024:
+                self._checked[key] = verdict
+        if verdict:
+            raise ValueError(verdict)
 
     def _voices(self) -> list:
         return list(self._voice_list)
@@ -238,6 +261,12 @@ def _serve(cmd_addr: str, out_addr: str) -> None:
                 result, error = None, [type(e).__name__, str(e)]
                 if seq == 0:
                     logger.warning("stage %s: %s failed: %s", spec.name, method, e)
+                    if method in ("add_request", "add_input"):   # one-way: the request fails downstream
+                        rid = args[0]
+                        engine.abort(rid)
+                        lost = StageOutput(rid, RequestOutput(rid, finished=True), True,
+                                           data={"error": f"stage {spec.name!r}: {e}"})
+                        out.send(wire.encode(["outputs", [lost], engine.stats()]))
             if seq:
                 out.send(wire.encode(["reply", seq, error, result]))
             wait = 0

@@ -290,3 +290,32 @@ def test_every_stage_in_its_own_process_gives_the_same_text_codes_and_audio(omni
         assert g.audio.samples.shape == w.audio.samples.shape and g.audio.samples.size > 0
         np.testing.assert_allclose(g.audio.samples, w.audio.samples, atol=1e-5)
     assert stats["edge:thinker->talker:bytes"] > 0 and stats["edge:talker->code2wav:pieces"] > 0
+
+
+def test_stage_process_takes_handed_on_requests_without_waiting_and_reports_refusals(omni_dir):
+    """`submit` is one-way: a request the code2wav process refuses (an id outside the codec table)
+    comes back as a finished output naming the reason, and the next request decodes; a refused voice
+    is remembered, and still refused, without another round trip."""
+    from omnistage.codec.code2wav import Code2WavParams
+    from omnistage.config import EngineConfig
+    from omnistage.pipeline.spec import StageSpec
+    from omnistage.pipeline.stage_client import StageClient
+
+    spec = StageSpec("code2wav", "codec", omni_dir, EngineConfig(device="cpu"), final_output="audio",
+                     runner="process", backend="qwen2_5_omni_code2wav", options={"chunk_codes": 24})
+    client = StageClient(spec)
+    try:
+        client.submit("bad", [5, 10**6], Code2WavParams(seed=0))
+        client.submit("good", list(range(30)), Code2WavParams(seed=0))
+        done, deadline = {}, time.time() + 60
+        while len(done) < 2 and time.time() < deadline:
+            done.update({o.request_id: o for o in client.step() if o.finished})
+            time.sleep(0.01)
+        assert "codec ids must be in" in done["bad"].data["error"] and done["bad"].output.audio is None
+        assert done["good"].output.audio.samples.size == 30 * SAMPLES_PER_CODE and not client.has_unfinished()
+        for _ in range(2):
+            with pytest.raises(ValueError, match="voice must be one of"):
+                client.check_params(Code2WavParams(voice="Nobody"))
+        assert len(client._checked) == 1
+    finally:
+        client.close()

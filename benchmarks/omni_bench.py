@@ -185,17 +185,14 @@ def bench_hf(path: str, device: str, dtype: torch.dtype, thinker_tokens: int, ta
             "wall_s": seconds}
 
 
-def copy_bandwidth() -> float:
-    """Device copy bandwidth in bytes/s (read + write of a 1 GiB buffer)."""
-    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    y.copy_(x)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return 2 * 10 * x.numel() / (time.perf_counter() - start)
+def _copy_bandwidth() -> float:
+    """Device copy bandwidth in bytes/s, measured as ar_bench.py measures it."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from ar_bench import copy_bandwidth
+
+    return copy_bandwidth()
 
 
 def floor(path: str, thinker_tokens: int, talker_codes: int, bandwidth: float) -> dict:
@@ -270,7 +267,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
            "thinker_tokens": tokens, "talker_codes": codes, "deploy_config": deploy,
            "ours": bench_ours(path, device, dtype, levels, tokens, codes, deploy),
            "hf": [] if args.skip_hf else [bench_hf(path, device, getattr(torch, dtype), tokens, codes)],
-           "floor": floor(path, tokens, codes, copy_bandwidth()) if device == "cuda" else None}
+           "floor": floor(path, tokens, codes, _copy_bandwidth()) if device == "cuda" else None}
     print(json.dumps(res, indent=1))
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:

@@ -87,7 +87,7 @@ class AsyncOmni:
 
     @property
     def media_types(self) -> tuple[str, ...]:
-        """Kinds of chat content parts besides text that the model reads ("image", "audio")."""
+        """Kinds of chat content parts besides text that the model reads ("image", "audio", "video")."""
         return self._renderer.media_types
 
     def render_chat(self, messages, chat_template_kwargs: Optional[dict] = None) -> dict:

@@ -72,7 +72,7 @@ class ChatRenderer:
 
     @property
     def media_types(self) -> tuple[str, ...]:
-        """Content-part kinds besides text that messages may carry ("image", "audio")."""
+        """Content-part kinds besides text that messages may carry ("image", "audio", "video")."""
         return tuple(getattr(self.custom, "media_types", ()))
 
     def __call__(self, messages: Sequence[dict], chat_template_kwargs: Optional[dict] = None) -> dict:

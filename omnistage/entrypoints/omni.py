@@ -55,8 +55,9 @@ class Omni:
         """One conversation (a list of message dicts) or a list of conversations.
 
         `prompt_fields` go into each prompt dict: `modalities=["text", "audio"]`, `voice="joe"`.
-        Models with media input (omni) also read image and audio parts:
-        `{"type": "image", "image": PIL image}`, `{"type": "audio", "audio": (samples, sample_rate)}`.
+        Models with media input (omni) also read image, audio and video parts:
+        `{"type": "image", "image": PIL image}`, `{"type": "audio", "audio": (samples, sample_rate)}`,
+        `{"type": "video", "video": frames, "fps": 2.0}` (frames: PIL images or uint8 [T, H, W, 3]).
         """
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [dict(self.render_chat(c, chat_template_kwargs), **prompt_fields) for c in convs]

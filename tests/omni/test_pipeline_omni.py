@@ -9,6 +9,7 @@ model computes in transformers 4.x and the original Qwen code (what omnistage im
 
 import asyncio
 import base64
+import contextlib
 import io
 import socket
 import threading
@@ -35,7 +36,13 @@ def image_and_audio_message(text="What is this?"):
                                          {"type": "text", "text": text}]}]
 
 
+def video_message(text="What happens?"):
+    frames = (np.random.RandomState(2).rand(4, 56, 84, 3) * 255).astype("uint8")   # 2 temporal patches
+    return [{"role": "user", "content": [{"type": "video", "video": frames}, {"type": "text", "text": text}]}]
+
+
 TEXT_MESSAGE = [{"role": "user", "content": "Tell me a story."}]
+MEDIA_MESSAGES = {"image+audio": image_and_audio_message, "video": video_message}
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +72,9 @@ def hf_generate(hf_omni, omni_processor, messages, voice, thinker_tokens, talker
 
     inputs = build_thinker_inputs(omni_processor, messages)
     kwargs = dict(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, **inputs.features)
-    if "pixel_values" in kwargs:                # see test_tiny_omni.py: keeps it off the talker
-        kwargs["thinker_pixel_values"] = kwargs.pop("pixel_values")
+    for name in ("pixel_values", "pixel_values_videos"):   # see test_tiny_omni.py: keeps them off the talker
+        if name in kwargs:
+            kwargs["thinker_" + name] = kwargs.pop(name)
     codes = []
     generate = hf_omni.talker.generate
 
@@ -103,9 +111,9 @@ def test_detected_pipeline_and_talker_defaults(omni_dir):
     assert all(e.streaming for e in spec.edges)
 
 
-@pytest.mark.parametrize("kind", ["text", "image+audio"])
+@pytest.mark.parametrize("kind", ["text", "image+audio", "video"])
 def test_thinker_ids_and_talker_codes_equal_transformers(omni, hf_omni, omni_processor, kind):
-    messages = TEXT_MESSAGE if kind == "text" else image_and_audio_message()
+    messages = TEXT_MESSAGE if kind == "text" else MEDIA_MESSAGES[kind]()
     hf_ids, hf_codes = hf_generate(hf_omni, omni_processor, messages, "Ethan", 10, 30)
     prompt = dict(omni.render_chat(messages), modalities=["text", "audio"], voice="Ethan")
     assert ("prompt_embeds" in prompt) == ("mrope_positions" in prompt) == (kind != "text")
@@ -227,9 +235,10 @@ def _wav_base64(seconds=0.5, rate=16000) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def test_openai_client_chat_with_audio_in_and_out(async_omni):
+@contextlib.contextmanager
+def openai_client(async_omni):
+    """The real `openai` client against `omnistage serve`'s app on loopback."""
     import openai
-    import soundfile as sf
     import uvicorn
 
     from omnistage.entrypoints.openai.api_server import build_app
@@ -244,7 +253,18 @@ def test_openai_client_chat_with_audio_in_and_out(async_omni):
         while not server.started:
             assert time.time() < deadline and thread.is_alive()
             time.sleep(0.02)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="x", max_retries=0)
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="x", max_retries=0)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+def test_openai_client_chat_with_audio_in_and_out(async_omni):
+    import openai
+    import soundfile as sf
+
+    with openai_client(async_omni) as client:
         messages = [{"role": "user", "content": [
             {"type": "input_audio", "input_audio": {"data": _wav_base64(), "format": "wav"}},
             {"type": "text", "text": "Answer me."}]}]
@@ -257,10 +277,34 @@ def test_openai_client_chat_with_audio_in_and_out(async_omni):
         with pytest.raises(openai.BadRequestError, match="voice must be one of"):
             client.chat.completions.create(model="tiny-omni", messages=TEXT_MESSAGE, max_tokens=2,
                                            modalities=["text", "audio"], audio={"voice": "Nobody", "format": "wav"})
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+
+
+def test_openai_client_chat_with_a_video_url(async_omni, omni):
+    """An MP4 data URL (vLLM's `video_url` part) is read as frames at 2 fps: the answer equals the
+    offline chat on those frames; an undecodable one is a 400 naming the field."""
+    import openai
+
+    from omnistage.io.media import decode_video, encode_mp4
+
+    frames = (np.random.RandomState(3).rand(10, 56, 84, 3) * 255).astype("uint8")
+    mp4 = encode_mp4(frames, fps=5)                     # 2 s -> 4 frames at 2 fps
+    url = "data:video/mp4;base64," + base64.b64encode(mp4).decode()
+    decoded, fps = decode_video(mp4)
+    assert decoded.shape == (4, 56, 84, 3) and fps == 2.0
+    offline = omni.chat([{"role": "user", "content": [{"type": "video", "video": decoded, "fps": fps},
+                                                      {"type": "text", "text": "What happens?"}]}],
+                        SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0]
+    with openai_client(async_omni) as client:
+        reply = client.chat.completions.create(model="tiny-omni", max_tokens=6, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                         {"type": "text", "text": "What happens?"}]}])
+        assert reply.choices[0].message.content == offline.outputs[0].text
+        assert reply.usage.prompt_tokens == len(offline.prompt_token_ids)
+        bad = "data:video/mp4;base64," + base64.b64encode(b"x" * 64).decode()
+        with pytest.raises(openai.BadRequestError, match="video_url.url could not be decoded as a video") as e:
+            client.chat.completions.create(model="tiny-omni", max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "video_url", "video_url": {"url": bad}}, {"type": "text", "text": "What happens?"}]}])
+        assert e.value.param == "messages[0].content.video_url.url"
 
 
 def test_every_stage_in_its_own_process_gives_the_same_text_codes_and_audio(omni, omni_dir):

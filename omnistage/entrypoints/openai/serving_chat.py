@@ -2,8 +2,9 @@
 
 In: a `ChatCompletionRequest`; message content is a string or a list of parts, of which text
 models read only the text parts (joined with newlines) and refuse media parts with a 400; models
-that read media (`AsyncOmni.media_types`, e.g. Qwen2.5-Omni: image and audio) get image_url /
-input_audio / audio_url parts decoded (`chat_media`, base64 only) and rendered off the event loop.
+that read media (`AsyncOmni.media_types`, e.g. Qwen2.5-Omni: image, audio and video) get image_url /
+input_audio / audio_url / video_url parts decoded (`chat_media`, base64 only) and rendered off the
+event loop.
 The messages go through the model's chat renderer (`AsyncOmni.render_chat`). Out: a
 `ChatCompletionResponse` with usage, or an SSE stream of `chat.completion.chunk`s: a role chunk
 per choice, content deltas, `finish_reason` on each choice's last chunk, an optional usage chunk,

@@ -17,9 +17,10 @@ entry point's memory plan (`pipeline/memory.py`) can give every stage its own sh
 from the weights' sizes (the KV caches split what is left in proportion to what each can use);
 `renderer_weights` names what the chat renderer loads next to them.
 
-`OmniChatRenderer(spec)` is the pipeline's `chat_renderer`: chat messages with text, image and
-audio parts -> the thinker's inputs (`processor.py`): prompt ids (one placeholder per encoder row),
-merged `prompt_embeds` when there is media, and 3-D rope positions + delta when there is an image.
+`OmniChatRenderer(spec)` is the pipeline's `chat_renderer`: chat messages with text, image, audio
+and video (frames only) parts -> the thinker's inputs (`processor.py`): prompt ids (one placeholder
+per encoder row), merged `prompt_embeds` when there is media, and 3-D rope positions + delta when
+there is an image or a video.
 The audio and vision encoders run here, in the entry point's process, on the thinker's device.
 """
 
@@ -120,7 +121,7 @@ def load_thinker_encoders(model_dir: str, device: torch.device, dtype: torch.dty
 class OmniChatRenderer:
     """Chat messages -> the thinker's request inputs (see the module docstring)."""
 
-    media_types = ("image", "audio")            # message parts this renderer reads besides text
+    media_types = ("image", "audio", "video")   # message parts this renderer reads besides text
 
     def __init__(self, spec: PipelineSpec):
         from transformers import AutoProcessor
@@ -143,10 +144,10 @@ class OmniChatRenderer:
 
         inputs = build_thinker_inputs(self.processor, list(messages), **(chat_template_kwargs or {}))
         out: dict[str, Any] = {"prompt": inputs.text, "prompt_token_ids": inputs.input_ids[0].tolist()}
-        if inputs["input_features"] is None and inputs["pixel_values"] is None:
+        if all(inputs[k] is None for k in ("input_features", "pixel_values", "pixel_values_videos")):
             return out                          # text only: the thinker's own embedding lookup
         out["prompt_embeds"] = thinker_input_embeds(self, inputs)[0]
-        if inputs["image_grid_thw"] is not None:
+        if inputs["image_grid_thw"] is not None or inputs["video_grid_thw"] is not None:   # else 1-D
             positions, delta = thinker_positions(self, inputs)
             out["mrope_positions"] = positions[:, 0].cpu()
             out["mrope_delta"] = int(delta.reshape(-1)[0])

@@ -1,5 +1,5 @@
-"""Chat messages with images and audio -> the thinker's input ids, media features, merged input
-embeddings and 3D rope positions (the thinker stage's process; CPU or CUDA).
+"""Chat messages with images, audio and video -> the thinker's input ids, media features, merged
+input embeddings and 3D rope positions (the entry point's process; CPU or CUDA).
 
 In: OpenAI-style messages whose `content` is a string or a list of parts:
   {"type": "text", "text": str}
@@ -7,16 +7,23 @@ In: OpenAI-style messages whose `content` is a string or a list of parts:
       fetched and decoded by omnistage.io before this point)
   {"type": "audio" | "input_audio", "audio" | "input_audio": (samples, sample_rate)}  (mono float
       samples at any rate; resampled to the feature extractor's 16 kHz with soxr)
+  {"type": "video" | "video_url", "video" | "video_url": frames, "fps": float (optional)}  (frames
+      already sampled and decoded -- omnistage.io decodes video_url data URLs at 2 fps -- as a list
+      of PIL images or a uint8 array [T, H, W, 3]; all of them are used, none is resampled here.
+      `fps` is the rate they were sampled at, default 2.0 as transformers' processor assumes; it
+      sets `video_second_per_grid` = temporal_patch_size / fps, hence the temporal rope positions.
+      Frames only: the video's audio track is not read, i.e. use_audio_in_video=False)
 Out:
   * `build_thinker_inputs(processor, messages) -> ThinkerInputs`: the rendered prompt, `input_ids`
-    [1, T] with one placeholder id per encoder output row (`<|IMAGE|>` x grid_t*grid_h*grid_w/4,
-    `<|AUDIO|>` x ((frames-1)//2+1-2)//2+1), and the encoder inputs of the checkpoint's own
-    `Qwen2_5OmniProcessor` (`input_features`, `feature_attention_mask`, `pixel_values`,
-    `image_grid_thw`).
+    [1, T] with one placeholder id per encoder output row (`<|IMAGE|>` / `<|VIDEO|>` x
+    grid_t*grid_h*grid_w/4, `<|AUDIO|>` x ((frames-1)//2+1-2)//2+1), and the encoder inputs of the
+    checkpoint's own `Qwen2_5OmniProcessor` (`input_features`, `feature_attention_mask`,
+    `pixel_values`, `image_grid_thw`, `pixel_values_videos`, `video_grid_thw`,
+    `video_second_per_grid`).
   * `thinker_input_embeds(thinker, inputs) -> [1, T, hidden]`: token embeddings with the audio
     encoder's rows written over the `<|AUDIO|>` positions and the vision encoder's (after its
-    2x2 patch merger) over the `<|IMAGE|>` positions, in order -- what transformers' thinker feeds
-    its first decoder layer.
+    2x2 patch merger) over the `<|IMAGE|>` and `<|VIDEO|>` positions, in order -- what
+    transformers' thinker feeds its first decoder layer.
   * `thinker_positions(thinker, inputs) -> (position_ids [3, 1, T], delta [1, 1])`: transformers'
     `get_rope_index`; decode step k of the answer then uses position T + k + delta on all 3 rows.
 """
@@ -31,6 +38,8 @@ import torch
 
 _IMAGE_TYPES = ("image", "image_url")
 _AUDIO_TYPES = ("audio", "input_audio")
+_VIDEO_TYPES = ("video", "video_url")
+DEFAULT_VIDEO_FPS = 2.0                         # transformers' processor assumes it when given none
 
 
 @dataclass
@@ -71,12 +80,34 @@ def _audio(part: dict, rate: int) -> np.ndarray:
     return samples
 
 
+def _video(part: dict) -> tuple[np.ndarray, float]:
+    """A video part -> (uint8 frames [T, H, W, 3], frames per second)."""
+    from PIL import Image
+
+    kind, value = part["type"], part.get(part["type"])
+    if isinstance(value, dict):                 # {"url": frames} as a decoded video_url part may nest it
+        value = value.get("url")
+    if isinstance(value, (list, tuple)) and value and all(isinstance(f, Image.Image) for f in value):
+        if len({f.size for f in value}) != 1:
+            raise ValueError(f"the frames of a {kind} part must all be one size, got {sorted({f.size for f in value})}")
+        value = np.stack([np.asarray(f.convert("RGB")) for f in value])
+    frames = value if isinstance(value, np.ndarray) else None
+    if frames is None or frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3 or len(frames) < 1:
+        got = f"{frames.dtype} {frames.shape}" if frames is not None else type(value).__name__
+        raise ValueError(f"a {kind} part must carry decoded frames: a list of PIL images or a uint8 array "
+                         f"[T, H, W, 3] with T >= 1; got {got}")
+    fps = part.get("fps", DEFAULT_VIDEO_FPS)
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps < float("inf"):
+        raise ValueError(f"the fps of a {kind} part must be a positive number of frames per second, got {fps!r}")
+    return frames, float(fps)
+
+
 def build_thinker_inputs(processor, messages: list[dict], add_generation_prompt: bool = True,
                          **template_kwargs) -> ThinkerInputs:
     """Renders `messages` with the checkpoint's chat template (extra keywords go to the template)
     and runs its processor (see module doc)."""
     rate = processor.feature_extractor.sampling_rate
-    images, audios, rendered = [], [], []
+    images, audios, videos, rates, rendered = [], [], [], [], []
     for message in messages:
         content = message.get("content")
         if isinstance(content, str) or content is None:
@@ -91,16 +122,28 @@ def build_thinker_inputs(processor, messages: list[dict], add_generation_prompt:
             elif kind in _AUDIO_TYPES:
                 audios.append(_audio(part, rate))
                 parts.append({"type": "audio"})
+            elif kind in _VIDEO_TYPES:
+                frames, fps = _video(part)
+                videos.append(frames)
+                rates.append(fps)
+                parts.append({"type": "video"})
             elif kind == "text":
                 parts.append({"type": "text", "text": part.get("text", "")})
             else:
-                raise ValueError(f"message part type must be one of text, {', '.join(_IMAGE_TYPES + _AUDIO_TYPES)}; "
-                                 f"got {kind!r}")
+                raise ValueError(f"message part type must be one of text, "
+                                 f"{', '.join(_IMAGE_TYPES + _AUDIO_TYPES + _VIDEO_TYPES)}; got {kind!r}")
         rendered.append({**message, "content": parts})
     text = processor.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt, tokenize=False,
                                          **template_kwargs)
-    batch = processor(text=text, images=images or None, audio=audios or None, return_tensors="pt")
+    # The frames are used as given (no sampling by the video processor); the processor takes one fps
+    # for all videos, so each video's seconds per temporal patch is written from its own rate below.
+    video_kwargs = {"videos": videos, "videos_kwargs": {"do_sample_frames": False}} if videos else {}
+    batch = processor(text=text, images=images or None, audio=audios or None, return_tensors="pt", **video_kwargs)
     features = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask") and torch.is_tensor(v)}
+    if videos:
+        patch = processor.video_processor.temporal_patch_size
+        features["video_second_per_grid"] = torch.tensor([patch / fps for fps in rates],
+                                                         dtype=features["video_second_per_grid"].dtype)
     return ThinkerInputs(text, batch["input_ids"], batch["attention_mask"], features)
 
 
@@ -118,6 +161,10 @@ def thinker_input_embeds(thinker, inputs: ThinkerInputs) -> torch.Tensor:
         grid = inputs["image_grid_thw"].to(thinker.device)
         image = torch.cat(model.get_image_features(inputs["pixel_values"].to(thinker.device), grid).pooler_output)
         embeds = _scatter(embeds, ids == config.image_token_index, image, "image")
+    if inputs["pixel_values_videos"] is not None:
+        pixels, grid = inputs["pixel_values_videos"].to(thinker.device), inputs["video_grid_thw"].to(thinker.device)
+        video = torch.cat(model.get_video_features(pixels, grid).pooler_output)
+        embeds = _scatter(embeds, ids == config.video_token_index, video, "video")
     return embeds
 
 

@@ -142,7 +142,7 @@ class StageClient:
         self._cmd.send(wire.encode(["call", seq, method, list(args)]))
         while True:
             if self._out.poll(50):
-                msg = wire.decode(self._out.recv(), to_host=True)
+                msg = wire.decode(self._out.recv())
                 if msg[0] == "reply" and msg[1] == seq:
                     if msg[2] is not None:
                         kind, text = msg[2]
@@ -202,7 +202,7 @@ class StageClient:
     def step(self) -> list[StageOutput]:
         """What the stage process has sent since the last call (never waits: see `wait_any`)."""
         while self._out.poll(0):
-            self._receive(wire.decode(self._out.recv(), to_host=True))
+            self._receive(wire.decode(self._out.recv()))
         if self._held and self.proc.poll() is not None:
             self._ready.extend(self._restart_after_death())
         outs, self._ready = self._ready, []

@@ -15,10 +15,7 @@ arrays and torch tensors. Runs in both the orchestrator's and the stage's proces
   more than the copy) is staged through pinned host memory -- all of a message's with one
   synchronisation -- and put back on its device by the receiver.
 
-A tensor arrives with the dtype, shape and device it left with (bfloat16 included) -- except that a
-receiver may take every tensor on the CPU (`decode(..., to_host=True)`): the orchestrator does, so
-what it adapts and hands on between stage processes (per-token hidden-state rows) never runs
-kernels in its process, which would otherwise be one more CUDA context time-sliced with the stages'.
+A tensor arrives with the dtype, shape and device it left with (bfloat16 included).
 """
 
 from __future__ import annotations
@@ -105,7 +102,7 @@ def _to_wire(obj: Any, pending: list) -> Any:
     raise TypeError(f"{type(obj).__name__} cannot cross a stage-process boundary")
 
 
-def _tensor_from_wire(obj: dict, host: bool):
+def _tensor_from_wire(obj: dict):
     torch = _torch()
     dtype, shape, device = getattr(torch, obj[_TENSOR]), obj["shape"], torch.device(obj["device"])
     if _CUDA_IPC in obj:
@@ -116,21 +113,21 @@ def _tensor_from_wire(obj: dict, host: bool):
         mapped = rebuild_cuda_tensor(torch.Tensor, torch.Size(shape), tuple(stride), offset,
                                      torch.storage.TypedStorage, dtype, dev, handle, storage_bytes,
                                      storage_offset, False, ref_handle, ref_offset, event, event_sync)
-        owned = mapped.to("cpu") if host else mapped.clone()   # our own memory; the mapping goes with `mapped`
-        torch.cuda.current_stream(mapped.device).synchronize()
+        owned = mapped.clone()                  # our own memory; the mapping goes with `mapped`
+        torch.cuda.current_stream(owned.device).synchronize()
         return owned
-    raw = torch.from_numpy(_from_wire(obj["data"], host))
+    raw = torch.from_numpy(_from_wire(obj["data"]))
     t = raw.view(dtype).reshape(shape) if raw.numel() else torch.empty(shape, dtype=dtype)
-    return t.to(device) if device.type != "cpu" and not host else t
+    return t.to(device) if device.type != "cpu" else t
 
 
-def _from_wire(obj: Any, host: bool = False) -> Any:
+def _from_wire(obj: Any) -> Any:
     if isinstance(obj, list):
-        return [_from_wire(v, host) for v in obj]
+        return [_from_wire(v) for v in obj]
     if not isinstance(obj, dict):
         return obj
     if _TENSOR in obj:
-        return _tensor_from_wire(obj, host)
+        return _tensor_from_wire(obj)
     if _ARRAY in obj:
         return np.frombuffer(obj[_ARRAY], dtype=np.dtype(obj["dtype"])).reshape(obj["shape"]).copy()
     if _SHM in obj:
@@ -147,14 +144,14 @@ def _from_wire(obj: Any, host: bool = False) -> Any:
         if module != "omnistage" and not module.startswith("omnistage."):
             raise ValueError(f"refusing to build {obj[_TYPE]} from a stage message")
         cls = getattr(importlib.import_module(module), name)
-        fields = {k: _from_wire(v, host) for k, v in obj.items() if k != _TYPE}
+        fields = {k: _from_wire(v) for k, v in obj.items() if k != _TYPE}
         init = {f.name for f in dataclasses.fields(cls) if f.init}
         inst = cls(**{k: v for k, v in fields.items() if k in init})
         for k, v in fields.items():
             if k not in init:
                 object.__setattr__(inst, k, v)
         return inst
-    return {k: _from_wire(v, host) for k, v in obj.items()}
+    return {k: _from_wire(v) for k, v in obj.items()}
 
 
 def encode(obj: Any) -> bytes:
@@ -170,6 +167,5 @@ def encode(obj: Any) -> bytes:
     return _encoder.encode(wire)
 
 
-def decode(data: bytes, to_host: bool = False) -> Any:
-    """`to_host`: CUDA tensors arrive on the CPU (for a receiver that only adapts and passes them on)."""
-    return _from_wire(_decoder.decode(data), to_host)
+def decode(data: bytes) -> Any:
+    return _from_wire(_decoder.decode(data))

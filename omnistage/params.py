@@ -75,6 +75,11 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
+    @property
+    def stop_hold(self) -> int:
+        """Characters of streamed text held back: a stop string may still be completing in them."""
+        return max(map(len, self.stop)) - 1 if self.stop else 0
+
     def clone(self, **changes) -> "SamplingParams":
         return replace(self, **changes)
 

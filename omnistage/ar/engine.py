@@ -318,7 +318,7 @@ class AREngine:
         delta = seq.detok.update(text_ids)
         if reason is None and p.stop and delta:
             text = seq.detok.text
-            start = max(0, len(text) - len(delta) - max(map(len, p.stop)) + 1)
+            start = max(0, len(text) - len(delta) - p.stop_hold)
             hits = [(text.find(s, start), s) for s in p.stop]
             hits = [(i, s) for i, s in hits if i >= 0]
             if hits:
@@ -337,9 +337,8 @@ class AREngine:
         outs = []
         for seq in req.seqs:
             text = seq.detok.text
-            if not seq.is_finished and seq.params.stop:
-                hold = max(map(len, seq.params.stop)) - 1       # never stream a partial stop string
-                text = text[:max(0, len(text) - hold)]
+            if not seq.is_finished and seq.params.stop:   # never stream a partial stop string
+                text = text[:max(0, len(text) - seq.params.stop_hold)]
             outs.append(CompletionOutput(
                 index=seq.index, text=text, token_ids=list(seq.output_token_ids),
                 logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,

@@ -51,6 +51,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from omnistage.codec.speech import check_voice
 from omnistage.outputs import AudioOutput, RequestMetrics, RequestOutput
 from omnistage.pipeline.stage import StageOutput
 
@@ -250,9 +251,7 @@ class Code2WavEngine:
 
     # ---- StageEngine ----------------------------------------------------------------------------
     def check_params(self, params: Optional[Code2WavParams]) -> None:
-        voice = params.voice if params is not None else None
-        if voice is not None and voice not in self.speakers:
-            raise ValueError(f"voice must be one of {sorted(self.speakers)}, got {voice!r}")
+        check_voice(params, self.speakers)
 
     def add_request(self, request_id: str, inputs: Any, params: Optional[Code2WavParams] = None,
                     arrival_time: Optional[float] = None) -> None:

@@ -30,7 +30,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from omnistage.codec.speech import TTSInput, TTSParams
+from omnistage.codec.speech import TTSInput, TTSParams, check_voice
 from omnistage.outputs import AudioOutput, RequestMetrics, RequestOutput
 from omnistage.pipeline.stage import StageOutput
 
@@ -190,9 +190,7 @@ class PiperTTSEngine:
     # ---- StageEngine ----------------------------------------------------------------------------
     def check_params(self, params: Optional[TTSParams]) -> None:
         """Raises ValueError naming the valid voices when `params.voice` is unknown."""
-        voice = params.voice if params is not None else None
-        if voice is not None and voice not in self.voice_specs:
-            raise ValueError(f"voice must be one of {sorted(self.voice_specs)}, got {voice!r}")
+        check_voice(params, self.voice_specs)
 
     def add_request(self, request_id: str, inputs: Any, params: Optional[TTSParams] = None,
                     arrival_time: Optional[float] = None) -> None:

@@ -59,6 +59,14 @@ class TTSInput:
         return cls(sentences + ([rest] if rest else []), True)
 
 
+def check_voice(params, known) -> None:
+    """Raises ValueError naming the valid voices when `params.voice` (None = the default) is not one
+    of `known`: what every voice back end's `check_params` says of an unknown voice."""
+    voice = getattr(params, "voice", None)
+    if voice is not None and voice not in known:
+        raise ValueError(f"voice must be one of {sorted(known)}, got {voice!r}")
+
+
 def clean_for_speech(text: str) -> str:
     """Drops markdown marks and list bullets and folds whitespace: what a voice should read."""
     text = _LIST_MARK.sub("", text)

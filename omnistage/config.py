@@ -6,6 +6,7 @@ derives everything else (block count, model dtype) from it and the checkpoint's 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -70,12 +71,26 @@ class EngineConfig:
         return torch.device(self.device)
 
     def resolve_dtype(self, checkpoint_dtype: Optional["torch.dtype"], device: "torch.device") -> "torch.dtype":
-        """`auto` keeps the checkpoint's dtype; on CPU half precision becomes bfloat16 (fp16 is slow there)."""
+        """`auto` keeps the checkpoint's dtype, except on a CPU, where half precision becomes bfloat16
+        if the CPU computes in it natively (AVX512-BF16 / AMX) and float32 otherwise: on this
+        project's AVX2 machines a bfloat16 matmul is emulated, and SmolLM2-135M decoded 64 prompts
+        4.6x faster in float32 (transformers, one thread: 94 vs 20 tok/s)."""
         import torch
 
         if self.dtype != "auto":
             return getattr(torch, self.dtype)
         dtype = checkpoint_dtype or torch.float32
-        if device.type == "cpu" and dtype == torch.float16:
-            return torch.bfloat16
+        if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
+            return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
         return dtype
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bfloat16 arithmetic (AVX512-BF16 or AMX-BF16 in /proc/cpuinfo's flags)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})

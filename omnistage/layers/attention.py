@@ -71,8 +71,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
         vc = cache[1][bt].flatten(1, 2).transpose(1, 2)
         pos = torch.arange(bt.shape[1] * block_size, device=q.device)
         mask = (pos[None, :] < meta.decode_ctx_lens[:, None])[:, None, None, :]  # [D, 1, 1, L]
-        o = _sdpa(q[:d, :, None, :], kc, vc, attn_mask=mask, scale=scale)
-        out[:d] = o[:, :, 0, :]
+        # One query row per head: the query heads that share a KV head become that KV head's query
+        # rows ([D, KVH, groups, Dh]), so the KV heads are never repeated (a copy of the whole context).
+        kvh, dh = kc.shape[1], q.shape[-1]
+        o = F.scaled_dot_product_attention(q[:d].reshape(d, kvh, -1, dh), kc, vc, attn_mask=mask, scale=scale)
+        out[:d] = o.reshape(d, -1, dh)
     for p in meta.prefills:
         qs = q[p.q_start:p.q_start + p.q_len].transpose(0, 1)          # [H, q, Dh]
         if p.ctx_len == p.q_len:                                       # no cached context: use fresh k, v

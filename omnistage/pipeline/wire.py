@@ -75,7 +75,6 @@ def _tensor_to_wire(t, pending: list) -> dict:
                                     ref_handle, ref_offset, event, event_sync]}
     if t.device.type == "cuda":               # copied after every copy of the message is queued
         host = t.contiguous().to("cpu", non_blocking=True)
-        meta["pending"] = True
         pending.append((meta, host))
         return meta
     return {**meta, "data": _array_to_wire(_host_bytes(t.cpu()))}
@@ -162,7 +161,6 @@ def encode(obj: Any) -> bytes:
         for device in {meta["device"] for meta, _ in pending}:
             torch.cuda.current_stream(torch.device(device)).synchronize()
         for meta, host in pending:
-            del meta["pending"]
             meta["data"] = _array_to_wire(_host_bytes(host))
     return _encoder.encode(wire)
 

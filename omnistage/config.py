@@ -48,6 +48,14 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
+    def max_len(self, model_max_len: int) -> int:
+        """Prompt + output tokens a sequence may have: `max_model_len`, at most the model's limit."""
+        return min(self.max_model_len or model_max_len, model_max_len)
+
+    def kv_blocks_wanted(self, model_max_len: int) -> int:
+        """KV blocks an AR engine could ever use: `max_num_seqs` sequences of the longest length, + 1."""
+        return self.max_num_seqs * -(-self.max_len(model_max_len) // self.block_size) + 1
+
     def apply_cpu_threads(self) -> None:
         """On CPU, leave one core to the serving threads (event loop, engine loop, tokenizer).
 

@@ -98,15 +98,14 @@ class AREngine:
 
     # ---- sizing --------------------------------------------------------------------------------
     def _max_len(self) -> int:
-        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 4096
-        return min(self.config.max_model_len or model_max, model_max)
+        return self.config.max_len(getattr(self.hf_config, "max_position_embeddings", None) or 4096)
 
     def _num_kv_blocks(self, max_len: int) -> int:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         per_block = kv_block_bytes(self.model, cfg.block_size, self.dtype)
-        enough = cfg.max_num_seqs * -(-max_len // cfg.block_size) + 1
+        enough = cfg.kv_blocks_wanted(max_len)
         if self.device.type == "cuda":
             budget = self._profile_cuda_budget()
         else:

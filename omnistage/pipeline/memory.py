@@ -168,11 +168,8 @@ def stage_cost(stage: StageSpec, device: str) -> StageCost:
     # sequence; an estimate: the engine measures its real peak before it sizes its KV.
     tokens = min(e.max_num_batched_tokens, 8192)
     work = tokens * (4 * shape["hidden"] + 2 * shape["intermediate"]) * size * 2 + e.max_num_seqs * shape["vocab"] * 4
-    if e.num_kv_blocks is not None:
-        blocks = e.num_kv_blocks
-    else:                                       # as many as the engine would ever use (`AREngine._num_kv_blocks`)
-        max_len = min(e.max_model_len or shape["max_positions"], shape["max_positions"])
-        blocks = e.max_num_seqs * -(-max_len // e.block_size) + 1
+    # as many blocks as the engine would ever use (`AREngine._num_kv_blocks`)
+    blocks = e.num_kv_blocks if e.num_kv_blocks is not None else e.kv_blocks_wanted(shape["max_positions"])
     per_token = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * size
     return StageCost(context, weights, work, blocks * e.block_size * per_token)
 

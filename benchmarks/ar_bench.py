@@ -29,7 +29,7 @@ QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28
 def build_checkpoint(path: str) -> str:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from omnistage.models.tiny import make_tokenizer
+    from omnistage.testing.llm import make_tokenizer
 
     if os.path.exists(os.path.join(path, "config.json")):
         return path
@@ -99,7 +99,7 @@ def bench_hf(path: str, batch: int, in_len=128, out_len=128) -> dict:
 
 def check_cuda_equals_cpu(work: str) -> bool:
     from omnistage import Omni, SamplingParams
-    from omnistage.models.tiny import make_tiny_lm
+    from omnistage.testing.llm import make_tiny_lm
 
     path = make_tiny_lm(os.path.join(work, "tiny-qwen2"), "qwen2")
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

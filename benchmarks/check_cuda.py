@@ -46,7 +46,7 @@ def check_triton() -> float:
 
 def check_greedy() -> bool:
     from omnistage import Omni, SamplingParams
-    from omnistage.models.tiny import make_tiny_lm
+    from omnistage.testing.llm import make_tiny_lm
 
     ok = True
     for arch in ("llama", "qwen2", "qwen3"):
@@ -65,7 +65,7 @@ def check_greedy() -> bool:
 
 def check_code2wav_graphs() -> float:
     from omnistage.codec.code2wav import Code2WavEngine, Code2WavParams
-    from omnistage.models.qwen2_5_omni.tiny import VOICES, make_tiny_qwen2_5_omni
+    from omnistage.testing.qwen2_5_omni import VOICES, make_tiny_qwen2_5_omni
 
     path = make_tiny_qwen2_5_omni(os.path.join(tempfile.mkdtemp(), "omni"))
     audio = {}

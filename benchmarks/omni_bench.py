@@ -239,7 +239,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.smoke:
-        from omnistage.models.qwen2_5_omni.tiny import make_tiny_qwen2_5_omni
+        from omnistage.testing.qwen2_5_omni import make_tiny_qwen2_5_omni
 
         path = os.path.join(args.work, "tiny-qwen2_5_omni")
         if not os.path.exists(os.path.join(path, "spk_dict.pt")):

@@ -16,6 +16,7 @@ from omnistage.ar.engine import AREngine
 from omnistage.config import EngineConfig
 from omnistage.models.qwen2_5_omni.pipeline import talker_params
 from omnistage.models.qwen2_5_omni.stages import TALKER, omni_config
+from omnistage.models.registry import component_loader
 from omnistage.params import SamplingParams
 
 
@@ -34,7 +35,7 @@ def start(eng: AREngine, n: int, params: SamplingParams) -> None:
 def main() -> None:
     path = sys.argv[1]
     eng = AREngine(path, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=8, num_kv_blocks=2048),
-                   component=TALKER)
+                   loader=component_loader(TALKER))
     defaults = SamplingParams(**{**talker_params(omni_config(path)), "max_tokens": 2000, "seed": 0,
                                  "stop_token_ids": [], "ignore_eos": True})   # fixed batch while timing
     greedy = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)

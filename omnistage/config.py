@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 # torch is imported only where a device or dtype is resolved, so that control-plane processes
 # (stage clients, the API server's argument parsing) start without paying for it.
 _DTYPES = ("float32", "bfloat16", "float16")
+CUDA_CONTEXT_BYTES = 2**29                      # CUDA context + torch kernels of one process on one GPU (estimate)
 
 
 @dataclass
@@ -91,6 +92,24 @@ class EngineConfig:
         if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
             return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
         return dtype
+
+
+def checkpoint_dtype(model_dir: str) -> Optional["torch.dtype"]:
+    """The dtype a transformers folder's config.json gives its weights (`dtype`, or the older
+    `torch_dtype`), or None when it names none."""
+    import json
+    import os
+
+    import torch
+
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    name = config.get("dtype") or config.get("torch_dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 @functools.lru_cache(maxsize=None)

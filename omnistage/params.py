@@ -1,8 +1,9 @@
 """Request parameters: what a user asks of one stage.
 
 `SamplingParams` keeps vLLM's field names so callers of vLLM know it on day one; `DiffusionParams`
-carries the image / video generation knobs. Both validate in `__post_init__` and raise `ValueError`
-naming the field and the allowed range; the HTTP layer turns that into a 400.
+carries the image / video generation knobs. Both validate in `__post_init__` and raise `ParamError` (a
+`ValueError` carrying the field's name) naming the field and the allowed range; the HTTP layer turns
+that into a 400.
 """
 
 from __future__ import annotations
@@ -13,9 +14,19 @@ from typing import Optional, Union
 _GREEDY_EPS = 1e-5
 
 
-def _check(cond: bool, name: str, allowed: str, value) -> None:
+class ParamError(ValueError):
+    """A request parameter out of range; `field` names it as the engine knows it (the HTTP layer
+    maps it to the name the user sent and answers 400)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def check_param(cond: bool, name: str, allowed: str, value) -> None:
+    """Raises `ParamError` "NAME must be ALLOWED, got VALUE" unless `cond`."""
     if not cond:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        raise ParamError(name, f"{name} must be {allowed}, got {value!r}")
 
 
 @dataclass
@@ -48,24 +59,24 @@ class SamplingParams:
         self.bad_token_ids = list(self.bad_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        _check(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "an integer in [1, 128]", self.n)
-        _check(self.temperature >= 0, "temperature", ">= 0", self.temperature)
-        _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "-1, 0 or a positive integer", self.top_k)
-        _check(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+        check_param(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "an integer in [1, 128]", self.n)
+        check_param(self.temperature >= 0, "temperature", ">= 0", self.temperature)
+        check_param(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        check_param(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "-1, 0 or a positive integer", self.top_k)
+        check_param(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        check_param(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
                "max_tokens", "a positive integer", self.max_tokens)
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", ">= 0", self.min_tokens)
+        check_param(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", ">= 0", self.min_tokens)
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens, "min_tokens", f"<= max_tokens ({self.max_tokens})",
+            check_param(self.min_tokens <= self.max_tokens, "min_tokens", f"<= max_tokens ({self.max_tokens})",
                    self.min_tokens)
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
-        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]", self.presence_penalty)
-        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
-        _check(0 < self.repetition_penalty <= 2, "repetition_penalty", "in (0, 2]", self.repetition_penalty)
-        _check(self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS, "logprobs",
+        check_param(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
+        check_param(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]", self.presence_penalty)
+        check_param(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
+        check_param(0 < self.repetition_penalty <= 2, "repetition_penalty", "in (0, 2]", self.repetition_penalty)
+        check_param(self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS, "logprobs",
                f"in [0, {self.MAX_LOGPROBS}]", self.logprobs)
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "an integer", self.seed)
+        check_param(self.seed is None or isinstance(self.seed, int), "seed", "an integer", self.seed)
 
     @property
     def greedy(self) -> bool:
@@ -100,13 +111,13 @@ class DiffusionParams:
     def __post_init__(self) -> None:
         for name in ("height", "width", "num_frames", "fps", "num_inference_steps"):
             v = getattr(self, name)
-            _check(v is None or (isinstance(v, int) and v >= 1), name, "a positive integer", v)
+            check_param(v is None or (isinstance(v, int) and v >= 1), name, "a positive integer", v)
         for name in ("guidance_scale", "true_cfg_scale"):
             v = getattr(self, name)
-            _check(v is None or v >= 0, name, ">= 0", v)
-        _check(isinstance(self.num_outputs_per_prompt, int) and 1 <= self.num_outputs_per_prompt <= 16,
+            check_param(v is None or v >= 0, name, ">= 0", v)
+        check_param(isinstance(self.num_outputs_per_prompt, int) and 1 <= self.num_outputs_per_prompt <= 16,
                "num_outputs_per_prompt", "an integer in [1, 16]", self.num_outputs_per_prompt)
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "an integer", self.seed)
+        check_param(self.seed is None or isinstance(self.seed, int), "seed", "an integer", self.seed)
 
     def clone(self, **changes) -> "DiffusionParams":
         return replace(self, **changes)

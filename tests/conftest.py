@@ -14,7 +14,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     """The in-code byte-level BPE tokenizer (a fresh object; training is cached per process)."""
-    from omnistage.models.tiny import make_tokenizer
+    from omnistage.testing.llm import make_tokenizer
 
     return make_tokenizer()
 
@@ -22,7 +22,7 @@ def tiny_tokenizer():
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, str]:
     """arch ("llama", "qwen2", "qwen3") -> folder of a tiny random causal LM saved with save_pretrained."""
-    from omnistage.models.tiny import make_tiny
+    from omnistage.testing import make_tiny
 
     out_dir = tmp_path_factory.mktemp("tiny")
     return {os.path.basename(path).removeprefix("tiny-"): path for path in make_tiny(str(out_dir), kind="llm")}

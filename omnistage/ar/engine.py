@@ -8,28 +8,27 @@ detokenization, stop strings); the scheduler decides what runs; the runner compu
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
-from transformers import AutoTokenizer
 
 from omnistage.ar.detokenizer import IncrementalDetokenizer
 from omnistage.ar.kv_cache import BlockManager
 from omnistage.ar.runner import ModelRunner, kv_block_bytes
 from omnistage.ar.scheduler import Scheduler
 from omnistage.ar.sequence import Sequence
-from omnistage.config import EngineConfig
-from omnistage.models.loader import checkpoint_dtype, load_config, load_model
+from omnistage.config import CUDA_CONTEXT_BYTES, EngineConfig, checkpoint_dtype
 from omnistage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from omnistage.params import SamplingParams
-from omnistage.pipeline.memory import CUDA_CONTEXT_BYTES
-from omnistage.pipeline.stage import StageOutput
+from omnistage.stage import StageOutput
 
 logger = logging.getLogger(__name__)
+
+# (model_dir, device, dtype, max_positions or None) -> (native decoder, its text config, tokenizer or None,
+# eos ids): a plain LLM's (`models.loader.load_causal_lm`) or a registered component's (models/registry.py)
+ModelLoader = Callable[[str, torch.device, torch.dtype, Optional[int]], tuple]
 
 FREE_MARGIN_BYTES = 256 * 2**20                 # left free on the device when the KV cache is capped by what is free
 
@@ -45,42 +44,18 @@ class _Request:
         self.metrics = RequestMetrics(arrival_time=arrival_time)
 
 
-def _eos_ids(model_dir: str, tokenizer) -> frozenset[int]:
-    ids: set[int] = set()
-    path = os.path.join(model_dir, "generation_config.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
-
-
 class AREngine:
-    def __init__(self, model_dir: str, config: Optional[EngineConfig] = None, component: Optional[str] = None):
-        """component: a registered part of a multi-network checkpoint (e.g. an omni model's talker)."""
+    def __init__(self, model_dir: str, config: Optional[EngineConfig] = None, *, loader: ModelLoader):
+        """`loader` builds the model (from the model registry: `pipeline/build.py` picks it)."""
         self.config = config = config or EngineConfig()
         self.model_dir = model_dir
         self.device = config.resolve_device()
         # what this process held on the device before this engine (another inline stage, the renderer)
         self._mem_base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        if component is None:
-            self.hf_config = load_config(model_dir)
-            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-            self.eos_ids = _eos_ids(model_dir, self.tokenizer)
-            self.dtype = config.resolve_dtype(checkpoint_dtype(self.hf_config), self.device)
-            max_len = self._max_len()
-            self.model = load_model(model_dir, self.hf_config, self.device, self.dtype, max_len)
-        else:
-            from omnistage.models.registry import component_loader
-
-            loader = component_loader(component)
-            self.dtype = config.resolve_dtype(checkpoint_dtype(load_config(model_dir)), self.device)
-            self.hf_config = None
-            self.model, self.hf_config, self.tokenizer, self.eos_ids = loader(
-                model_dir, self.device, self.dtype, config.max_model_len)
-            max_len = self._max_len()
+        self.dtype = config.resolve_dtype(checkpoint_dtype(model_dir), self.device)
+        self.model, self.hf_config, self.tokenizer, self.eos_ids = loader(
+            model_dir, self.device, self.dtype, config.max_model_len)
+        max_len = self._max_len()
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size, config.seed)
         num_blocks = self._num_kv_blocks(max_len)
         self.runner.allocate_kv_cache(num_blocks)
@@ -292,11 +267,8 @@ class AREngine:
             if finished:
                 req.metrics.finished_time = now
                 del self.requests[req.request_id]
-            data = {}
-            report = result.hidden.get(req.seqs[0].seq_id)
-            if report is not None:
-                data = {"hidden_start": report[0], "hidden_states": report[1], "input_embeds": report[2]}
-            outputs.append(StageOutput(req.request_id, self._make_output(req, finished), finished, data))
+            outputs.append(StageOutput(req.request_id, self._make_output(req, finished), finished,
+                                       hidden=result.hidden.get(req.seqs[0].seq_id)))
         return outputs
 
     def _logprobs(self, token: int, chosen: float, top: list[tuple[int, float]]) -> TokenLogprobs:

@@ -19,15 +19,15 @@ from omnistage.ar.sampler import SamplerOutput, SamplingBatch, sample
 from omnistage.ar.scheduler import ScheduledSeq, SchedulerOutput
 from omnistage.ar.sequence import Sequence
 from omnistage.layers.attention import AttentionMetadata, PrefillChunk
+from omnistage.stage import HiddenStates
 
 
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int]                     # seq_id -> new token id, for rows that sampled
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]]  # seq_id -> (chosen, [(id, logprob)])
-    # seq_id -> (first position, last hidden states [n, H] after the final norm, input rows [n, H]),
-    # for sequences that asked for them; device tensors
-    hidden: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # seq_id -> the rows computed this step, for sequences that asked for them (device tensors)
+    hidden: dict[str, HiddenStates] = field(default_factory=dict)
 
 
 def kv_block_bytes(model, block_size: int, dtype: torch.dtype) -> int:
@@ -121,12 +121,12 @@ class ModelRunner:
             conditioning.apply(x, order)
         hidden = self.forward(ids, pos, meta, x)
         rows, sampling = [], []
-        reports: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        reports: dict[str, HiddenStates] = {}
         row = 0
         for s in order:
             if s.seq.return_hidden:
-                reports[s.seq.seq_id] = (s.start, hidden[row:row + s.num_new_tokens].clone(),
-                                         x[row:row + s.num_new_tokens].clone())
+                reports[s.seq.seq_id] = HiddenStates(s.start, hidden[row:row + s.num_new_tokens].clone(),
+                                                     x[row:row + s.num_new_tokens].clone())
             row += s.num_new_tokens
             if s.samples:
                 rows.append(row - 1)

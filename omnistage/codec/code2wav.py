@@ -5,7 +5,7 @@ In: `add_request(request_id, inputs, params)` where inputs is a `CodecInput` (ta
 `finished=False` while the talker streams more through `add_input`) or a plain list of ids, and
 params a `Code2WavParams` (voice from the checkpoint's `spk_dict.pt`, noise seed, ODE settings).
 Out: each `step()` returns one `StageOutput` per request that changed: `output.audio` is the
-cumulative `AudioOutput` (float32 mono in [-1, 1] at 24000 Hz), `data["audio_chunk"]` the samples
+cumulative `AudioOutput` (float32 mono in [-1, 1] at 24000 Hz), `audio_chunk` the samples
 added this step; the last one has `finished=True`.
 
 How a request is decoded (the modules are transformers' own: `Qwen2_5OmniToken2WavDiTModel`'s
@@ -26,7 +26,7 @@ embeddings, blocks and output head, `Qwen2_5OmniToken2WavBigVGANModel`; the ODE 
     provisional look-ahead after e; only the samples of [s, e) are emitted (no overlap-add). Errors
     vs a whole decode come from the ODE state outside the window (each of the 36 DiT evaluations
     widens the dependency by the look-back/ahead blocks) and from BigVGAN's provisional right
-    context; both shrink as `past_blocks` / `future_blocks` grow (measured in tests/omni).
+    context; both shrink as `past_blocks` / `future_blocks` grow (measured in tests/models/qwen2_5_omni).
   * Batching: one step runs the ODE for the ready chunks of up to `max_batch_requests` requests
     (same ODE settings) in one forward per evaluation: windows are right-padded to the longest
     and padded keys are masked out of the DiT's block mask, so a batched request decodes as if
@@ -53,7 +53,7 @@ import torch
 
 from omnistage.codec.speech import check_voice
 from omnistage.outputs import AudioOutput, RequestMetrics, RequestOutput
-from omnistage.pipeline.stage import StageOutput
+from omnistage.stage import StageOutput
 
 SAMPLE_RATE = 24000
 
@@ -322,7 +322,7 @@ class Code2WavEngine:
             samples = np.concatenate(req.chunks) if req.chunks else np.zeros(0, np.float32)
             out = RequestOutput(request_id=req.request_id, prompt_token_ids=list(req.codes), finished=finished,
                                 audio=AudioOutput(samples=samples, sample_rate=SAMPLE_RATE), metrics=req.metrics)
-            outputs.append(StageOutput(req.request_id, out, finished, data={"audio_chunk": chunk}))
+            outputs.append(StageOutput(req.request_id, out, finished, audio_chunk=chunk))
         return outputs
 
     # ---- scheduling ------------------------------------------------------------------------------

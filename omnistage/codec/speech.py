@@ -5,7 +5,7 @@ A TTS stage receives a request either whole (a plain string, `TTSInput(finished=
 from an upstream LM as the text grows: the text -> TTS adapter sends each sentence once it is
 complete, and the last piece with `finished=True`. `TTSInput` supports the orchestrator's streaming
 protocol (`len()` counts units produced so far, `slice()` cuts a piece), so the orchestrator forwards
-pieces without knowing what a sentence is.
+pieces without knowing what a sentence is. `text_to_tts` is the LM -> TTS edge adapter.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from typing import Optional
+
+from omnistage.stage import StageOutput
 
 SPEED_RANGE = (0.25, 4.0)                       # OpenAI's range for /v1/audio/speech `speed`
 # A sentence ends at . ! ? … (optionally followed by closing quotes / brackets) and then whitespace.
@@ -118,3 +120,24 @@ def split_sentences(text: str, final: bool) -> tuple[list[str], str]:
             sentences.append(piece)
         rest = ""
     return sentences, rest
+
+
+# ---- edge adapters (declared in the model registry's "piper" entry) ------------------------------
+def text_to_tts(out: StageOutput) -> TTSInput:
+    """LM text so far -> the complete sentences in it (all of it once the LM has finished).
+
+    Speaks the first completion (choice 0). A sentence counts as complete once the whitespace after
+    its final punctuation has arrived, so a sentence once returned never changes as the text grows.
+    """
+    comps = out.output.outputs
+    text = comps[0].text if comps else ""
+    sentences, _ = split_sentences(text, final=out.finished)
+    return TTSInput(sentences, finished=out.finished)
+
+
+def text_to_text(out: StageOutput) -> Optional[dict]:
+    """LM text -> a prompt for another text stage (e.g. a rewriter); whole output only."""
+    if not out.finished:
+        return None
+    comps = out.output.outputs
+    return {"prompt": comps[0].text if comps else ""}

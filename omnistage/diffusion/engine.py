@@ -7,9 +7,9 @@ admitted requests get their prompts encoded (batched) and their seeded latents; 
 compatible requests shares one denoiser forward; requests that finished denoising are decoded.
 Out: a list of `StageOutput`s — a progress update (`output.progress` in 0..1) for every request that
 advanced, and a final one (`finished=True`) carrying `images` (PIL) or `video` (VideoOutput, uint8
-frames [T, H, W, 3]). `data` holds `timings` (seconds per phase) and, on failure or abort,
-`error` / `finish_reason` ("abort"); the `RequestOutput` itself carries the phase times so far in
-`metrics.phase_times` and, on failure, `error`. Built by the orchestrator through `from_stage_spec`.
+frames [T, H, W, 3]), `videos`, `timings` (seconds per phase) and `finish_reason`; on failure its
+`error`. The `RequestOutput` itself carries the phase times so far in `metrics.phase_times` and, on
+failure, `error`. Built by the orchestrator through `from_stage_spec`.
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ from typing import Any, Optional, Union
 
 import torch
 
-from omnistage.diffusion.pipelines import family_for
 from omnistage.diffusion.pipelines.base import DiffusionFamily, load_components, read_model_index
 from omnistage.diffusion.runner import DiffusionRunner
 from omnistage.diffusion.scheduler import DiffusionRunnerOutput, DiffusionScheduler, SchedEntry
 from omnistage.diffusion.task import DiffusionTask
 from omnistage.outputs import RequestMetrics, RequestOutput, VideoOutput
 from omnistage.params import DiffusionParams
-from omnistage.pipeline.stage import StageOutput
+from omnistage.stage import StageError, StageOutput
 
 # Batch limits of a diffusion stage whose EngineConfig leaves them at the (AR-oriented) defaults:
 # a denoising forward holds few requests, each with thousands of latent tokens.
@@ -52,12 +51,11 @@ def resolve_device_dtype(device: Union[str, torch.device], dtype: Union[str, tor
 
 
 class DiffusionEngine:
-    def __init__(self, model_dir: str, device: Union[str, torch.device] = "auto",
+    def __init__(self, model_dir: str, family_cls: type, device: Union[str, torch.device] = "auto",
                  dtype: Union[str, torch.dtype] = "auto", max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, vae_tile_pixels: Optional[int] = None):
         device, dtype = resolve_device_dtype(device, dtype)
         index = read_model_index(model_dir)
-        family_cls = family_for(index.get("_class_name", ""))
         family = family_cls(model_dir, index, load_components(model_dir, index, dtype, device), device, dtype)
         if vae_tile_pixels is not None:
             family.tile_threshold = vae_tile_pixels
@@ -83,22 +81,21 @@ class DiffusionEngine:
         self._finished_total = 0
 
     @classmethod
-    def from_stage_spec(cls, spec) -> "DiffusionEngine":
+    def from_stage_spec(cls, spec, family_cls: type) -> "DiffusionEngine":
         """Build from a pipeline `StageSpec`: `spec.engine` (EngineConfig) gives device, dtype and the
         batch limits (left at EngineConfig's defaults, they take this engine's own defaults);
-        `spec.options` may set `vae_tile_pixels` (and the memory planner's keys, `pipeline/memory.py`)."""
+        `spec.options` may set `vae_tile_pixels`."""
         from omnistage.config import EngineConfig
-        from omnistage.pipeline.memory import engine_options
 
         cfg, base = spec.engine, EngineConfig()
         seqs = cfg.max_num_seqs if cfg.max_num_seqs != base.max_num_seqs else DEFAULT_MAX_NUM_SEQS
         tokens = (cfg.max_num_batched_tokens if cfg.max_num_batched_tokens != base.max_num_batched_tokens
                   else DEFAULT_MAX_NUM_BATCHED_TOKENS)
-        unknown = set(engine_options(spec.options)) - {"vae_tile_pixels"}
+        unknown = set(spec.options) - {"vae_tile_pixels"}
         if unknown:
             raise ValueError(f"stage {spec.name!r}: diffusion options must be among ['vae_tile_pixels'], "
                              f"got {sorted(unknown)}")
-        return cls(spec.model_dir, device=cfg.device, dtype=cfg.dtype, max_num_seqs=seqs,
+        return cls(spec.model_dir, family_cls, device=cfg.device, dtype=cfg.dtype, max_num_seqs=seqs,
                    max_num_batched_tokens=tokens, vae_tile_pixels=spec.options.get("vae_tile_pixels"))
 
     # -- StageEngine -----------------------------------------------------------------------------
@@ -144,7 +141,7 @@ class DiffusionEngine:
             if rid in finished or rid not in self.tasks:
                 continue
             task = self.tasks[rid]
-            outputs.append(StageOutput(rid, self._output(task), finished=False, data={}))
+            outputs.append(StageOutput(rid, self._output(task), finished=False))
         for rid in finished:
             outputs.append(self._finish(rid))
         return outputs
@@ -155,7 +152,7 @@ class DiffusionEngine:
         if task is not None:
             out = self._output(task)
             out.finished = True
-            self._pending.append(StageOutput(request_id, out, finished=True, data={"finish_reason": "abort"}))
+            self._pending.append(StageOutput(request_id, out, finished=True, finish_reason="abort"))
             self._metrics.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
@@ -208,7 +205,7 @@ class DiffusionEngine:
         out.finished = True
         out.error = message
         self._metrics.pop(request_id, None)
-        return StageOutput(request_id, out, finished=True, data={"error": message, "finish_reason": "error"})
+        return StageOutput(request_id, out, finished=True, finish_reason="error", error=StageError(message))
 
     def _output(self, task: DiffusionTask) -> RequestOutput:
         metrics = self._metrics.get(task.request_id)
@@ -230,15 +227,15 @@ class DiffusionEngine:
         del self.tasks[request_id]
         out = self._output(task)
         out.finished = True
-        data: dict[str, Any] = {"timings": dict(task.timings), "finish_reason": "stop"}
+        final = StageOutput(request_id, out, finished=True, timings=dict(task.timings), finish_reason="stop")
         if self.output_kind == "video":
             fps = task.params.fps or self.family.default_fps
             out.video = VideoOutput(frames=result[0], fps=fps)
-            data["videos"] = [VideoOutput(frames=v, fps=fps) for v in result]
+            final.videos = [VideoOutput(frames=v, fps=fps) for v in result]
         else:
             out.images = list(result)
         if out.metrics is not None:
             out.metrics.finished_time = time.time()
         self._metrics.pop(request_id, None)
         self._finished_total += 1
-        return StageOutput(request_id, out, finished=True, data=data)
+        return final

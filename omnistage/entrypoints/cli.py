@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("make-tiny", help="write tiny random checkpoints in real formats")
     tiny.add_argument("dir", help="output folder")
-    tiny.add_argument("--kind", default="llm", help="llm | qwen-image | flux | flux-schnell | sd3 | z-image | wan | wan2.2 | wan-i2v | all")
+    tiny.add_argument("--kind", default="llm", help="llm | qwen2_5_omni | qwen-image | qwen-image-edit | flux | flux-schnell | sd3 | z-image | wan | wan2.2 | wan-i2v | all")
     return parser
 
 
@@ -132,7 +132,7 @@ def _diffusion_params(args: argparse.Namespace):
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from omnistage.models.tiny import make_tiny
+    from omnistage.testing import make_tiny
 
     try:
         paths = make_tiny(args.dir, args.kind)

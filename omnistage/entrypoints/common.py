@@ -6,11 +6,12 @@ import dataclasses
 from typing import Any, Optional, Sequence
 
 from omnistage.config import EngineConfig
+from omnistage.models import registry
 from omnistage.params import DiffusionParams, SamplingParams
+from omnistage.pipeline.build import detect_pipeline
 from omnistage.pipeline.orchestrator import Orchestrator
 from omnistage.pipeline.deploy_config import apply_deploy_config, pinned_stages
 from omnistage.pipeline.memory import plan_gpu_memory
-from omnistage.pipeline.spec import detect_pipeline
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
@@ -58,16 +59,15 @@ def default_params_for(orch: Orchestrator, entry_stage: Optional[str] = None):
 
 
 class ChatRenderer:
-    """Chat messages -> the main stage's inputs: the pipeline's own renderer (`PipelineSpec.chat_renderer`,
-    e.g. an omni model's processor and media encoders) or else the tokenizer's chat template."""
+    """Chat messages -> the main stage's inputs: the model's own renderer (its registry entry's
+    `chat_renderer`, e.g. an omni model's processor and media encoders) or else the tokenizer's chat
+    template."""
 
     def __init__(self, orch: Orchestrator):
         self.custom = None
-        if orch.spec.chat_renderer:
-            import importlib
-
-            module, name = orch.spec.chat_renderer.split(":")
-            self.custom = getattr(importlib.import_module(module), name)(orch.spec)
+        target = registry.entry(orch.spec.model).chat_renderer if orch.spec.model else None
+        if target is not None:
+            self.custom = registry.load_attr(target)(orch.spec)
         self.tokenizer = orch.tokenizer
 
     @property

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from omnistage.models.registry import lookup
+from omnistage.models.registry import entry_for_architecture, load_attr
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -39,18 +39,11 @@ def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def checkpoint_dtype(config) -> torch.dtype | None:
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    return dtype if isinstance(dtype, torch.dtype) else None
-
-
 def load_model(model_dir: str, config, device: torch.device, dtype: torch.dtype, max_positions: int):
     arch = (getattr(config, "architectures", None) or ["?"])[0]
-    info = lookup(arch)
+    cls = load_attr(entry_for_architecture(arch).decoder)
     with torch.device("meta"):
-        model = info.cls(config, max_positions)
+        model = cls(config, max_positions)
     model = model.to_empty(device=device)
     model.load_weights(iter_weights(model_dir))
     model.to(dtype=dtype)
@@ -58,7 +51,42 @@ def load_model(model_dir: str, config, device: torch.device, dtype: torch.dtype,
     return model.eval()
 
 
+def eos_ids(model_dir: str, tokenizer) -> frozenset[int]:
+    """End-of-sequence ids: generation_config.json's `eos_token_id` (one or a list) and the tokenizer's."""
+    ids: set[int] = set()
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def load_causal_lm(model_dir: str, device: torch.device, dtype: torch.dtype, max_positions: int | None):
+    """An AR stage's loader for a plain LLM folder (the registry's component contract): (native
+    decoder, its config, tokenizer, eos ids); `max_positions` None = the model's own limit."""
+    from transformers import AutoTokenizer
+
+    config = load_config(model_dir)
+    limit = getattr(config, "max_position_embeddings", None) or 4096
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = load_model(model_dir, config, device, dtype, min(max_positions or limit, limit))
+    return model, config, tokenizer, eos_ids(model_dir, tokenizer)
+
+
 def load_config(model_dir: str):
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"model folder {model_dir!r} does not exist")
     return AutoConfig.from_pretrained(model_dir)
+
+
+def lm_shape(config) -> dict[str, int]:
+    """The numbers of a decoder-only LM's config that size its KV cache and activations."""
+    heads = config.num_attention_heads
+    return {"layers": config.num_hidden_layers,
+            "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+            "hidden": config.hidden_size, "intermediate": config.intermediate_size, "vocab": config.vocab_size,
+            "max_positions": getattr(config, "max_position_embeddings", None) or 4096}

@@ -1,60 +1,175 @@
-"""Architecture name (config.json `architectures[0]`) -> native model class and what it can do."""
+"""The one model registry: everything omnistage serves, one entry per architecture (any process).
+
+An entry declares what a model brings, as "module:attribute" strings that are imported only when
+used, so reading the registry imports no model code and a stage process imports only its own model:
+
+  * `match`: the names a checkpoint folder gives: config.json `model_type` (multi-network
+    checkpoints) or `architectures[0]`, or model_index.json `_class_name` (diffusers folders);
+  * `decoder`: the native decoder class an AR stage runs for a plain LLM checkpoint;
+  * `components`: AR parts of a multi-network checkpoint (component name -> loader, see `ar_loader`);
+  * `family`: the diffusion family class serving a diffusers folder;
+  * `pipeline`: `builder(model_dir, engine: EngineConfig) -> PipelineSpec`; None = the kind's
+    default pipeline (`pipeline/build.py`);
+  * `adapters`: edge adapters it registers (adapter name -> function of one upstream output, or a
+    class built per edge with the edge's options: `omnistage/adapters.py`);
+  * `codecs`: codec back ends it registers (back-end name -> engine class with `from_stage_spec`);
+  * `chat_renderer`: class built with the `PipelineSpec`, turning chat messages (text, image,
+    audio, video parts) into the main stage's inputs; None = the tokenizer's chat template.
+
+Adding a model = one folder under `models/` + one entry in `MODELS`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+import importlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
-from omnistage.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+KINDS = ("llm", "omni", "diffusion", "speech")
 
 
 @dataclass(frozen=True)
-class ModelInfo:
-    cls: type
-    family: str                                 # "llm" for text decoders
+class ModelEntry:
+    name: str                                   # registry key; also `PipelineSpec.model`
+    kind: str                                   # "llm" | "omni" | "diffusion" | "speech" (a TTS back end, no folder)
+    match: tuple[str, ...] = ()                 # checkpoint names this entry serves (see the module docstring)
+    decoder: Optional[str] = None               # "module:Class" of the native AR decoder
+    components: dict[str, str] = field(default_factory=dict)  # AR component name -> "module:loader"
+    family: Optional[str] = None                # "module:Class" of the DiffusionFamily
+    pipeline: Optional[str] = None              # "module:builder"; None = the kind's default pipeline
+    adapters: dict[str, str] = field(default_factory=dict)    # edge adapter name -> "module:function|Class"
+    codecs: dict[str, str] = field(default_factory=dict)      # codec back end name -> "module:EngineClass"
+    chat_renderer: Optional[str] = None         # "module:Class" built with the PipelineSpec
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"model entry {self.name!r}: kind must be one of {KINDS}, got {self.kind!r}")
 
 
-_REGISTRY: dict[str, ModelInfo] = {
-    "LlamaForCausalLM": ModelInfo(LlamaForCausalLM, "llm"),
-    "MistralForCausalLM": ModelInfo(LlamaForCausalLM, "llm"),
-    "Qwen2ForCausalLM": ModelInfo(Qwen2ForCausalLM, "llm"),
-    "Qwen3ForCausalLM": ModelInfo(Qwen3ForCausalLM, "llm"),
-}
+_LLAMA = "omnistage.models.llama"
+_DIFFUSERS = "omnistage.diffusion.pipelines"
+_OMNI = "omnistage.models.qwen2_5_omni"
+
+MODELS: tuple[ModelEntry, ...] = (
+    ModelEntry("llama", "llm", ("LlamaForCausalLM", "MistralForCausalLM"), decoder=f"{_LLAMA}:LlamaForCausalLM"),
+    ModelEntry("qwen2", "llm", ("Qwen2ForCausalLM",), decoder=f"{_LLAMA}:Qwen2ForCausalLM"),
+    ModelEntry("qwen3", "llm", ("Qwen3ForCausalLM",), decoder=f"{_LLAMA}:Qwen3ForCausalLM"),
+    ModelEntry(
+        "qwen2_5_omni", "omni", ("qwen2_5_omni",),
+        components={"qwen2_5_omni.thinker": f"{_OMNI}.stages:load_thinker",
+                    "qwen2_5_omni.talker": f"{_OMNI}.stages:load_talker"},
+        pipeline=f"{_OMNI}.pipeline:omni_pipeline",
+        adapters={"qwen2_5_omni.thinker_to_talker": f"{_OMNI}.adapters:ThinkerToTalker",
+                  "qwen2_5_omni.talker_to_code2wav": f"{_OMNI}.adapters:talker_to_code2wav"},
+        codecs={"qwen2_5_omni_code2wav": "omnistage.codec.code2wav:Code2WavEngine"},
+        chat_renderer=f"{_OMNI}.pipeline:OmniChatRenderer"),
+    ModelEntry("qwen_image", "diffusion", ("QwenImagePipeline",), family=f"{_DIFFUSERS}.qwen_image:QwenImageFamily"),
+    ModelEntry("qwen_image_edit", "diffusion", ("QwenImageEditPipeline",),
+               family=f"{_DIFFUSERS}.qwen_image_edit:QwenImageEditFamily"),
+    ModelEntry("flux", "diffusion", ("FluxPipeline",), family=f"{_DIFFUSERS}.flux:FluxFamily"),
+    ModelEntry("sd3", "diffusion", ("StableDiffusion3Pipeline",), family=f"{_DIFFUSERS}.sd3:SD3Family"),
+    ModelEntry("z_image", "diffusion", ("ZImagePipeline",), family=f"{_DIFFUSERS}.z_image:ZImageFamily"),
+    ModelEntry("wan", "diffusion", ("WanPipeline",), family=f"{_DIFFUSERS}.wan:WanFamily"),
+    ModelEntry("wan_i2v", "diffusion", ("WanImageToVideoPipeline",), family=f"{_DIFFUSERS}.wan:WanI2VFamily"),
+    # Speech back ends and the glue that puts one behind any chat LM (a cascade: pipeline/build.py).
+    ModelEntry("piper", "speech",
+               adapters={"text_to_tts": "omnistage.codec.speech:text_to_tts",
+                         "text_to_text": "omnistage.codec.speech:text_to_text"},
+               codecs={"piper": "omnistage.codec.piper_tts:PiperTTSEngine"}),
+)
 
 
-def lookup(architecture: str) -> ModelInfo:
-    try:
-        return _REGISTRY[architecture]
-    except KeyError:
-        raise ValueError(f"architecture {architecture!r} is not supported; supported: "
-                         f"{', '.join(sorted(_REGISTRY))}") from None
+def load_attr(target: str) -> Any:
+    """"module:attribute" -> the attribute (imports the module)."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def entry(name: str) -> ModelEntry:
+    for e in MODELS:
+        if e.name == name:
+            return e
+    raise ValueError(f"model must be one of {sorted(e.name for e in MODELS)}, got {name!r}")
+
+
+def _declared(what: str) -> dict[str, str]:
+    """name -> target of every entry's `what` ("components", "adapters" or "codecs")."""
+    found: dict[str, str] = {}
+    for e in MODELS:
+        found.update(getattr(e, what))
+    return found
+
+
+def _lookup(what: str, label: str, name: Optional[str]) -> Any:
+    declared = _declared(what)
+    if name not in declared:
+        raise ValueError(f"{label} must be one of {sorted(declared)}, got {name!r}")
+    return load_attr(declared[name])
+
+
+def adapter_target(name: str) -> Any:
+    """The registered edge adapter (a function or an adapter class) named `name`."""
+    return _lookup("adapters", "adapter", name)
+
+
+def codec_class(name: Optional[str]) -> Any:
+    """The engine class of the codec back end `name` (it has `from_stage_spec(spec)`)."""
+    return _lookup("codecs", "backend", name)
+
+
+def component_loader(name: str) -> Any:
+    """The loader of an AR component: `loader(model_dir, device, dtype, max_positions) -> (model,
+    text config, tokenizer or None, eos ids)`."""
+    return _lookup("components", "component", name)
+
+
+def diffusion_family(model_dir: str) -> type:
+    """The DiffusionFamily class serving a diffusers folder."""
+    found = entry_for_folder(model_dir)
+    if found.family is None:
+        raise ValueError(f"{model_dir} is not a diffusers folder (it holds a {found.name} checkpoint)")
+    return load_attr(found.family)
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(m for e in MODELS if e.kind in ("llm", "omni") for m in e.match)
 
 
-# Components of multi-network checkpoints (e.g. the thinker or the talker of an omni model) that an AR
-# stage serves. A loader maps (model_dir, device, dtype, max_positions) to
-# (model, text_config, tokenizer or None, eos ids); it lives in the model's own file.
-_COMPONENTS: dict[str, Callable] = {}
+def read_folder_names(model_dir: str) -> tuple[str, list[str]]:
+    """("diffusers", [_class_name]) or ("transformers", [model_type, architectures[0]]) of a folder."""
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"model folder {model_dir!r} does not exist")
+    index = os.path.join(model_dir, "model_index.json")
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            return "diffusers", [json.load(f).get("_class_name", "")]
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.exists(path):
+        raise ValueError(f"{model_dir} has neither config.json (transformers) nor model_index.json (diffusers)")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    return "transformers", [config.get("model_type") or "", (config.get("architectures") or ["?"])[0]]
 
 
-def register_component(name: str, loader: Callable) -> None:
-    _COMPONENTS[name] = loader
+def entry_for_architecture(architecture: str) -> ModelEntry:
+    for e in MODELS:
+        if e.kind == "llm" and architecture in e.match:
+            return e
+    raise ValueError(f"architecture {architecture!r} is not supported; supported: "
+                     f"{', '.join(supported_architectures())}")
 
 
-def component_loader(name: str) -> Callable:
-    """Loaders live in `omnistage.models.<family>.stages` for a name "<family>.<part>"; importing
-    that module registers them (so a fresh stage process finds them too)."""
-    if name not in _COMPONENTS:
-        import importlib
-
-        try:
-            importlib.import_module(f"omnistage.models.{name.split('.')[0]}.stages")
-        except ImportError:
-            pass
-    try:
-        return _COMPONENTS[name]
-    except KeyError:
-        raise ValueError(f"model component {name!r} is not registered; known: {', '.join(sorted(_COMPONENTS))}") from None
+def entry_for_folder(model_dir: str) -> ModelEntry:
+    """The entry serving a local checkpoint folder (a clear error naming what is supported)."""
+    layout, names = read_folder_names(model_dir)
+    kinds = ("diffusion",) if layout == "diffusers" else ("omni", "llm")
+    for name in names:
+        for e in MODELS:
+            if e.kind in kinds and name and name in e.match:
+                return e
+    if layout == "diffusers":
+        supported = sorted(m for e in MODELS if e.kind == "diffusion" for m in e.match)
+        raise ValueError(f"diffusers pipeline {names[0]!r} is not supported; supported: {', '.join(supported)}")
+    return entry_for_architecture(names[-1])     # raises, naming the supported architectures

@@ -31,10 +31,10 @@ import dataclasses
 from typing import Any, Union
 
 from omnistage.config import EngineConfig
-from omnistage.pipeline.spec import PipelineSpec, StageSpec
+from omnistage.spec import PipelineSpec, StageSpec
 
 _ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)}
-_STAGE_KEYS = {"options", "params", "enabled", "final_output", "model_dir", "runner"}
+_STAGE_KEYS = {"options", "params", "memory", "enabled", "final_output", "model_dir", "runner"}
 _EDGE_KEYS = {"src", "dst", "chunk_size", "first_chunk_size", "adapter", "options"}
 
 
@@ -85,7 +85,8 @@ def apply_deploy_config(spec: PipelineSpec, config: Union[str, dict[str, Any], N
         engine = dataclasses.replace(s.engine, **{k: over.pop(k) for k in list(over) if k in _ENGINE_KEYS})
         options = {**s.options, **(over.pop("options", None) or {})}
         params = {**s.params, **(over.pop("params", None) or {})}
-        stages.append(dataclasses.replace(s, engine=engine, options=options, params=params, **over))
+        memory = {**s.memory, **(over.pop("memory", None) or {})}
+        stages.append(dataclasses.replace(s, engine=engine, options=options, params=params, memory=memory, **over))
     kept = {s.name for s in stages}
     if spec.main_stage.name not in kept:
         raise ValueError(f"deploy config: the main stage {spec.main_stage.name!r} cannot be disabled")
@@ -105,7 +106,7 @@ def apply_deploy_config(spec: PipelineSpec, config: Union[str, dict[str, Any], N
         if changes.get("chunk_size", edges[match[0]].chunk_size) is None:
             changes["first_chunk_size"] = None
         edges[match[0]] = dataclasses.replace(edges[match[0]], **changes)
-    return dataclasses.replace(spec, stages=stages, edges=edges)   # keeps chat_renderer, renderer_weights
+    return dataclasses.replace(spec, stages=stages, edges=edges)   # keeps model, renderer_weights
 
 
 def pinned_stages(config: Union[str, dict[str, Any], None]) -> frozenset[str]:

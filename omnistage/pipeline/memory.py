@@ -33,7 +33,8 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from omnistage.pipeline.spec import PipelineSpec, StageSpec
+from omnistage.config import CUDA_CONTEXT_BYTES, checkpoint_dtype
+from omnistage.spec import PipelineSpec, StageSpec
 
 if TYPE_CHECKING:
     import torch
@@ -41,31 +42,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GiB = 2**30
-CUDA_CONTEXT_BYTES = GiB // 2                   # CUDA context + torch kernels of one process on one GPU (estimate)
 WORKSPACE_BYTES = GiB                           # activations of a codec / diffusion step, or of the chat renderer
-# Keys of `StageSpec.options` that only this planner reads (engines ignore them: `engine_options`):
-#   weights_prefix: str or list of tensor-name prefixes the stage loads (absent: every tensor)
-#   weights_dtype: "float32" | "bfloat16" | "float16", the dtype a codec runs its weights in (absent: as stored)
-#   lm_shape: `lm_shape(config)` of an AR component's text config (absent: from model_dir/config.json)
-#   workspace_bytes: a codec / diffusion stage's activation room (absent: WORKSPACE_BYTES)
-MEMORY_OPTIONS = frozenset({"weights_prefix", "weights_dtype", "lm_shape", "workspace_bytes"})
 
 _WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def engine_options(options: dict[str, Any]) -> dict[str, Any]:
-    """A stage's options without the planner's own keys: what its engine is built with."""
-    return {k: v for k, v in options.items() if k not in MEMORY_OPTIONS}
-
-
-def lm_shape(config) -> dict[str, int]:
-    """The numbers of a decoder-only LM's config that size its KV cache and activations."""
-    heads = config.num_attention_heads
-    return {"layers": config.num_hidden_layers,
-            "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
-            "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
-            "hidden": config.hidden_size, "intermediate": config.intermediate_size, "vocab": config.vocab_size,
-            "max_positions": getattr(config, "max_position_embeddings", None) or 4096}
 
 
 def safetensors_header(path: str) -> dict[str, dict]:
@@ -120,7 +99,7 @@ class StageCost:
 
 
 def _prefixes(stage: StageSpec) -> Optional[tuple[str, ...]]:
-    p = stage.options.get("weights_prefix")
+    p = stage.memory.get("weights_prefix")
     return None if p is None else (p,) if isinstance(p, str) else tuple(p)
 
 
@@ -128,9 +107,7 @@ def _ar_dtype(stage: StageSpec, device: str) -> "torch.dtype":
     """As `AREngine` picks it (and the chat renderer, for the main stage's folder)."""
     import torch
 
-    from omnistage.models.loader import checkpoint_dtype, load_config
-
-    return stage.engine.resolve_dtype(checkpoint_dtype(load_config(stage.model_dir)), torch.device(device))
+    return stage.engine.resolve_dtype(checkpoint_dtype(stage.model_dir), torch.device(device))
 
 
 def _run_dtype(stage: StageSpec, device: str) -> Optional["torch.dtype"]:
@@ -140,11 +117,11 @@ def _run_dtype(stage: StageSpec, device: str) -> Optional["torch.dtype"]:
         from omnistage.diffusion.engine import resolve_device_dtype
 
         return resolve_device_dtype(device, stage.engine.dtype)[1]
-    name = stage.options.get("weights_dtype")
+    name = stage.memory.get("weights_dtype")
     if name is None:
         return None
     if name not in _WEIGHT_DTYPES:
-        raise ValueError(f"stage {stage.name!r}: options.weights_dtype must be one of {', '.join(_WEIGHT_DTYPES)}; "
+        raise ValueError(f"stage {stage.name!r}: memory.weights_dtype must be one of {', '.join(_WEIGHT_DTYPES)}; "
                          f"got {name!r}")
     import torch
 
@@ -157,10 +134,10 @@ def stage_cost(stage: StageSpec, device: str) -> StageCost:
     context = CUDA_CONTEXT_BYTES if stage.runner == "process" else 0
     weights = weight_bytes(stage.model_dir, _prefixes(stage), dtype) if stage.model_dir else 0
     if stage.kind != "ar":
-        return StageCost(context, weights, int(stage.options.get("workspace_bytes", WORKSPACE_BYTES)))
-    shape = stage.options.get("lm_shape")
+        return StageCost(context, weights, int(stage.memory.get("workspace_bytes", WORKSPACE_BYTES)))
+    shape = stage.memory.get("lm_shape")
     if shape is None:
-        from omnistage.models.loader import load_config
+        from omnistage.models.loader import lm_shape, load_config
 
         shape = lm_shape(load_config(stage.model_dir))
     e, size = stage.engine, dtype.itemsize

@@ -8,7 +8,7 @@ Per step, every stage with work runs one engine step, upstream first. Each outpu
 the edges of its stage to the downstream stages the request uses: a streaming edge forwards new
 units (sentences, tokens) as soon as a piece of the edge's chunk size is complete, so a downstream
 stage starts before its upstream finishes; a whole-output edge forwards once at the end. Each
-edge has one adapter, built at start-up (`adapters.build_adapter`); it is called with an
+edge has one adapter, built at start-up (`pipeline.build.edge_adapter`); it is called with an
 `EdgeContext` held per request and edge (the request's fields and entry inputs, the adapter's
 memory). An adapter or downstream stage that raises fails only that request (`pop_errors`). The
 request's outputs of its final stages are merged into one `RequestOutput`: the entry stage's
@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omnistage.outputs import RequestOutput
-from omnistage.pipeline.adapters import EdgeContext, build_adapter
-from omnistage.pipeline.spec import EdgeSpec, PipelineSpec, StageSpec
-from omnistage.pipeline.stage import StageDeadError, StageOutput, Streamable
+from omnistage.adapters import EdgeContext
+from omnistage.pipeline.build import build_engine, edge_adapter, params_type
+from omnistage.spec import EdgeSpec, PipelineSpec, StageSpec
+from omnistage.stage import StageDeadError, StageOutput, Streamable
 
 # Request-level fields of a dict prompt that the orchestrator reads (and no stage sees).
 REQUEST_FIELDS = ("modalities", "voice")
@@ -52,32 +53,12 @@ def payload_bytes(obj: Any) -> int:
     return 0
 
 
-def build_stage(spec: StageSpec):
+def _build_stage(spec: StageSpec) -> Any:
     if spec.runner == "process":
         from omnistage.pipeline.stage_client import StageClient
 
         return StageClient(spec)
-    if spec.kind == "ar":
-        from omnistage.ar.engine import AREngine
-
-        return AREngine(spec.model_dir, spec.engine, component=(spec.options or {}).get("component"))
-    if spec.kind == "diffusion":
-        from omnistage.diffusion.engine import DiffusionEngine
-
-        return DiffusionEngine.from_stage_spec(spec)
-    if spec.kind == "codec":
-        from omnistage.codec import build_codec_stage
-
-        return build_codec_stage(spec)
-    raise ValueError(f"stage kind must be ar, diffusion or codec; got {spec.kind!r}")
-
-
-def _params_type(kind: str, engine: Any):
-    if getattr(engine, "params_type", None) is not None:
-        return engine.params_type
-    from omnistage.params import DiffusionParams, SamplingParams
-
-    return DiffusionParams if kind == "diffusion" else SamplingParams
+    return build_engine(spec)
 
 
 @dataclass
@@ -103,11 +84,11 @@ class Orchestrator:
         """`stages`: engines already built (or stage clients), by stage name; the rest are built here."""
         self.spec = spec
         # one adapter per edge, built now: a misspelled adapter or bad options fail at start-up
-        self.adapters = {(e.src, e.dst): build_adapter(e.adapter, e.options) for e in spec.edges}
+        self.adapters = {(e.src, e.dst): edge_adapter(e) for e in spec.edges}
         # (src, dst) -> [seconds spent adapting + handing over, payload bytes, pieces], for metrics
         self.edge_totals = {key: [0.0, 0, 0] for key in self.adapters}
         given = stages or {}
-        self.stages = {s.name: given[s.name] if s.name in given else build_stage(s) for s in spec.stages}
+        self.stages = {s.name: given[s.name] if s.name in given else _build_stage(s) for s in spec.stages}
         for e in spec.edges:
             if e.streaming and not hasattr(self.stages[e.dst], "add_input"):
                 raise ValueError(f"edge {e.src}->{e.dst} streams, but stage {e.dst!r} takes no streamed input; "
@@ -145,7 +126,7 @@ class Orchestrator:
             if p is None and s.name == entry:
                 p = params
             if p is None and (s.params or s.name != entry):
-                p = _params_type(s.kind, self.stages[s.name])(**s.params)
+                p = params_type(s.kind, self.stages[s.name])(**s.params)
             if fields.get("voice") is not None and hasattr(p, "voice"):
                 p = dataclasses.replace(p, voice=fields["voice"])
             chosen[s.name] = p
@@ -199,12 +180,8 @@ class Orchestrator:
                 route = self.routes.get(out.request_id)
                 if route is None or spec.name not in route.started:
                     continue                    # aborted, or a stage that does not serve this request
-                if out.data.get("fatal"):
-                    self._fail(out.request_id, StageDeadError(out.data["fatal"]))
-                    changed.pop(out.request_id, None)
-                    continue
-                if out.data.get("error"):      # a stage process refused input handed on to it
-                    self._fail(out.request_id, ValueError(out.data["error"]))
+                if out.error is not None:      # e.g. a stage went down, or refused input handed on to it
+                    self._fail(out.request_id, (StageDeadError if out.error.fatal else ValueError)(out.error.message))
                     changed.pop(out.request_id, None)
                     continue
                 if len(route.stages) == 1:      # one-stage request: pass through untouched

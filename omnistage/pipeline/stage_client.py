@@ -13,13 +13,12 @@ read once at start, as are what entry points read of a main stage (`max_model_le
 are used from the orchestrator's thread only.
 
 When the stage process dies, every request it held gets a finished `StageOutput` whose
-`data["fatal"]` says so (the orchestrator fails just those requests, and the server answers 503),
+`error` is fatal (the orchestrator fails just those requests, and the server answers 503),
 and a fresh process is started for the next requests.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import logging
 import os
@@ -34,7 +33,7 @@ import zmq
 
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline import wire
-from omnistage.pipeline.stage import StageOutput
+from omnistage.stage import StageError, StageOutput
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +100,7 @@ class StageClient:
         code = self.proc.returncode if self.proc is not None else None
         reason = f"stage {self.spec.name!r} process died (exit code {code}); it is being restarted"
         logger.error(reason)
-        lost = [StageOutput(rid, RequestOutput(rid, finished=True), True, data={"fatal": reason})
+        lost = [StageOutput(rid, RequestOutput(rid, finished=True), True, error=StageError(reason, fatal=True))
                 for rid in sorted(self._held)]
         self._held.clear()
         self._cmd.close()
@@ -161,7 +160,7 @@ class StageClient:
     def submit(self, request_id: str, inputs: Any, params: Any, arrival_time: Optional[float] = None) -> None:
         """`add_request` without waiting for the stage process (it may be mid-step): for requests
         handed on by an upstream stage. A refusal comes back as a finished output whose
-        `data["error"]` says why (the orchestrator fails the request with it)."""
+        `error` says why (the orchestrator fails the request with it)."""
         self._cmd.send(wire.encode(["call", 0, "add_request", [request_id, inputs, params, arrival_time]]))
         self._held.add(request_id)
 
@@ -234,9 +233,9 @@ def _serve(cmd_addr: str, out_addr: str) -> None:
     parent = os.getppid()
     _, spec = wire.decode(cmd.recv())
     try:
-        from omnistage.pipeline.orchestrator import build_stage
+        from omnistage.pipeline.build import build_engine
 
-        engine = build_stage(dataclasses.replace(spec, runner="inline"))   # the engine itself, here
+        engine = build_engine(spec)             # the engine itself, here
     except Exception as e:
         out.send(wire.encode(["fatal", repr(e)]))
         return
@@ -265,7 +264,7 @@ def _serve(cmd_addr: str, out_addr: str) -> None:
                         rid = args[0]
                         engine.abort(rid)
                         lost = StageOutput(rid, RequestOutput(rid, finished=True), True,
-                                           data={"error": f"stage {spec.name!r}: {e}"})
+                                           error=StageError(f"stage {spec.name!r}: {e}"))
                         out.send(wire.encode(["outputs", [lost], engine.stats()]))
             if seq:
                 out.send(wire.encode(["reply", seq, error, result]))

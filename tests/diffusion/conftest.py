@@ -14,7 +14,7 @@ _BUILT: dict[str, str] = {}
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """tiny_dir(kind) -> folder of a tiny random pipeline of that kind, saved in the diffusers layout."""
-    from omnistage.diffusion.tiny import DIFFUSION_TINY_BUILDERS
+    from omnistage.testing.diffusion import DIFFUSION_TINY_BUILDERS
 
     def get(kind: str) -> str:
         if kind not in _BUILT:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from omnistage.diffusion.engine import DiffusionEngine
+from omnistage.models.registry import diffusion_family
 from omnistage.params import DiffusionParams
 
 from diffusion_testutil import max_pixel_diff, reference_pipe
@@ -29,7 +30,7 @@ ENGINES: dict[str, DiffusionEngine] = {}
 
 def engine(tiny_dir, kind: str) -> DiffusionEngine:
     if kind not in ENGINES:
-        ENGINES[kind] = DiffusionEngine(tiny_dir(kind), device="cpu", dtype="float32", max_num_seqs=8)
+        ENGINES[kind] = DiffusionEngine(tiny_dir(kind), diffusion_family(tiny_dir(kind)), device="cpu", dtype="float32", max_num_seqs=8)
     return ENGINES[kind]
 
 
@@ -88,11 +89,11 @@ def test_abort_between_steps_and_progress(tiny_dir):
     finals = {}
     while eng.has_unfinished():
         for o in eng.step():
-            assert o.request_id != "drop" or o.data.get("finish_reason") == "abort"
+            assert o.request_id != "drop" or o.finish_reason == "abort"
             if o.finished:
                 finals[o.request_id] = o
-    assert finals["drop"].data["finish_reason"] == "abort" and not finals["drop"].output.images
-    assert finals["keep"].output.images and finals["keep"].data["finish_reason"] == "stop"
+    assert finals["drop"].finish_reason == "abort" and not finals["drop"].output.images
+    assert finals["keep"].output.images and finals["keep"].finish_reason == "stop"
     assert eng.stats()["num_running"] == 0
 
 

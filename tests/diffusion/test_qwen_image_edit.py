@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 from omnistage.diffusion.engine import DiffusionEngine
+from omnistage.models.registry import diffusion_family
 from omnistage.params import DiffusionParams
 
 from diffusion_testutil import max_pixel_diff, reference_pipe
@@ -25,7 +26,7 @@ def _image(w=40, h=24, seed=0) -> Image.Image:
 @pytest.fixture(scope="module")
 def edit(tiny_dir):
     path = tiny_dir("qwen-image-edit")
-    return path, DiffusionEngine(path, device="cpu", dtype="float32", max_num_seqs=8)
+    return path, DiffusionEngine(path, diffusion_family(path), device="cpu", dtype="float32", max_num_seqs=8)
 
 
 @pytest.fixture(scope="module")

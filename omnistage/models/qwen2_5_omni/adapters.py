@@ -1,9 +1,9 @@
 """Qwen2.5-Omni stage-to-stage glue: thinker -> talker and talker -> code2wav (orchestrator's process).
 
-thinker -> talker (`qwen2_5_omni.thinker_to_talker`, an edge adapter built per edge with
+thinker -> talker (`qwen2_5_omni.thinker_to_talker`, `ThinkerToTalker`: an adapter class built per edge with
 `options={"model_dir": ...}`). In: the thinker's `StageOutput`s of one request, each carrying
-`data["hidden_states"]` / `data["input_embeds"]` for the rows computed that step
-(`data["hidden_start"]` = position of the first); the voice from the request's fields; 3-D rope
+`hidden` (`HiddenStates`: hidden states and input rows of the rows computed that step, and the
+position of the first); the voice from the request's fields; 3-D rope
 positions from the request's thinker inputs when it had an image or video. Out: a cumulative
 `TalkerInput` whose first unit is the talker's prompt and every further unit one streamed row.
 With T(x) = input_embed(x) + last_hidden(x) (the input embedding zeroed on audio / image / video
@@ -32,8 +32,8 @@ from typing import Any, Optional
 import torch
 
 from omnistage.codec.code2wav import CodecInput
-from omnistage.pipeline.adapters import EdgeContext, register_adapter, register_adapter_factory
-from omnistage.pipeline.stage import StageOutput
+from omnistage.adapters import EdgeContext
+from omnistage.stage import HiddenStates, StageOutput
 
 DEFAULT_VOICE = "Chelsie"
 
@@ -164,9 +164,8 @@ class ThinkerToTalker:
 
     def __call__(self, out: StageOutput, ctx: EdgeContext) -> Optional[TalkerInput]:
         mem = ctx.memory
-        hidden = out.data.get("hidden_states")
-        if hidden is not None:
-            text = self._text_rows(out, mem, hidden)
+        if out.hidden is not None:
+            text = self._text_rows(out, mem, out.hidden)
             if "prompt" in mem:                 # rows of g_1, g_2, ...: streamed
                 mem["rows"].extend(self.cond.project(text).unbind(0))
             elif text.shape[0]:
@@ -184,13 +183,13 @@ class ThinkerToTalker:
             mem["closed"] = True
         return TalkerInput(mem["prompt"], list(mem["rows"]), bool(mem.get("closed")), mem["pad_row"])
 
-    def _text_rows(self, out: StageOutput, mem: dict, hidden: torch.Tensor) -> torch.Tensor:
+    def _text_rows(self, out: StageOutput, mem: dict, report: HiddenStates) -> torch.Tensor:
         """T rows of the positions not seen before: input embedding (zero on media rows) + hidden."""
-        start, seen = int(out.data["hidden_start"]), mem.get("seen", 0)
+        start, seen = int(report.start), mem.get("seen", 0)
         if start > seen:
             raise RuntimeError(f"request {out.request_id}: thinker rows {seen}..{start - 1} never arrived")
         skip = seen - start                     # rows recomputed after a preemption: already taken
-        hidden, embeds = hidden[skip:], out.data["input_embeds"][skip:]
+        hidden, embeds = report.hidden[skip:], report.inputs[skip:]
         start += skip
         mem["seen"] = start + hidden.shape[0]
         ids = out.output.prompt_token_ids
@@ -225,12 +224,6 @@ class ThinkerToTalker:
         mem["eos_row"], mem["pad_row"] = const["eos_row"].to(dtype), const["pad_row"].to(dtype)
 
 
-@register_adapter_factory("qwen2_5_omni.thinker_to_talker")
-def thinker_to_talker(options: dict[str, Any]) -> ThinkerToTalker:
-    return ThinkerToTalker(options)
-
-
-@register_adapter("qwen2_5_omni.talker_to_code2wav")
 def talker_to_code2wav(out: StageOutput) -> CodecInput:
     """Codes so far; once the talker has finished on a stop code (codec pad / eos), without it."""
     comps = out.output.outputs

@@ -11,13 +11,13 @@
 
 A request asks for `modalities` ["text"] (the default: the thinker alone) or ["text", "audio"],
 and a `voice` (a key of spk_dict.pt, default "Chelsie"). On a GPU each stage runs in its own process
-and the stages share the GPU: each stage's options name the checkpoint tensors it loads
+and the stages share the GPU: each stage's `memory` hints name the checkpoint tensors it loads
 (`weights_prefix`) and, for the AR stages, the shape of its decoder (`lm_shape`), so that the
 entry point's memory plan (`pipeline/memory.py`) can give every stage its own share of the GPU
 from the weights' sizes (the KV caches split what is left in proportion to what each can use);
 `renderer_weights` names what the chat renderer loads next to them.
 
-`OmniChatRenderer(spec)` is the pipeline's `chat_renderer`: chat messages with text, image, audio
+`OmniChatRenderer(spec)` is the model's `chat_renderer` (registry entry "qwen2_5_omni"): chat messages with text, image, audio
 and video (frames only) parts -> the thinker's inputs (`processor.py`): prompt ids (one placeholder
 per encoder row), merged `prompt_embeds` when there is media, and 3-D rope positions + delta when
 there is an image or a video.
@@ -33,11 +33,10 @@ from typing import Any, Optional
 import torch
 
 from omnistage.config import EngineConfig
-# importing these modules registers the adapters and the AR components
 from omnistage.models.qwen2_5_omni.adapters import DEFAULT_VOICE
+from omnistage.models.loader import lm_shape
 from omnistage.models.qwen2_5_omni.stages import TALKER, THINKER, omni_config, read_tensors
-from omnistage.pipeline.memory import lm_shape
-from omnistage.pipeline.spec import EdgeSpec, PipelineSpec, StageSpec
+from omnistage.spec import EdgeSpec, PipelineSpec, StageSpec
 
 # Tensor-name prefixes each part loads (stages.py, codec/code2wav.py, `load_thinker_encoders` below).
 THINKER_WEIGHTS = ["thinker.model.", "thinker.lm_head."]
@@ -77,23 +76,23 @@ def omni_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
     # Requests that feed the talker report hidden states and so skip the prefix cache (see
     # `Sequence.cacheable`); text-only requests keep it.
     thinker = StageSpec("thinker", "ar", model_dir, engine, final_output="text", runner=runner,
-                        options={"component": THINKER, "weights_prefix": THINKER_WEIGHTS,
-                                 "lm_shape": lm_shape(config.thinker_config.text_config)})
+                        options={"component": THINKER},
+                        memory={"weights_prefix": THINKER_WEIGHTS, "lm_shape": lm_shape(config.thinker_config.text_config)})
     talker = StageSpec("talker", "ar", model_dir, dataclasses.replace(engine, max_model_len=None),
-                       runner=runner, options={"component": TALKER, "weights_prefix": TALKER_WEIGHTS,
-                                               "lm_shape": lm_shape(config.talker_config)},
+                       runner=runner, options={"component": TALKER},
+                       memory={"weights_prefix": TALKER_WEIGHTS, "lm_shape": lm_shape(config.talker_config)},
                        params=talker_params(config))
     # code2wav's chunk decodes (36 DiT evaluations each) in their own process overlap the talker's
     # steps instead of stalling them (H200, chunk 96: RTF 1.17 inline, 0.98 apart).
     code2wav = StageSpec("code2wav", "codec", model_dir, engine, final_output="audio", runner=runner,
                          backend="qwen2_5_omni_code2wav", options={
-                             **CODE2WAV_OPTIONS, "default_voice": default_voice,
-                             "weights_prefix": CODE2WAV_WEIGHTS, "weights_dtype": "float32"})  # runs in fp32
+                             **CODE2WAV_OPTIONS, "default_voice": default_voice},
+                         memory={"weights_prefix": CODE2WAV_WEIGHTS, "weights_dtype": "float32"})  # runs in fp32
     edges = [EdgeSpec("thinker", "talker", "qwen2_5_omni.thinker_to_talker", chunk_size=1,
                       options={"model_dir": model_dir, "default_voice": default_voice}),
              EdgeSpec("talker", "code2wav", "qwen2_5_omni.talker_to_code2wav", chunk_size=1)]
     return PipelineSpec([thinker, talker, code2wav], edges,
-                        chat_renderer="omnistage.models.qwen2_5_omni.pipeline:OmniChatRenderer",
+                        model="qwen2_5_omni",
                         renderer_weights=RENDERER_WEIGHTS)
 
 
@@ -126,13 +125,13 @@ class OmniChatRenderer:
     def __init__(self, spec: PipelineSpec):
         from transformers import AutoProcessor
 
-        from omnistage.models.loader import checkpoint_dtype
+        from omnistage.config import checkpoint_dtype
 
         stage = spec.main_stage
         self.processor = AutoProcessor.from_pretrained(stage.model_dir)
         device = stage.engine.resolve_device()
         config = omni_config(stage.model_dir)
-        dtype = stage.engine.resolve_dtype(checkpoint_dtype(config), device)   # as the thinker stage's
+        dtype = stage.engine.resolve_dtype(checkpoint_dtype(stage.model_dir), device)   # as the thinker stage's
         self.model = load_thinker_encoders(stage.model_dir, device, dtype)
         self.config = self.model.config
         self.device = device

@@ -1,6 +1,6 @@
 """Qwen2.5-Omni's thinker text LM and talker as AR-stage components (the AR stage's process).
 
-Registered at import with `omnistage.models.registry.register_component`; an AR `StageSpec` whose
+Declared as components of the model's registry entry (`models/registry.py`); an AR `StageSpec` whose
 `options["component"]` names one is served by `AREngine` from the omni checkpoint folder itself:
 
   * "qwen2_5_omni.thinker": the thinker's text decoder (`thinker.model.*` + `thinker.lm_head`) as our
@@ -12,15 +12,14 @@ Registered at import with `omnistage.models.registry.register_component`; an AR 
     row `W (text + codec_embed[c]) + b` equals `embed[c] + (W text + b)`; the second term is what
     the thinker -> talker adapter streams (`adapters.py`). No tokenizer; eos = codec pad and eos.
 
-Loader contract (registry): `loader(model_dir, device, dtype, max_positions) -> (model, text_config,
-tokenizer or None, eos_ids)`. Only the tensors of the component are read from the safetensors.
+Loader contract (`ar.engine.ModelLoader`): `loader(model_dir, device, dtype, max_positions) -> (model,
+text_config, tokenizer or None, eos_ids)`. Only the tensors of the component are read from the safetensors.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import json
 import os
 from collections.abc import Callable, Iterator
 from typing import Optional
@@ -28,9 +27,8 @@ from typing import Optional
 import torch
 
 from omnistage.models.llama import Qwen2ForCausalLM
-from omnistage.models.loader import safetensors_files
+from omnistage.models.loader import eos_ids, safetensors_files
 from omnistage.models.qwen2_5_omni.weights import talker_weights, thinker_text_weights
-from omnistage.models.registry import register_component
 
 THINKER = "qwen2_5_omni.thinker"
 TALKER = "qwen2_5_omni.talker"
@@ -82,15 +80,9 @@ def _has_tensor(model_dir: str, name: str) -> bool:
 
 
 def _thinker_eos(model_dir: str, tokenizer, text_config) -> frozenset[int]:
-    ids: set[int] = set()
-    path = os.path.join(model_dir, "generation_config.json")
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            eos = json.load(f).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    for eos in (tokenizer.eos_token_id, getattr(text_config, "eos_token_id", None)):
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return frozenset(int(i) for i in ids)
+    eos = getattr(text_config, "eos_token_id", None)
+    extra = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    return frozenset(int(i) for i in eos_ids(model_dir, tokenizer) | set(extra))
 
 
 def load_thinker(model_dir: str, device: torch.device, dtype: torch.dtype, max_positions: int):
@@ -121,6 +113,3 @@ def load_talker(model_dir: str, device: torch.device, dtype: torch.dtype, max_po
     eos = frozenset({int(talker.tts_codec_pad_token_id), int(talker.tts_codec_end_token_id)})
     return model, config, None, eos
 
-
-register_component(THINKER, load_thinker)
-register_component(TALKER, load_talker)

@@ -98,7 +98,7 @@ def talker_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tupl
 def export_thinker_text(omni_dir: str, out_dir: str) -> str:
     """Writes the thinker's text decoder as a plain `Qwen2ForCausalLM` folder (config, safetensors,
     tokenizer, generation config) that any Qwen2 loader, omnistage's AR engine included, serves.
-    Text-only prompts give the same greedy ids as the thinker (tests/omni/test_weights.py)."""
+    Text-only prompts give the same greedy ids as the thinker (tests/models/qwen2_5_omni/test_weights.py)."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 

@@ -7,11 +7,12 @@ import pytest
 from omnistage.codec.speech import TTSInput, TTSParams, clean_for_speech, split_sentences
 from omnistage.config import EngineConfig
 from omnistage.outputs import CompletionOutput, RequestOutput
-from omnistage.pipeline.adapters import get_adapter, text_to_tts
+from omnistage.codec.speech import text_to_tts
+from omnistage.models.registry import adapter_target
 from omnistage.pipeline.deploy_config import apply_deploy_config
 from omnistage.pipeline.orchestrator import Orchestrator
-from omnistage.pipeline.spec import EdgeSpec, PipelineSpec, StageSpec
-from omnistage.pipeline.stage import StageOutput
+from omnistage.spec import EdgeSpec, PipelineSpec, StageSpec
+from omnistage.stage import StageOutput
 
 
 def _lm_out(text: str, finished: bool, rid: str = "r") -> StageOutput:
@@ -46,9 +47,9 @@ def test_text_to_tts_emits_whole_sentences_as_the_text_grows():
     final = text_to_tts(_lm_out(text, finished=True))
     assert final.finished and final.sentences == seen + ["Yes"]
     assert final.slice(1, 3, False) == TTSInput(["It is large!", "Is it old?"], False)
-    assert get_adapter("text_to_tts") is text_to_tts
+    assert adapter_target("text_to_tts") is text_to_tts
     with pytest.raises(ValueError, match="adapter must be one of"):
-        get_adapter("nope")
+        adapter_target("nope")
 
 
 # ---- specs and deploy configs -------------------------------------------------------------------

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from omnistage.models.qwen2_5_omni.tiny import VOICE_BOS, VOICES
+from omnistage.testing.qwen2_5_omni import VOICE_BOS, VOICES
 
 SAMPLES_PER_CODE = 2 * 240                      # DiT repeats x BigVGAN hop
 

@@ -41,7 +41,7 @@ def test_voices_speed_and_batched_requests(engine):
     engine.add_request("two", "Hello there. How are you today?", None)
     first = engine.step()                       # one step serves every request's next sentence
     assert {o.request_id for o in first} == {"normal", "fast", "slow-voice", "two"}
-    assert len(first[0].data["audio_chunk"]) > 0
+    assert len(first[0].audio_chunk) > 0
     finals = {**{o.request_id: o.output for o in first if o.finished}, **_run(engine)}
     for out in finals.values():
         assert out.audio.sample_rate == 22050 and out.audio.samples.dtype == np.float32

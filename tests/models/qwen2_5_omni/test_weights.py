@@ -16,10 +16,11 @@ def thinker_as_qwen2(omni_dir, tmp_path_factory):
 
 def test_thinker_text_on_our_ar_engine_equals_hf_thinker_generate(thinker_as_qwen2, hf_omni, omni_processor):
     from omnistage.ar.engine import AREngine
+    from omnistage.models.loader import load_causal_lm
     from omnistage.config import EngineConfig
     from omnistage.params import SamplingParams
 
-    engine = AREngine(thinker_as_qwen2, EngineConfig(device="cpu", dtype="float32", block_size=8))
+    engine = AREngine(thinker_as_qwen2, EngineConfig(device="cpu", dtype="float32", block_size=8), loader=load_causal_lm)
     expected = {}
     for i, prompt in enumerate(PROMPTS):
         text = omni_processor.apply_chat_template([{"role": "user", "content": prompt}],

@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from omnistage.models.tiny import IM_END, _tokenizer_json, make_tiny, make_tiny_lm, make_tokenizer
+from omnistage.testing import make_tiny
+from omnistage.testing.llm import IM_END, _tokenizer_json, make_tiny_lm, make_tokenizer
 
 MULTIBYTE = "naïve café in Zürich, 日本語のテキスト, 한국어, русский 🙂🚀 👩‍💻 costs 12€!\n\tend  "
 

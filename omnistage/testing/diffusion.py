@@ -19,7 +19,7 @@ _TINY_TEXT_DIM = 32
 
 def _tokenizer(max_len: int = 512):
     """The project's tiny byte-level BPE tokenizer (Qwen-style special tokens and chat template)."""
-    from omnistage.models.tiny import make_tokenizer
+    from omnistage.testing.llm import make_tokenizer
 
     tok = make_tokenizer()
     tok.model_max_length = max_len

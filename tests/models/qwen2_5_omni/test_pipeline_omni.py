@@ -20,7 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
-from omnistage.models.qwen2_5_omni.tiny import CODEC_BOS, CODEC_EOS, CODEC_PAD, VOICES
+from omnistage.testing.qwen2_5_omni import CODEC_BOS, CODEC_EOS, CODEC_PAD, VOICES
 from omnistage.params import SamplingParams
 
 SAMPLES_PER_CODE = 2 * 240                      # DiT repeats x BigVGAN hop
@@ -98,7 +98,7 @@ def hf_generate(hf_omni, omni_processor, messages, voice, thinker_tokens, talker
 
 def test_detected_pipeline_and_talker_defaults(omni_dir):
     from omnistage.config import EngineConfig
-    from omnistage.pipeline.spec import detect_pipeline
+    from omnistage.pipeline.build import detect_pipeline
 
     spec = detect_pipeline(omni_dir, EngineConfig(device="cpu"))
     assert [(s.name, s.kind, s.final_output) for s in spec.stages] == [
@@ -161,10 +161,12 @@ def test_thinker_to_talker_adapter_gathers_rows_and_ends_the_stream(omni_dir):
     the row of g_0 starts the talker, later rows stream, the finish adds tts_eos and the pad row."""
     from omnistage.models.qwen2_5_omni.adapters import ThinkerToTalker
     from omnistage.outputs import CompletionOutput, RequestOutput
-    from omnistage.pipeline.adapters import EdgeContext, build_adapter
-    from omnistage.pipeline.stage import StageOutput
+    from omnistage.adapters import EdgeContext
+    from omnistage.pipeline.build import edge_adapter
+    from omnistage.spec import EdgeSpec
+    from omnistage.stage import HiddenStates, StageOutput
 
-    adapter = build_adapter("qwen2_5_omni.thinker_to_talker", {"model_dir": omni_dir})
+    adapter = edge_adapter(EdgeSpec("thinker", "talker", "qwen2_5_omni.thinker_to_talker", options={"model_dir": omni_dir}))
     assert isinstance(adapter, ThinkerToTalker) and adapter.upstream_inputs == {"return_hidden_states": True}
     cond, width = adapter.cond, adapter.cond.weight.shape[1]
     media = next(iter(cond.media_ids))
@@ -175,7 +177,7 @@ def test_thinker_to_talker_adapter_gathers_rows_and_ends_the_stream(omni_dir):
     def out(start, end, finished=False):
         comp = CompletionOutput(0, token_ids=[1] * max(0, end - 4))
         return StageOutput("r", RequestOutput("r", prompt_token_ids=prompt_ids, outputs=[comp]), finished,
-                           {"hidden_start": start, "hidden_states": rows[start:end], "input_embeds": embeds[start:end]})
+                           hidden=HiddenStates(start, rows[start:end], embeds[start:end]))
 
     ctx = EdgeContext({"voice": "Ethan"}, {"prompt_token_ids": prompt_ids}, {})
     assert adapter(out(0, 3), ctx) is None and adapter(out(2, 4), ctx) is None
@@ -342,7 +344,7 @@ def test_stage_process_takes_handed_on_requests_without_waiting_and_reports_refu
     is remembered, and still refused, without another round trip."""
     from omnistage.codec.code2wav import Code2WavParams
     from omnistage.config import EngineConfig
-    from omnistage.pipeline.spec import StageSpec
+    from omnistage.spec import StageSpec
     from omnistage.pipeline.stage_client import StageClient
 
     spec = StageSpec("code2wav", "codec", omni_dir, EngineConfig(device="cpu"), final_output="audio",
@@ -355,7 +357,7 @@ def test_stage_process_takes_handed_on_requests_without_waiting_and_reports_refu
         while len(done) < 2 and time.time() < deadline:
             done.update({o.request_id: o for o in client.step() if o.finished})
             time.sleep(0.01)
-        assert "codec ids must be in" in done["bad"].data["error"] and done["bad"].output.audio is None
+        assert "codec ids must be in" in done["bad"].error.message and done["bad"].output.audio is None
         assert done["good"].output.audio.samples.size == 30 * SAMPLES_PER_CODE and not client.has_unfinished()
         for _ in range(2):
             with pytest.raises(ValueError, match="voice must be one of"):

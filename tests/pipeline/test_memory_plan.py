@@ -11,9 +11,10 @@ from safetensors import safe_open
 from omnistage.config import EngineConfig
 from omnistage.models.loader import safetensors_files
 from omnistage.pipeline.deploy_config import apply_deploy_config, pinned_stages
-from omnistage.pipeline.memory import (CUDA_CONTEXT_BYTES, WORKSPACE_BYTES, plan_gpu_memory, split_kv, stage_cost,
+from omnistage.config import CUDA_CONTEXT_BYTES
+from omnistage.pipeline.memory import (WORKSPACE_BYTES, plan_gpu_memory, split_kv, stage_cost,
                                        weight_bytes)
-from omnistage.pipeline.spec import PipelineSpec, StageSpec
+from omnistage.spec import PipelineSpec, StageSpec
 
 GiB = 2**30
 TOTAL = 80 * GiB
@@ -26,7 +27,7 @@ def total_80(device: str) -> int:
 
 @pytest.fixture(scope="module")
 def omni_dir(tmp_path_factory) -> str:
-    from omnistage.models.qwen2_5_omni.tiny import make_tiny_qwen2_5_omni
+    from omnistage.testing.qwen2_5_omni import make_tiny_qwen2_5_omni
 
     return make_tiny_qwen2_5_omni(str(tmp_path_factory.mktemp("omni") / "tiny-qwen2_5_omni"))
 
@@ -175,6 +176,6 @@ def test_deploy_config_gpu_memory_utilization_pins_a_stage(omni_spec, tmp_path):
     assert pinned_stages(str(path)) == {"code2wav"}
     assert pinned_stages(None) == frozenset()
     spec = apply_deploy_config(omni_spec, config)
-    assert spec.renderer_weights == omni_spec.renderer_weights and spec.chat_renderer == omni_spec.chat_renderer
+    assert spec.renderer_weights == omni_spec.renderer_weights and spec.model == omni_spec.model
     planned = plan_gpu_memory(spec, pinned=pinned_stages(config), device_total=total_80)
     assert planned.stage("talker").engine.gpu_memory_utilization == 0.3

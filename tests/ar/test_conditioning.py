@@ -5,6 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from omnistage.ar.engine import AREngine
+from omnistage.models.loader import load_causal_lm
 from omnistage.config import EngineConfig
 from omnistage.params import SamplingParams
 
@@ -18,16 +19,16 @@ def qwen2(tiny_models):
 
 
 def engine(path, **kw) -> AREngine:
-    return AREngine(path, EngineConfig(device="cpu", dtype="float32", block_size=4, **kw))
+    return AREngine(path, EngineConfig(device="cpu", dtype="float32", block_size=4, **kw), loader=load_causal_lm)
 
 
 def drain(eng, feed=None) -> dict:
-    """Run to completion; collects final outputs and every StageOutput's data per request."""
+    """Run to completion; collects final outputs and every StageOutput's hidden states per request."""
     finals, datas = {}, {}
     step = 0
     while eng.has_unfinished():
         for o in eng.step():
-            datas.setdefault(o.request_id, []).append(o.data)
+            datas.setdefault(o.request_id, []).append(o.hidden)
             if o.finished:
                 finals[o.request_id] = o.output
         if feed is not None:
@@ -56,7 +57,7 @@ def test_hidden_states_reported_for_every_position(qwen2):
     eng.add_request("a", {"prompt_token_ids": ids.tolist(), "return_hidden_states": True}, GREEDY)
     finals, datas = drain(eng)
     gen = finals["a"].outputs[0].token_ids
-    rows = sorted((d["hidden_start"], d["hidden_states"], d["input_embeds"]) for d in datas["a"])
+    rows = sorted((d.start, d.hidden, d.inputs) for d in datas["a"])
     assert [r[0] for r in rows] == list(range(0, 9, 5)) + list(range(9, 9 + len(gen) - 1))
     hidden = torch.cat([r[1] for r in rows])
     embeds = torch.cat([r[2] for r in rows])

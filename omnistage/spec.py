@@ -1,7 +1,7 @@
 """Pipelines as data: which stages a model runs and how their outputs flow (any process).
 
-A `PipelineSpec` is built once from the model folder (`detect_pipeline` picks it from the
-checkpoint's config), optionally overridden by a deploy YAML (`deploy_config.apply_deploy_config`),
+A `PipelineSpec` is built once from the model folder (`pipeline.build.detect_pipeline` picks it
+from the checkpoint's config), optionally overridden by a deploy YAML (`pipeline.deploy_config`),
 and handed to the orchestrator. A plain LLM is an AR stage; a chat LM gains a TTS stage behind it
 (a cascade) when a TTS back end is installed; omni and diffusion models add stages and edges
 without changing the entry points.
@@ -13,8 +13,6 @@ whose `final_output` it asked for (`PipelineSpec.route`).
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -22,6 +20,12 @@ from omnistage.config import EngineConfig
 
 STAGE_KINDS = ("ar", "diffusion", "codec")
 MODALITIES = ("text", "audio", "image", "video")
+# Keys of `StageSpec.memory`, the hints only the GPU memory planner reads (pipeline/memory.py):
+#   weights_prefix: str or list of tensor-name prefixes the stage loads (absent: every tensor)
+#   weights_dtype: "float32" | "bfloat16" | "float16", the dtype a codec runs its weights in (absent: as stored)
+#   lm_shape: `lm_shape(config)` of an AR component's text config (absent: from model_dir/config.json)
+#   workspace_bytes: a codec / diffusion stage's activation room (absent: WORKSPACE_BYTES)
+MEMORY_HINTS = frozenset({"weights_prefix", "weights_dtype", "lm_shape", "workspace_bytes"})
 
 
 @dataclass
@@ -35,12 +39,16 @@ class StageSpec:
     options: dict[str, Any] = field(default_factory=dict)  # back-end settings (voices, batch limits)
     params: dict[str, Any] = field(default_factory=dict)   # default request params of this stage (field -> value)
     runner: str = "inline"                      # "inline": in the orchestrator's process; "process": its own (stage_client)
+    memory: dict[str, Any] = field(default_factory=dict)   # hints for the GPU memory plan (MEMORY_HINTS); engines ignore them
 
     def __post_init__(self) -> None:
         if self.kind not in STAGE_KINDS:
             raise ValueError(f"stage {self.name!r}: kind must be one of {', '.join(STAGE_KINDS)}; got {self.kind!r}")
         if self.runner not in ("inline", "process"):
             raise ValueError(f"stage {self.name!r}: runner must be inline or process; got {self.runner!r}")
+        unknown = set(self.memory) - MEMORY_HINTS
+        if unknown:
+            raise ValueError(f"stage {self.name!r}: memory keys must be among {sorted(MEMORY_HINTS)}; got {sorted(unknown)}")
         if self.final_output is not None and self.final_output not in MODALITIES:
             raise ValueError(f"stage {self.name!r}: final_output must be one of {', '.join(MODALITIES)}; "
                              f"got {self.final_output!r}")
@@ -77,8 +85,8 @@ class EdgeSpec:
 class PipelineSpec:
     stages: list[StageSpec]                     # in dependency order: every edge goes forward in this list
     edges: list[EdgeSpec] = field(default_factory=list)
-    chat_renderer: Optional[str] = None         # "module:factory" turning chat messages (text, image, audio
-    # parts) into the main stage's inputs, built by the entry point; None = the tokenizer's chat template
+    model: Optional[str] = None                 # the model registry entry it serves (models/registry.py): its
+    # `chat_renderer` turns chat messages into the main stage's inputs; None = the tokenizer's chat template
     renderer_weights: tuple[str, ...] = ()      # tensor-name prefixes in the main stage's folder that the chat
     # renderer loads on the main stage's device, in the entry point's process (GPU memory plan: pipeline/memory.py)
 
@@ -141,43 +149,3 @@ class PipelineSpec:
         targets = {s.name for s in self.stages if s.name in reach and s.final_output in modalities}
         return [s.name for s in self.stages
                 if s.name in reach and (s.name == entry or self._reachable(s.name) & targets)]
-
-
-# config.json model_type -> "module:function" building the model's own pipeline from (model_dir, engine)
-MULTI_STAGE_MODELS = {
-    "qwen2_5_omni": "omnistage.models.qwen2_5_omni.pipeline:omni_pipeline",
-}
-
-
-def tts_cascade(llm: StageSpec) -> PipelineSpec:
-    """`llm` followed by the installed TTS back end, streaming one sentence at a time (if installed)."""
-    from omnistage.codec import default_tts_backend
-
-    backend = default_tts_backend()
-    if backend is None:
-        return PipelineSpec([llm])
-    tts = StageSpec("tts", "codec", "", EngineConfig(device="cpu"), final_output="audio", backend=backend)
-    return PipelineSpec([llm, tts], [EdgeSpec("llm", "tts", "text_to_tts", chunk_size=1, first_chunk_size=1)])
-
-
-def detect_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
-    """Pick the pipeline for a local model folder from its config files."""
-    if not os.path.isdir(model_dir):
-        raise FileNotFoundError(f"model folder {model_dir!r} does not exist")
-    if os.path.exists(os.path.join(model_dir, "model_index.json")):
-        return PipelineSpec([StageSpec("dit", "diffusion", model_dir, engine, final_output="image")])
-    cfg_path = os.path.join(model_dir, "config.json")
-    if not os.path.exists(cfg_path):
-        raise ValueError(f"{model_dir} has neither config.json (transformers) nor model_index.json (diffusers)")
-    with open(cfg_path) as f:
-        config = json.load(f)
-    if config.get("model_type") in MULTI_STAGE_MODELS:
-        import importlib
-
-        module, fn = MULTI_STAGE_MODELS[config["model_type"]].split(":")
-        return getattr(importlib.import_module(module), fn)(model_dir, engine)
-    arch = (config.get("architectures") or ["?"])[0]
-    from omnistage.models.registry import lookup
-
-    lookup(arch)                                # raises a clear error for unsupported architectures
-    return tts_cascade(StageSpec("llm", "ar", model_dir, engine, final_output="text"))

@@ -29,7 +29,7 @@ FAMILIES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc
 def server(tmp_path_factory):
     from omnistage.entrypoints.async_omni import AsyncOmni
     from omnistage.entrypoints.openai.api_server import build_app
-    from omnistage.models.tiny import make_tiny_lm
+    from omnistage.testing.llm import make_tiny_lm
 
     model = make_tiny_lm(str(tmp_path_factory.mktemp("server") / "qwen2"), "qwen2")
     engine = AsyncOmni(model, device="cpu", dtype="float32")

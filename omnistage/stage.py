@@ -16,19 +16,42 @@ Optional verbs, looked up with `getattr`:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Protocol, runtime_checkable
 
 from omnistage.outputs import RequestOutput
 
 
 @dataclass
+class HiddenStates:
+    """Rows an AR stage computed this step for a request that asked for them (`return_hidden_states`)."""
+
+    start: int                                  # position of the first row
+    hidden: Any                                 # last hidden states after the final norm [n, H] (device tensor)
+    inputs: Any                                 # the rows fed to the first layer [n, H] (embeddings + conditioning)
+
+
+@dataclass
+class StageError:
+    """Why a stage dropped a request; the orchestrator fails only that request with it."""
+
+    message: str
+    fatal: bool = False                         # the stage went down under it (its process died): a 503, not a 400
+
+
+@dataclass
 class StageOutput:
+    """What a stage says of one request after a step; `output` is cumulative, the rest is this step's."""
+
     request_id: str
     output: RequestOutput                       # cumulative result of this stage for the request
     finished: bool                              # no more outputs for this request from this stage
-    data: dict[str, Any] = field(default_factory=dict)  # payload for downstream stages (hidden states, codes);
-    # data["fatal"] (a message) means the stage lost the request (its process died): the request fails
+    hidden: Optional[HiddenStates] = None       # AR: hidden-state rows of this step (for downstream stages)
+    audio_chunk: Any = None                     # codec: float32 samples added this step (numpy [n]; empty when none)
+    videos: Optional[list] = None               # diffusion: every video of the request (`VideoOutput`s), when done
+    timings: Optional[dict[str, float]] = None  # diffusion: seconds per phase, when done
+    finish_reason: Optional[str] = None         # diffusion: "stop" | "abort" | "error" on the last output
+    error: Optional[StageError] = None          # the request failed in this stage
 
 
 class StageDeadError(RuntimeError):

@@ -8,8 +8,6 @@ Contract:
   * ``make_tiny_lm(save_dir, arch, ...) -> save_dir``: a randomly initialised Llama / Qwen2 / Qwen3
     causal LM (float32, GQA) written with ``save_pretrained`` (safetensors, optionally sharded),
     together with the tokenizer and a generation config, so the real loading path runs on it.
-  * ``make_tiny(out_dir, kind) -> list[str]``: runs the builder registered under ``kind`` in
-    ``TINY_BUILDERS`` (``"all"`` runs every builder) and returns the folders written.
 
 Runs in whichever process calls it (tests, CLI); needs only CPU, takes a few seconds.
 """
@@ -18,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -193,36 +190,3 @@ def make_tiny_lm(
     model.save_pretrained(save_dir, safe_serialization=True, **save_kwargs)
     tokenizer.save_pretrained(save_dir)
     return save_dir
-
-
-def _build_llms(out_dir: str) -> list[str]:
-    return [make_tiny_lm(os.path.join(out_dir, f"tiny-{arch}"), arch) for arch in _LM_CLASSES]
-
-
-# Diffusion kinds (`omnistage.diffusion.tiny.DIFFUSION_TINY_BUILDERS`); imported only when built,
-# so making a tiny LLM never imports diffusers.
-DIFFUSION_KINDS = ("qwen-image", "flux", "flux-schnell", "sd3", "z-image", "wan", "wan2.2", "wan-i2v",
-                   "qwen-image-edit")
-
-
-def _diffusion_builder(kind: str) -> Callable[[str], list[str]]:
-    def build(out_dir: str) -> list[str]:
-        from omnistage.diffusion.tiny import DIFFUSION_TINY_BUILDERS
-
-        return [DIFFUSION_TINY_BUILDERS[kind](os.path.join(out_dir, f"tiny-{kind}"))]
-
-    return build
-
-
-# kind -> builder(out_dir) returning the folders it wrote. Other model families register here.
-TINY_BUILDERS: dict[str, Callable[[str], list[str]]] = {"llm": _build_llms}
-TINY_BUILDERS.update({kind: _diffusion_builder(kind) for kind in DIFFUSION_KINDS})
-
-
-def make_tiny(out_dir: str, kind: str = "llm") -> list[str]:
-    """Builds the tiny checkpoints of ``kind`` (a key of ``TINY_BUILDERS``, or "all") under ``out_dir``."""
-    if kind == "all":
-        return [path for build in TINY_BUILDERS.values() for path in build(out_dir)]
-    if kind not in TINY_BUILDERS:
-        raise ValueError(f"kind={kind!r} is not a tiny model kind; allowed: {sorted(TINY_BUILDERS) + ['all']}")
-    return TINY_BUILDERS[kind](out_dir)

@@ -13,7 +13,7 @@ Contract:
   * ``TOKENS``: the special token ids of the tiny checkpoint (thinker placeholders, talker codec ids).
 
 Token layout (mirrors the real checkpoint; only the numbers are smaller):
-  * thinker vocab = the tiny BPE (``omnistage.models.tiny``) + Qwen-Omni's named special tokens
+  * thinker vocab = the tiny BPE (``omnistage.testing.llm``) + Qwen-Omni's named special tokens
     (``<|AUDIO|>``, ``<|audio_bos|>``, ... added as tokenizer tokens) + embedding rows without a
     tokenizer token for the talker's text-side ids (tts pad / bos / eos and one bos per voice), as in
     the real model, whose tts ids 151859-151861 lie outside the tokenizer too.
@@ -65,10 +65,10 @@ CHAT_TEMPLATE = (
 
 
 def make_omni_tokenizer():
-    """The tiny BPE of ``omnistage.models.tiny`` plus Qwen2.5-Omni's named special tokens."""
+    """The tiny BPE of ``omnistage.testing.llm`` plus Qwen2.5-Omni's named special tokens."""
     from transformers import PreTrainedTokenizerFast
 
-    from omnistage.models.tiny import make_tokenizer
+    from omnistage.testing.llm import make_tokenizer
 
     base = make_tokenizer()
     base.add_special_tokens({"extra_special_tokens": list(OMNI_SPECIAL.values())},

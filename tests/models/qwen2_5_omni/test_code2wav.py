@@ -79,11 +79,11 @@ def test_streamed_codes_give_audio_before_the_input_ends(omni_dir, reference):
     assert engine.step() == []                  # 12 codes + one future block (12 codes) not there yet
     engine.add_input("s", CodecInput(all_codes[20:30], finished=False))
     (first,) = engine.step()                    # first chunk: 12 codes = 0.24 s
-    assert not first.finished and first.data["audio_chunk"].shape == (12 * 480,)
+    assert not first.finished and first.audio_chunk.shape == (12 * 480,)
     engine.add_input("s", CodecInput(all_codes[30:], finished=True))
-    pieces = [first.data["audio_chunk"]]
+    pieces = [first.audio_chunk]
     while engine.has_unfinished():
-        pieces += [o.data["audio_chunk"] for o in engine.step()]
+        pieces += [o.audio_chunk for o in engine.step()]
     wav = np.concatenate(pieces)
     assert np.abs(wav - reference[0]).max() < 5e-3
 

@@ -5,6 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from omnistage.ar.engine import AREngine
+from omnistage.models.loader import load_causal_lm
 from omnistage.config import EngineConfig
 from omnistage.params import SamplingParams
 
@@ -43,7 +44,7 @@ def run(engine: AREngine, prompts, params) -> list:
 
 def engine(path, **kw) -> AREngine:
     kw.setdefault("block_size", 8)
-    return AREngine(path, EngineConfig(device="cpu", dtype="float32", **kw))
+    return AREngine(path, EngineConfig(device="cpu", dtype="float32", **kw), loader=load_causal_lm)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -22,7 +22,7 @@ def _single_thread():
 @pytest.fixture(scope="session")
 def omni_dir(tmp_path_factory) -> str:
     """Folder of the tiny random Qwen2.5-Omni (thinker, talker, token2wav, spk_dict.pt, processor)."""
-    from omnistage.models.qwen2_5_omni.tiny import make_tiny_qwen2_5_omni
+    from omnistage.testing.qwen2_5_omni import make_tiny_qwen2_5_omni
 
     with single_thread():
         return make_tiny_qwen2_5_omni(str(tmp_path_factory.mktemp("omni") / "tiny-qwen2_5_omni"))

@@ -15,7 +15,7 @@ import torch
 from omnistage.outputs import AudioOutput, RequestOutput
 from omnistage.params import SamplingParams
 from omnistage.pipeline import wire
-from omnistage.pipeline.stage import StageOutput
+from omnistage.stage import HiddenStates, StageOutput
 
 
 def _shm_segments() -> set[str]:
@@ -37,16 +37,17 @@ def test_stage_output_with_tensors_and_arrays_round_trips_and_frees_shared_memor
     hidden = torch.randn(1000, 64).to(torch.bfloat16)          # 128 KB: shared memory
     audio = np.random.RandomState(0).randn(48000).astype(np.float32)
     out = StageOutput("r1", RequestOutput("r1", prompt_token_ids=[1, 2], audio=AudioOutput(audio, 24000)),
-                      False, {"hidden_start": 3, "hidden_states": hidden, "ids": (4, 5)})
+                      False, hidden=HiddenStates(3, hidden, hidden[:2]), timings={"encode": 0.5})
     data = wire.encode([out, SamplingParams(max_tokens=3, stop_token_ids=[7])])
     assert _shm_segments() - before                          # the arrays wait in shared memory
     got, params = wire.decode(data)
     assert _shm_segments() == before                         # ... and are unlinked once read
     assert params == SamplingParams(max_tokens=3, stop_token_ids=[7])
-    assert got.request_id == "r1" and got.data["hidden_start"] == 3 and got.data["ids"] == [4, 5]
-    assert got.data["hidden_states"].dtype == torch.bfloat16 and torch.equal(got.data["hidden_states"], hidden)
+    assert got.request_id == "r1" and got.hidden.start == 3 and got.timings == {"encode": 0.5}
+    assert got.hidden.hidden.dtype == torch.bfloat16 and torch.equal(got.hidden.hidden, hidden)
+    assert torch.equal(got.hidden.inputs, hidden[:2])
     np.testing.assert_array_equal(got.output.audio.samples, audio)
-    assert dataclasses.replace(got, data={}) == dataclasses.replace(out, data={}, output=got.output)
+    assert dataclasses.replace(got, hidden=None) == dataclasses.replace(out, hidden=None, output=got.output)
 
 
 def test_unknown_objects_and_foreign_classes_are_refused():

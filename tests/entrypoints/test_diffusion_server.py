@@ -41,7 +41,7 @@ def _serve(model_dir: str, name: str, limits=None):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from omnistage.models.tiny import make_tiny
+    from omnistage.testing import make_tiny
 
     out = str(tmp_path_factory.mktemp("diffusion-server"))
     return {kind: make_tiny(out, kind)[0] for kind in ("qwen-image", "wan", "wan-i2v")}
@@ -278,7 +278,7 @@ def test_image_to_video_uploads(i2v):
 # ---- image edits ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def image_edit(tmp_path_factory):
-    from omnistage.diffusion.tiny import DIFFUSION_TINY_BUILDERS
+    from omnistage.testing.diffusion import DIFFUSION_TINY_BUILDERS
 
     path = DIFFUSION_TINY_BUILDERS["qwen-image-edit"](str(tmp_path_factory.mktemp("qwen-image-edit")))
     with _serve(path, "tiny-qwen-image-edit") as s:

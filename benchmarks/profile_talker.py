@@ -18,6 +18,7 @@ from omnistage.models.qwen2_5_omni.pipeline import talker_params
 from omnistage.models.qwen2_5_omni.stages import TALKER, omni_config
 from omnistage.models.registry import component_loader
 from omnistage.params import SamplingParams
+from omnistage.stage import ExtraRows
 
 
 def start(eng: AREngine, n: int, params: SamplingParams) -> None:
@@ -27,7 +28,7 @@ def start(eng: AREngine, n: int, params: SamplingParams) -> None:
         eng.add_request(rid, {"prompt_token_ids": [0] * 40, "stream_extra": True,
                               "prompt_embeds": torch.randn(40, width, dtype=eng.dtype, device=eng.device)},
                         params.clone(seed=i) if params.seed is not None else params)
-        eng.add_input(rid, {"pad_embed": torch.randn(width), "finished": True})
+        eng.add_input(rid, ExtraRows(finished=True, pad=torch.randn(width)))
     for _ in range(3):
         eng.step()
 

@@ -12,6 +12,10 @@ Optional verbs, looked up with `getattr`:
   * `check_params(params)`: raise `ValueError` for params this stage cannot serve (unknown voice),
     so that a request is refused before any upstream stage spends work on it.
   * `params_type`: the params class of the stage, built from a stage's default params in the spec.
+
+The AR stage's messages are here too: `ARPrompt` (what starts a request; `ARPrompt.of` converts the
+plain string, token-id list or dict a user passes), `ExtraRows` (a streamed piece of rows added to
+its generated positions, through `add_input`) and `HiddenStates` (what it reports per step).
 """
 
 from __future__ import annotations
@@ -20,6 +24,58 @@ from dataclasses import dataclass
 from typing import Any, Optional, Protocol, runtime_checkable
 
 from omnistage.outputs import RequestOutput
+from omnistage.params import ParamError
+
+_PROMPT_FORMS = "a string, token ids, or a dict with 'prompt' or 'prompt_token_ids'"
+
+
+@dataclass
+class ARPrompt:
+    """The input that starts one AR request: text or token ids, and optional embedding-level inputs.
+
+    Tensors may sit on any device; the AR engine moves them to its own. P is the prompt's length in
+    tokens (of `prompt_token_ids`, or of `prompt` once tokenized).
+    """
+
+    prompt: Optional[str] = None                # prompt text: tokenized by the stage unless token ids are given
+    prompt_token_ids: Optional[list[int]] = None  # prompt token ids; with them, `prompt` is only reported
+    add_special_tokens: bool = True             # tokenizing `prompt` adds the tokenizer's special tokens (BOS)
+    prompt_embeds: Any = None                   # [P, H] rows fed instead of the prompt tokens' embeddings (tensor)
+    mrope_positions: Any = None                 # [3, P] multimodal-rope positions (t, h, w) of the prompt (int tensor)
+    mrope_delta: int = 0                        # with mrope_positions: generated position p is rotated as p + delta
+    return_hidden_states: bool = False          # report every computed row as `StageOutput.hidden`; n = 1
+    stream_extra: bool = False                  # generated position P + j adds streamed row j (`ExtraRows`); n = 1
+
+    def __post_init__(self) -> None:
+        if self.prompt is None and self.prompt_token_ids is None:
+            raise ValueError(f"a prompt must be {_PROMPT_FORMS}")
+
+    @classmethod
+    def of(cls, inputs: Any) -> "ARPrompt":
+        """A user's prompt as an `ARPrompt`: a string, a list of token ids, a dict of these fields, or one already."""
+        if isinstance(inputs, ARPrompt):
+            return inputs
+        if isinstance(inputs, str):
+            return cls(prompt=inputs)
+        if isinstance(inputs, (list, tuple)):
+            return cls(prompt_token_ids=list(inputs))
+        if isinstance(inputs, dict):
+            allowed = list(cls.__dataclass_fields__)
+            unknown = sorted(set(inputs) - set(allowed))
+            if unknown:
+                raise ParamError("prompt", f"prompt has unknown fields {unknown}; allowed: {allowed}")
+            return cls(**inputs)
+        raise ValueError(f"a prompt must be {_PROMPT_FORMS}, got {type(inputs).__name__}")
+
+
+@dataclass
+class ExtraRows:
+    """A streamed piece for an AR request added with `stream_extra` (`add_input`): rows for its next
+    generated positions, in order; the request's positions wait until their row has arrived."""
+
+    rows: Any = None                            # [k, H] rows added to the next k generated positions (tensor; k >= 0)
+    finished: bool = False                      # no rows follow: every later position adds `pad`
+    pad: Any = None                             # [H] row added past the stream's end; due by the finished piece
 
 
 @dataclass

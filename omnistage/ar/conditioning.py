@@ -1,71 +1,123 @@
-"""Inputs beyond token ids for one AR step (stage process, CPU or CUDA).
+"""Inputs beyond token ids of one AR sequence (stage process, CPU or CUDA).
 
 Some stages are fed embeddings: an omni thinker's prompt carries encoder outputs merged into its
 embedding rows and 3-D multimodal-rope positions; a talker adds one streamed vector from the
-upstream stage to each generated row. This module turns the per-sequence conditioning held on
-`Sequence` into the step's `inputs_embeds` rows and position tensor, in the runner's row order.
+upstream stage to each generated row. In: the request's `ARPrompt` (`Conditioning.of`, at
+`add_request`) and its streamed `ExtraRows` (`add`, at `add_input`). Out, for the positions the
+scheduler picked: their rope positions (`positions`), their input rows (`fill`, on the token
+embeddings), and whether they can run yet (`max_computable`). A plain token-id prompt has none
+(`Sequence.cond` is None).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Optional
+
 import torch
 
-from omnistage.ar.scheduler import ScheduledSeq
-from omnistage.ar.sequence import Sequence
+from omnistage.params import ParamError
+from omnistage.stage import ARPrompt, ExtraRows
 
 
-def needs_embeds(order: list[ScheduledSeq]) -> bool:
-    """True when some sequence's rows are not just the embedding of its token ids (or must be reported)."""
-    return any(s.seq.prompt_embeds is not None or s.seq.stream_extra or s.seq.return_hidden for s in order)
+@dataclass
+class Conditioning:
+    """One sequence's embedding-level inputs and streamed-row state (engine-owned, read by the runner)."""
 
+    prompt_len: int                             # P: tokens in the sequence's prompt
+    prompt_embeds: Optional[torch.Tensor] = None  # [P, H] on the engine's device: replaces the prompt's embedding rows
+    mrope_positions: Optional[torch.Tensor] = None  # [3, P] on the CPU: multimodal-rope positions of the prompt
+    position_delta: int = 0                     # generated position p is rotated as p + delta (multimodal rope)
+    return_hidden: bool = False                 # report last hidden states + input rows of every computed row
+    stream_extra: bool = False                  # generated position P + j adds streamed row j (fed by `add`)
+    # Streamed-row state, fresh for every sequence (not an __init__ argument).
+    extra_chunks: list = field(default_factory=list, init=False)   # received rows, in order ([k, H] each)
+    num_extra: int = field(default=0, init=False)                  # rows received so far
+    extra_finished: bool = field(default=False, init=False)        # no more rows will come; pad_embed follows them
+    pad_embed: Optional[torch.Tensor] = field(default=None, init=False)  # [H] row added past the stream's end
 
-def positions(order: list[ScheduledSeq]) -> tuple[list[int], list[list[int]] | None]:
-    """1-D positions of every row and, when a multimodal-rope prompt is being prefilled, 3-D rows."""
-    flat: list[int] = []
-    for s in order:
-        seq = s.seq
-        flat += [p + (seq.position_delta if p >= seq.prompt_len else 0)
-                 for p in range(s.start, s.start + s.num_new_tokens)]
-    if not any(s.seq.mrope_positions is not None and s.start < s.seq.prompt_len for s in order):
-        return flat, None
-    rows: list[list[int]] = [[], [], []]
-    i = 0
-    for s in order:
-        seq, a, b = s.seq, s.start, s.start + s.num_new_tokens
-        for p in range(a, b):
-            if seq.mrope_positions is not None and p < seq.prompt_len:
-                for r in range(3):
-                    rows[r].append(int(seq.mrope_positions[r, p]))
-            else:
-                for r in range(3):
-                    rows[r].append(flat[i])
-            i += 1
-    return flat, rows
+    @classmethod
+    def of(cls, prompt: ARPrompt, prompt_len: int, hidden_size: int, has_mrope: bool,
+           device: torch.device, dtype: torch.dtype) -> Optional["Conditioning"]:
+        """The conditioning of a prompt of `prompt_len` tokens, checked against the model (width
+        `hidden_size`, multimodal rope or not); None for a plain token prompt."""
+        n = prompt_len
+        cond = cls(n, return_hidden=bool(prompt.return_hidden_states), stream_extra=bool(prompt.stream_extra))
+        embeds = prompt.prompt_embeds
+        if embeds is not None:
+            if tuple(embeds.shape) != (n, hidden_size):
+                raise ParamError("prompt_embeds", f"prompt_embeds must be [{n}, hidden], got {list(embeds.shape)}")
+            cond.prompt_embeds = embeds.to(device, dtype)
+        positions = prompt.mrope_positions
+        if positions is not None:
+            if not has_mrope:
+                raise ValueError("mrope_positions given, but the model's rope has no mrope_section")
+            if tuple(positions.shape) != (3, n):
+                raise ParamError("mrope_positions", f"mrope_positions must be [3, {n}], got {list(positions.shape)}")
+            cond.mrope_positions = positions.cpu()
+            cond.position_delta = int(prompt.mrope_delta)
+        plain = embeds is None and positions is None and not cond.return_hidden and not cond.stream_extra
+        return None if plain else cond
 
+    @property
+    def cacheable(self) -> bool:
+        """Only plain token-id sequences may share KV blocks through the prefix cache (a sequence that
+        reports hidden states must compute every position itself)."""
+        return (self.prompt_embeds is None and self.mrope_positions is None and not self.stream_extra
+                and not self.return_hidden)
 
-def extra_rows(seq: Sequence, i: int, j: int) -> torch.Tensor:
-    """Streamed rows i..j-1 of a sequence (the pad row past the end of a finished stream)."""
-    if len(seq.extra_chunks) > 1:
-        seq.extra_chunks = [torch.cat(seq.extra_chunks)]
-    have = seq.extra_chunks[0] if seq.extra_chunks else None
-    got = have[i:min(j, seq.num_extra)] if have is not None and i < seq.num_extra else None
-    missing = j - max(i, seq.num_extra)
-    if missing <= 0:
-        return got
-    pad = seq.pad_embed[None].expand(missing, -1)
-    return pad if got is None else torch.cat([got, pad.to(got)])
+    @property
+    def needs_embeds(self) -> bool:
+        """True when the sequence's rows are not just the embedding of its token ids (or must be reported)."""
+        return self.prompt_embeds is not None or self.stream_extra or self.return_hidden
 
+    def max_computable(self, start: int, n: int) -> int:
+        """How many of the n positions from `start` on have all their inputs (streamed rows) available."""
+        if not self.stream_extra or self.extra_finished:
+            return n
+        return max(0, min(n, self.prompt_len + self.num_extra - start))
 
-def apply(x: torch.Tensor, order: list[ScheduledSeq]) -> None:
-    """Overwrite prompt rows given as embeddings and add streamed rows, in place on x [T, H]."""
-    row = 0
-    for s in order:
-        seq, a, b = s.seq, s.start, s.start + s.num_new_tokens
-        p_len = seq.prompt_len
-        if seq.prompt_embeds is not None and a < p_len:
-            e = min(b, p_len)
-            x[row:row + e - a] = seq.prompt_embeds[a:e].to(x)
-        if seq.stream_extra and b > p_len:
-            lo = max(a, p_len)
-            x[row + lo - a:row + b - a] += extra_rows(seq, lo - p_len, b - p_len).to(x)
-        row += s.num_new_tokens
+    def add(self, piece: ExtraRows, device: torch.device, dtype: torch.dtype) -> None:
+        """Take one streamed piece (`AREngine.add_input`)."""
+        if piece.rows is not None and len(piece.rows):
+            self.extra_chunks.append(piece.rows.to(device, dtype))
+            self.num_extra += len(piece.rows)
+        if piece.pad is not None:
+            self.pad_embed = piece.pad.to(device, dtype)
+        if piece.finished:
+            if self.pad_embed is None:
+                raise ValueError("a finished extra stream needs a pad row (ExtraRows.pad)")
+            self.extra_finished = True
+
+    def extra_rows(self, i: int, j: int) -> torch.Tensor:
+        """Streamed rows i..j-1 (the pad row past the end of a finished stream)."""
+        if len(self.extra_chunks) > 1:
+            self.extra_chunks = [torch.cat(self.extra_chunks)]
+        have = self.extra_chunks[0] if self.extra_chunks else None
+        got = have[i:min(j, self.num_extra)] if have is not None and i < self.num_extra else None
+        missing = j - max(i, self.num_extra)
+        if missing <= 0:
+            return got
+        pad = self.pad_embed[None].expand(missing, -1)
+        return pad if got is None else torch.cat([got, pad.to(got)])
+
+    def positions(self, a: int, b: int) -> tuple[list[int], Optional[list[list[int]]]]:
+        """1-D rope positions of positions a..b-1 and, when some are multimodal-rope prompt rows, their
+        three rows [3][b - a] (later positions repeat the 1-D value in each)."""
+        n = self.prompt_len
+        flat = [p + (self.position_delta if p >= n else 0) for p in range(a, b)]
+        if self.mrope_positions is None or a >= n:
+            return flat, None
+        e = min(b, n)
+        return flat, [[int(v) for v in self.mrope_positions[r, a:e].tolist()] + flat[e - a:] for r in range(3)]
+
+    def fill(self, x: torch.Tensor, a: int) -> None:
+        """In place on the token embeddings x [k, H] of positions a..a+k-1: prompt rows given as
+        embeddings replace theirs, generated rows add their streamed row."""
+        b, n = a + x.shape[0], self.prompt_len
+        if self.prompt_embeds is not None and a < n:
+            e = min(b, n)
+            x[:e - a] = self.prompt_embeds[a:e].to(x)
+        if self.stream_extra and b > n:
+            lo = max(a, n)
+            x[lo - a:] += self.extra_rows(lo - n, b - n).to(x)

@@ -1,19 +1,23 @@
 """The AR stage engine: schedule -> run -> update, one step at a time (stage process).
 
-In: requests (a prompt string, token ids, or `{"prompt" | "prompt_token_ids": ...}`) with
-`SamplingParams`. Out: `StageOutput`s carrying cumulative `RequestOutput`s for the requests that
-changed this step. The engine owns tokenizer-side work (prompt encoding, incremental
-detokenization, stop strings); the scheduler decides what runs; the runner computes.
+In: requests (an `ARPrompt`, or a prompt string, token ids, or a dict of `ARPrompt` fields, converted
+once at `add_request`) with `SamplingParams`, and streamed `ExtraRows` for requests added with
+`stream_extra` (`add_input`). Out: `StageOutput`s carrying cumulative `RequestOutput`s for the
+requests that changed this step (and `HiddenStates` for those that asked for them). The engine
+owns tokenizer-side work (prompt encoding, incremental detokenization, stop strings); the
+scheduler decides what runs; the runner computes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Callable, Optional
 
 import torch
 
+from omnistage.ar.conditioning import Conditioning
 from omnistage.ar.detokenizer import IncrementalDetokenizer
 from omnistage.ar.kv_cache import BlockManager
 from omnistage.ar.runner import ModelRunner, kv_block_bytes
@@ -21,8 +25,8 @@ from omnistage.ar.scheduler import Scheduler
 from omnistage.ar.sequence import Sequence
 from omnistage.config import CUDA_CONTEXT_BYTES, EngineConfig, checkpoint_dtype
 from omnistage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
-from omnistage.params import SamplingParams
-from omnistage.stage import StageOutput
+from omnistage.params import ParamError, SamplingParams
+from omnistage.stage import ARPrompt, ExtraRows, StageOutput
 
 logger = logging.getLogger(__name__)
 
@@ -128,29 +132,25 @@ class AREngine:
         return int(budget)
 
     # ---- requests ------------------------------------------------------------------------------
-    def encode(self, inputs: Any) -> tuple[Optional[str], list[int]]:
-        if isinstance(inputs, str):
-            inputs = {"prompt": inputs}
-        if isinstance(inputs, (list, tuple)):
-            inputs = {"prompt_token_ids": list(inputs)}
-        if "prompt_token_ids" in inputs:
-            ids = [int(t) for t in inputs["prompt_token_ids"]]
+    def encode(self, prompt: ARPrompt) -> tuple[Optional[str], list[int]]:
+        """The prompt's text (when it has one) and its token ids."""
+        if prompt.prompt_token_ids is not None:
+            ids = [int(t) for t in prompt.prompt_token_ids]
             vocab = self.hf_config.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt_token_ids must be in [0, {vocab}), got {bad[:4]}")
-            return inputs.get("prompt"), ids
-        if "prompt" in inputs:
-            prompt = inputs["prompt"]
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=inputs.get("add_special_tokens", True))
-        raise ValueError("a prompt must be a string, token ids, or a dict with 'prompt' or 'prompt_token_ids'")
+                raise ParamError("prompt_token_ids", f"prompt_token_ids must be in [0, {vocab}), got {bad[:4]}")
+            return prompt.prompt, ids
+        return prompt.prompt, self.tokenizer.encode(prompt.prompt, add_special_tokens=prompt.add_special_tokens)
 
     def add_request(self, request_id: str, inputs: Any, params: Optional[SamplingParams] = None,
                     arrival_time: Optional[float] = None) -> None:
+        """`inputs`: an `ARPrompt`, or what a user passes (a string, token ids, a dict of `ARPrompt` fields)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
-        prompt, ids = self.encode(inputs)
+        prompt = ARPrompt.of(inputs)
+        text, ids = self.encode(prompt)
         if not ids:
             raise ValueError("the prompt must contain at least one token")
         room = self.max_model_len - len(ids)
@@ -159,8 +159,12 @@ class AREngine:
         if params.max_tokens is None:
             params = params.clone(max_tokens=room)
         elif params.max_tokens > room:
-            raise ValueError(f"max_tokens must be <= {room} (max_model_len {self.max_model_len} minus "
-                             f"{len(ids)} prompt tokens), got {params.max_tokens}")
+            raise ParamError("max_tokens", f"max_tokens must be <= {room} (max_model_len {self.max_model_len} "
+                             f"minus {len(ids)} prompt tokens), got {params.max_tokens}")
+        cond = Conditioning.of(prompt, len(ids), self.model.embed_tokens.weight.shape[1],
+                               self.model.rotary.section_rows is not None, self.device, self.dtype)
+        if cond is not None and (cond.return_hidden or cond.stream_extra) and params.n != 1:
+            raise ParamError("n", "n must be 1 for requests with return_hidden_states or stream_extra")
         now = arrival_time or time.time()
         seqs = []
         for i in range(params.n):
@@ -168,50 +172,21 @@ class AREngine:
             seed = None if params.seed is None else params.seed + i
             seq = Sequence(seq_id, request_id, i, ids, params, now, seed)
             seq.detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-            if isinstance(inputs, dict):
-                self._condition(seq, inputs)
+            seq.cond = None if cond is None else dataclasses.replace(cond)   # its own streamed-row state
             seqs.append(seq)
-        self.requests[request_id] = _Request(request_id, prompt, ids, params, seqs, now)
+        self.requests[request_id] = _Request(request_id, text, ids, params, seqs, now)
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def _condition(self, seq: Sequence, inputs: dict) -> None:
-        """Attach embedding-level inputs (see ar/conditioning.py) from a request's input dict."""
-        n = seq.prompt_len
-        embeds = inputs.get("prompt_embeds")
-        if embeds is not None:
-            if tuple(embeds.shape) != (n, self.model.embed_tokens.weight.shape[1]):
-                raise ValueError(f"prompt_embeds must be [{n}, hidden], got {list(embeds.shape)}")
-            seq.prompt_embeds = embeds.to(self.device, self.dtype)
-        positions = inputs.get("mrope_positions")
-        if positions is not None:
-            if self.model.rotary.section_rows is None:
-                raise ValueError("mrope_positions given, but the model's rope has no mrope_section")
-            if tuple(positions.shape) != (3, n):
-                raise ValueError(f"mrope_positions must be [3, {n}], got {list(positions.shape)}")
-            seq.mrope_positions = positions.cpu()
-            seq.position_delta = int(inputs.get("mrope_delta", 0))
-        seq.return_hidden = bool(inputs.get("return_hidden_states", False))
-        seq.stream_extra = bool(inputs.get("stream_extra", False))
-        if (seq.return_hidden or seq.stream_extra) and seq.params.n != 1:
-            raise ValueError("n must be 1 for requests with return_hidden_states or stream_extra")
-
-    def add_input(self, request_id: str, data: dict) -> None:
-        """Streamed inputs of a running request: extra rows for its generated positions."""
+    def add_input(self, request_id: str, piece: ExtraRows) -> None:
+        """Streamed inputs of a running request added with `stream_extra`: rows for its generated positions."""
         req = self.requests.get(request_id)
         if req is None:
             return
         for seq in req.seqs:
-            rows = data.get("extra_embeds")
-            if rows is not None and len(rows):
-                seq.extra_chunks.append(rows.to(self.device, self.dtype))
-                seq.num_extra += len(rows)
-            if data.get("pad_embed") is not None:
-                seq.pad_embed = data["pad_embed"].to(self.device, self.dtype)
-            if data.get("finished"):
-                if seq.pad_embed is None:
-                    raise ValueError("a finished extra stream needs a pad_embed")
-                seq.extra_finished = True
+            if seq.cond is None or not seq.cond.stream_extra:
+                raise ValueError(f"request {request_id!r} was added without stream_extra: it takes no streamed rows")
+            seq.cond.add(piece, self.device, self.dtype)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)

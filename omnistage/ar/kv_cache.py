@@ -19,6 +19,11 @@ def block_hash(parent: Optional[int], tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
 
 
+def _cacheable(seq: Sequence) -> bool:
+    """A sequence fed only token ids, or whose conditioning allows sharing (`Conditioning.cacheable`)."""
+    return seq.cond is None or seq.cond.cacheable
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks = num_blocks
@@ -67,7 +72,7 @@ class BlockManager:
         At least one token is always left to compute, so the last prompt position gets logits.
         Returns the number of tokens served from the cache."""
         assert not seq.block_table
-        if not self.enable_prefix_caching or not seq.cacheable:
+        if not self.enable_prefix_caching or not _cacheable(seq):
             return 0
         bs = self.block_size
         parent = None
@@ -97,7 +102,7 @@ class BlockManager:
 
     def commit_full_blocks(self, seq: Sequence) -> None:
         """After a step: hash every block that is now full of computed tokens, so others can share it."""
-        if not self.enable_prefix_caching or not seq.cacheable:
+        if not self.enable_prefix_caching or not _cacheable(seq):
             return
         bs = self.block_size
         num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // bs

@@ -14,7 +14,6 @@ from typing import Optional
 
 import torch
 
-from omnistage.ar import conditioning
 from omnistage.ar.sampler import SamplerOutput, SamplingBatch, sample
 from omnistage.ar.scheduler import ScheduledSeq, SchedulerOutput
 from omnistage.ar.sequence import Sequence
@@ -77,7 +76,7 @@ class ModelRunner:
             for p in range(s.start, s.start + s.num_new_tokens):
                 ids.append(seq.token_ids[p])
                 slots.append(seq.block_table[p // bs] * bs + p % bs)
-        pos, mrope_rows = conditioning.positions(order)
+        pos, mrope_rows = _positions(order)
         if not prefills and self.graphs is not None and self.graphs.fits(len(decodes)):
             return order, *self.graphs.load(ids, pos, slots, [s.seq.block_table for s in decodes])
         meta = AttentionMetadata(slot_mapping=self._to_device(slots), num_decodes=len(decodes))
@@ -116,15 +115,19 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, eos_ids: frozenset[int]) -> RunnerOutput:
         order, ids, pos, meta = self.prepare(sched)
         x = None
-        if meta.graph_batch or conditioning.needs_embeds(order):
+        if meta.graph_batch or any(s.seq.cond is not None and s.seq.cond.needs_embeds for s in order):
             x = self.model.embed_tokens(ids)
-            conditioning.apply(x, order)
+            row = 0
+            for s in order:                     # prompt embeddings and streamed rows (ar/conditioning.py)
+                if s.seq.cond is not None:
+                    s.seq.cond.fill(x[row:row + s.num_new_tokens], s.start)
+                row += s.num_new_tokens
         hidden = self.forward(ids, pos, meta, x)
         rows, sampling = [], []
         reports: dict[str, HiddenStates] = {}
         row = 0
         for s in order:
-            if s.seq.return_hidden:
+            if s.seq.cond is not None and s.seq.cond.return_hidden:
                 reports[s.seq.seq_id] = HiddenStates(s.start, hidden[row:row + s.num_new_tokens].clone(),
                                                      x[row:row + s.num_new_tokens].clone())
             row += s.num_new_tokens
@@ -161,6 +164,24 @@ class ModelRunner:
                 top = [(int(host[i, 2 + j]), float(host[i, 2 + num_logprobs + j])) for j in range(k)]
                 res.logprobs[q.seq_id] = (float(host[i, 1]), top)
         return res
+
+
+def _positions(order: list[ScheduledSeq]) -> tuple[list[int], Optional[list[list[int]]]]:
+    """1-D positions of every row and, when a multimodal-rope prompt is being prefilled, 3-D rows."""
+    flat: list[int] = []
+    parts = []                                  # per sequence: (1-D positions, 3 rows or None)
+    for s in order:
+        a, b = s.start, s.start + s.num_new_tokens
+        one, three = (list(range(a, b)), None) if s.seq.cond is None else s.seq.cond.positions(a, b)
+        flat += one
+        parts.append((one, three))
+    if all(three is None for _, three in parts):
+        return flat, None
+    rows: list[list[int]] = [[], [], []]
+    for one, three in parts:
+        for r in range(3):
+            rows[r] += three[r] if three is not None else one
+    return flat, rows
 
 
 def _banned(seq: Sequence, eos_ids: frozenset[int]) -> list[int]:

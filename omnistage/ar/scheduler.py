@@ -74,7 +74,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = seq.max_computable(min(len(seq.token_ids) - seq.num_computed_tokens, budget))
+            n = _computable(seq, budget)
             if n == 0:                                   # waiting for streamed inputs: keep its blocks
                 i += 1
                 continue
@@ -95,7 +95,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
             cached = self.bm.match_prefix(seq)
-            n = seq.max_computable(min(len(seq.token_ids) - seq.num_computed_tokens, budget))
+            n = _computable(seq, budget)
             if n == 0 or not self.bm.can_allocate(self.bm.blocks_needed(seq, n)):
                 self.bm.free_seq(seq)
                 seq.num_computed_tokens = 0
@@ -138,3 +138,10 @@ class Scheduler:
 
     def abort(self, seq: Sequence) -> None:
         self.finish(seq, "abort")
+
+
+def _computable(seq: Sequence, budget: int) -> int:
+    """Tokens of the sequence that may run now: what is left to compute, within the budget, as far
+    as its streamed inputs have arrived (`Conditioning.max_computable`)."""
+    n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+    return n if seq.cond is None else seq.cond.max_computable(seq.num_computed_tokens, n)

@@ -3,14 +3,18 @@
 A request with `n > 1` becomes n sequences sharing a prompt; the prefix cache lets them share its
 KV blocks. `num_computed_tokens` is how many of `token_ids` have KV in the cache; the scheduler
 advances it, preemption resets it to 0 (the blocks are then recomputed, usually from the cache).
+A model fed more than token ids keeps that in `cond` (`ar/conditioning.py`).
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from omnistage.params import SamplingParams
+
+if TYPE_CHECKING:
+    from omnistage.ar.conditioning import Conditioning
 
 
 class SeqStatus(enum.Enum):
@@ -40,31 +44,8 @@ class Sequence:
         self.logprobs: list = []                # TokenLogprobs per generated token, when asked for
         self.detok: Any = None                  # incremental detokenizer state (engine-owned)
         self.num_preemptions = 0
-        # Conditioning for models fed embeddings rather than (only) token ids; opaque device tensors
-        # here, read by the runner.
-        self.prompt_embeds: Any = None          # [prompt_len, hidden]: replaces the prompt's embedding rows
-        self.mrope_positions: Any = None        # [3, prompt_len] positions of multimodal rope prefill
-        self.position_delta = 0                 # decode position p uses p + delta (multimodal rope)
-        self.return_hidden = False              # report last hidden states + input rows per step
-        self.stream_extra = False               # generated rows add extra[p - prompt_len] (fed by add_input)
-        self.extra_chunks: list = []            # received extra rows, in order
-        self.num_extra = 0                      # rows received so far
-        self.extra_finished = False             # no more rows will come; pad_embed is used after them
-        self.pad_embed: Any = None
-
-    @property
-    def cacheable(self) -> bool:
-        """Only plain token-id sequences may share KV blocks through the prefix cache (a sequence that
-        reports hidden states must compute every position itself)."""
-        return (self.prompt_embeds is None and self.mrope_positions is None and not self.stream_extra
-                and not self.return_hidden)
-
-    def max_computable(self, n: int) -> int:
-        """How many of the next n positions have all their inputs (extra rows) available."""
-        if not self.stream_extra or self.extra_finished:
-            return n
-        start = self.num_computed_tokens
-        return max(0, min(n, self.prompt_len + self.num_extra - start))
+        # inputs beyond token ids (prompt embeddings, multimodal rope, streamed rows), or None
+        self.cond: Optional[Conditioning] = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

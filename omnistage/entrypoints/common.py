@@ -83,7 +83,8 @@ class ChatRenderer:
 
 def render_chat(tokenizer, messages: Sequence[dict], chat_template_kwargs: Optional[dict] = None,
                 add_generation_prompt: bool = True) -> dict:
-    """Messages -> engine input through the model's chat template (no second BOS added)."""
+    """Messages -> engine input through the model's chat template (no second BOS added): a dict of
+    `ARPrompt` fields, to which the entry points may add `modalities` / `voice`."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use generate() / completions instead")
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,

@@ -30,7 +30,7 @@ from omnistage.outputs import RequestOutput
 from omnistage.adapters import EdgeContext
 from omnistage.pipeline.build import build_engine, edge_adapter, params_type
 from omnistage.spec import EdgeSpec, PipelineSpec, StageSpec
-from omnistage.stage import StageDeadError, StageOutput, Streamable
+from omnistage.stage import ARPrompt, StageDeadError, StageOutput, Streamable
 
 # Request-level fields of a dict prompt that the orchestrator reads (and no stage sees).
 REQUEST_FIELDS = ("modalities", "voice")
@@ -148,11 +148,8 @@ class Orchestrator:
                 extra.update(getattr(self.adapters[(e.src, e.dst)], "upstream_inputs", None) or {})
         if not extra:
             return inputs
-        if isinstance(inputs, str):
-            inputs = {"prompt": inputs}
-        elif isinstance(inputs, (list, tuple)):
-            inputs = {"prompt_token_ids": list(inputs)}
-        return {**inputs, **extra} if isinstance(inputs, dict) else inputs
+        # adapters ask an AR entry stage for fields of its prompt (`{"return_hidden_states": True}`)
+        return dataclasses.replace(ARPrompt.of(inputs), **extra)
 
     def abort(self, request_id: str) -> None:
         route = self.routes.pop(request_id, None)

@@ -7,7 +7,8 @@ from transformers import AutoModelForCausalLM
 from omnistage.ar.engine import AREngine
 from omnistage.models.loader import load_causal_lm
 from omnistage.config import EngineConfig
-from omnistage.params import SamplingParams
+from omnistage.params import ParamError, SamplingParams
+from omnistage.stage import ExtraRows
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
@@ -81,10 +82,10 @@ def test_streamed_extra_rows_wait_and_match_reference(qwen2):
 
     def feed(step):                                                 # 3 rows every other step, then finish
         if step % 2 == 1 and sent[0] < 12:
-            eng.add_input("t", {"extra_embeds": extras[sent[0]:sent[0] + 3]})
+            eng.add_input("t", ExtraRows(extras[sent[0]:sent[0] + 3]))
             sent[0] += 3
             if sent[0] == 12:
-                eng.add_input("t", {"finished": True, "pad_embed": pad})
+                eng.add_input("t", ExtraRows(finished=True, pad=pad))
 
     out = drain(eng, feed)[0]["t"].outputs[0].token_ids
     # Reference: recompute the whole sequence each step from explicit input rows.
@@ -122,3 +123,14 @@ def engine_with_mrope(path):
 def drain_one(eng, inputs) -> list[int]:
     eng.add_request("x", inputs, GREEDY)
     return drain(eng)[0]["x"].outputs[0].token_ids
+
+
+def test_dict_prompt_with_an_unknown_field_is_refused_naming_it_and_the_allowed_ones(qwen2):
+    path, _ = qwen2
+    eng = engine(path)
+    with pytest.raises(ParamError, match=r"unknown fields \['prompt_embed'\]; allowed: \['prompt', ") as err:
+        eng.add_request("a", {"prompt_token_ids": [1, 2], "prompt_embed": None}, GREEDY)
+    assert err.value.field == "prompt" and not eng.has_unfinished()
+    with pytest.raises(ValueError, match="without stream_extra"):   # a plain request takes no streamed rows
+        eng.add_request("b", [1, 2], GREEDY)
+        eng.add_input("b", ExtraRows(finished=True, pad=torch.zeros(4)))

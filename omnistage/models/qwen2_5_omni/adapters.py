@@ -4,7 +4,7 @@ thinker -> talker (`qwen2_5_omni.thinker_to_talker`, `ThinkerToTalker`: an adapt
 `options={"model_dir": ...}`). In: the thinker's `StageOutput`s of one request, each carrying
 `hidden` (`HiddenStates`: hidden states and input rows of the rows computed that step, and the
 position of the first); the voice from the request's fields; 3-D rope
-positions from the request's thinker inputs when it had an image or video. Out: a cumulative
+positions from the request's thinker `ARPrompt` when it had an image or video. Out: a cumulative
 `TalkerInput` whose first unit is the talker's prompt and every further unit one streamed row.
 With T(x) = input_embed(x) + last_hidden(x) (the input embedding zeroed on audio / image / video
 placeholder rows of the prompt), W, b = `thinker_to_talker_proj`, for a prompt of P tokens and
@@ -33,7 +33,7 @@ import torch
 
 from omnistage.codec.code2wav import CodecInput
 from omnistage.adapters import EdgeContext
-from omnistage.stage import HiddenStates, StageOutput
+from omnistage.stage import ARPrompt, ExtraRows, HiddenStates, StageOutput
 
 DEFAULT_VOICE = "Chelsie"
 
@@ -127,14 +127,14 @@ class TalkerInput:
     """Cumulative input of the talker for one request: unit 0 = the prompt, unit j >= 1 = streamed row j-1.
 
     `slice` returns what `AREngine` takes: the first piece (unit 0 alone, `head_units`) is the
-    talker's request inputs (`prompt_token_ids`, `prompt_embeds`, optional `mrope_positions` /
-    `mrope_delta`, `stream_extra`), later pieces `add_input` dicts with `extra_embeds` [k, talker
-    hidden], the last one with `finished=True` and the `pad_embed` row.
+    talker's `ARPrompt` (`prompt_token_ids`, `prompt_embeds`, optional `mrope_positions` /
+    `mrope_delta`, `stream_extra`), later pieces `ExtraRows` for `add_input` with `rows` [k, talker
+    hidden], the last one `finished` with the `pad` row.
     """
 
     head_units = 1                              # the prompt starts the talker; rows follow via add_input
 
-    prompt: dict[str, Any]                      # the talker's request inputs
+    prompt: ARPrompt                            # the talker's request inputs
     rows: list[torch.Tensor]                    # streamed rows so far, each [talker hidden]
     finished: bool                              # the stream is complete (thinker done)
     pad: torch.Tensor                           # the row used past the end of a finished stream
@@ -142,14 +142,14 @@ class TalkerInput:
     def __len__(self) -> int:
         return 1 + len(self.rows)
 
-    def slice(self, start: int, end: int, finished: bool) -> dict[str, Any]:
+    def slice(self, start: int, end: int, finished: bool) -> ARPrompt | ExtraRows:
         if start == 0:
             if end > 1 or finished:
                 raise ValueError("the talker's prompt piece must come alone (head_units = 1)")
-            return dict(self.prompt)
+            return self.prompt
         rows = self.rows[start - 1: end - 1]
-        return {"extra_embeds": torch.stack(rows) if rows else self.pad.new_zeros(0, self.pad.shape[-1]),
-                "finished": finished, "pad_embed": self.pad if finished else None}
+        return ExtraRows(torch.stack(rows) if rows else self.pad.new_zeros(0, self.pad.shape[-1]),
+                         finished=finished, pad=self.pad if finished else None)
 
 
 class ThinkerToTalker:
@@ -208,17 +208,16 @@ class ThinkerToTalker:
         first = text[n_prompt] if text.shape[0] > n_prompt else cond.tts_eos.to(dev)
         embeds = torch.cat([cond.project(text[:n_prompt]), cond.voice_row(voice, dev).to(dtype)[None],
                             cond.project((first.float() + const["codec_bos"])[None]).to(dtype)])
-        prompt: dict[str, Any] = {
-            "prompt_token_ids": [cond.codec_mask_id] * n_prompt + [cond.codec_pad_id, cond.codec_bos_id],
-            "prompt_embeds": embeds, "stream_extra": True}
-        entry = ctx.entry_inputs if isinstance(ctx.entry_inputs, dict) else {}
-        if entry.get("mrope_positions") is not None:
+        prompt = ARPrompt(prompt_token_ids=[cond.codec_mask_id] * n_prompt + [cond.codec_pad_id, cond.codec_bos_id],
+                          prompt_embeds=embeds, stream_extra=True)
+        entry = ctx.entry_inputs
+        if isinstance(entry, ARPrompt) and entry.mrope_positions is not None:
             # The talker's own rope index over (prompt, voice bos, g_0) = the thinker's prompt
             # positions followed by two text positions; decode continues with the same delta.
-            pos = torch.as_tensor(entry["mrope_positions"]).long().reshape(3, -1)[:, :n_prompt].cpu()
+            pos = torch.as_tensor(entry.mrope_positions).long().reshape(3, -1)[:, :n_prompt].cpu()
             top = int(pos.max())
-            prompt["mrope_positions"] = torch.cat([pos, torch.tensor([[top + 1, top + 2]] * 3)], dim=1)
-            prompt["mrope_delta"] = top + 3 - (n_prompt + 2)
+            prompt.mrope_positions = torch.cat([pos, torch.tensor([[top + 1, top + 2]] * 3)], dim=1)
+            prompt.mrope_delta = top + 3 - (n_prompt + 2)
         mem["prompt"] = prompt
         mem["rows"] = list(cond.project(text[n_prompt + 1:]).unbind(0))
         mem["eos_row"], mem["pad_row"] = const["eos_row"].to(dtype), const["pad_row"].to(dtype)

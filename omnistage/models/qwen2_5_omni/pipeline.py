@@ -74,7 +74,7 @@ def omni_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
     # pass cross as tensors (`pipeline.wire`).
     runner = "process" if engine.resolve_device().type == "cuda" else "inline"
     # Requests that feed the talker report hidden states and so skip the prefix cache (see
-    # `Sequence.cacheable`); text-only requests keep it.
+    # `ar/conditioning.Conditioning.cacheable`); text-only requests keep it.
     thinker = StageSpec("thinker", "ar", model_dir, engine, final_output="text", runner=runner,
                         options={"component": THINKER},
                         memory={"weights_prefix": THINKER_WEIGHTS, "lm_shape": lm_shape(config.thinker_config.text_config)})
@@ -118,7 +118,8 @@ def load_thinker_encoders(model_dir: str, device: torch.device, dtype: torch.dty
 
 
 class OmniChatRenderer:
-    """Chat messages -> the thinker's request inputs (see the module docstring)."""
+    """Chat messages -> the thinker's request inputs, a dict of `ARPrompt` fields (the entry points
+    add the request's `modalities` / `voice` to it; see the module docstring)."""
 
     media_types = ("image", "audio", "video")   # message parts this renderer reads besides text
 

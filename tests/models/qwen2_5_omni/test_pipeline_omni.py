@@ -164,7 +164,7 @@ def test_thinker_to_talker_adapter_gathers_rows_and_ends_the_stream(omni_dir):
     from omnistage.adapters import EdgeContext
     from omnistage.pipeline.build import edge_adapter
     from omnistage.spec import EdgeSpec
-    from omnistage.stage import HiddenStates, StageOutput
+    from omnistage.stage import ARPrompt, HiddenStates, StageOutput
 
     adapter = edge_adapter(EdgeSpec("thinker", "talker", "qwen2_5_omni.thinker_to_talker", options={"model_dir": omni_dir}))
     assert isinstance(adapter, ThinkerToTalker) and adapter.upstream_inputs == {"return_hidden_states": True}
@@ -179,25 +179,25 @@ def test_thinker_to_talker_adapter_gathers_rows_and_ends_the_stream(omni_dir):
         return StageOutput("r", RequestOutput("r", prompt_token_ids=prompt_ids, outputs=[comp]), finished,
                            hidden=HiddenStates(start, rows[start:end], embeds[start:end]))
 
-    ctx = EdgeContext({"voice": "Ethan"}, {"prompt_token_ids": prompt_ids}, {})
+    ctx = EdgeContext({"voice": "Ethan"}, ARPrompt(prompt_token_ids=prompt_ids), {})
     assert adapter(out(0, 3), ctx) is None and adapter(out(2, 4), ctx) is None
     x = adapter(out(4, 5), ctx)
     assert len(x) == 1 and not x.finished and x.head_units == 1
     first = x.slice(0, 1, False)
-    assert first["prompt_token_ids"] == [cond.codec_mask_id] * 4 + [cond.codec_pad_id, cond.codec_bos_id]
+    assert first.prompt_token_ids == [cond.codec_mask_id] * 4 + [cond.codec_pad_id, cond.codec_bos_id]
     text = embeds[:5] + rows[:5]
     text[1] = rows[1]                           # the media row keeps only its hidden state
     w, b = cond.weight, cond.bias
     expected = torch.cat([text[:4] @ w.T + b, ((cond.voices["Ethan"] + cond.codec_pad) @ w.T + b)[None],
                           ((text[4] + cond.codec_bos) @ w.T + b)[None]])
-    torch.testing.assert_close(first["prompt_embeds"], expected)
-    assert first["stream_extra"] and "mrope_positions" not in first
+    torch.testing.assert_close(first.prompt_embeds, expected)
+    assert first.stream_extra and first.mrope_positions is None
     x = adapter(out(5, 7, finished=True), ctx)
     assert len(x) == 4 and x.finished
     last = x.slice(1, 4, True)
-    torch.testing.assert_close(last["extra_embeds"], torch.cat([(embeds[5:7] + rows[5:7]) @ w.T + b,
-                                                                (cond.tts_eos @ w.T + b)[None]]))
-    torch.testing.assert_close(last["pad_embed"], cond.tts_pad @ w.T + b)
+    torch.testing.assert_close(last.rows, torch.cat([(embeds[5:7] + rows[5:7]) @ w.T + b,
+                                                     (cond.tts_eos @ w.T + b)[None]]))
+    torch.testing.assert_close(last.pad, cond.tts_pad @ w.T + b)
     with pytest.raises(RuntimeError, match="never arrived"):
         adapter(out(3, 4), EdgeContext({}, {}, {}))
 

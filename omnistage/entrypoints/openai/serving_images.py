@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.datastructures import UploadFile
 
 from omnistage.entrypoints.openai.errors import OpenAIError
-from omnistage.entrypoints.openai.serving_engine import OpenAIServing
+from omnistage.entrypoints.openai.serving_engine import OpenAIServing, diffusion_stage
 from omnistage.io.media import IMAGE_FORMATS, decode_image, encode_image
 from omnistage.outputs import RequestOutput
 from omnistage.params import DiffusionParams
@@ -191,19 +191,13 @@ class DiffusionServing(OpenAIServing):
     @property
     def stage(self) -> Any:
         """The diffusion stage engine (None for models that are not diffusion pipelines)."""
-        if self.engine.main_stage_kind != "diffusion" or self.engine.orchestrator is None:
-            return None
-        return self.engine.orchestrator.main
+        return diffusion_stage(self.engine)
 
     def check_model(self, model: Optional[str], output_kind: str, with_image: bool = False) -> Any:
-        if model is not None and model != self.served_model_name:
-            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
-                                   f"`{self.served_model_name}`.", param="model", code="model_not_found")
-        if not self.engine.is_running:
-            raise OpenAIError(503, "the engine is not running; restart the server", code="engine_dead")
+        """`check_request` for a route that makes `output_kind` ("image" | "video"), then what that
+        route needs of the stage; returns the stage."""
+        self.check_request(model, "media")
         stage = self.stage
-        if stage is None:
-            raise OpenAIError(400, f"`{self.served_model_name}` does not generate images or videos", param="model")
         if not hasattr(stage, "output_kind"):   # a StageClient: the stage runs in its own process
             raise OpenAIError(501, "the image and video routes need the diffusion stage in the server's process; "
                                    "remove `runner: process` from its deploy config")

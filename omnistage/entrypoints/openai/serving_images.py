@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.datastructures import UploadFile
 
-from omnistage.entrypoints.openai.errors import OpenAIError
+from omnistage.entrypoints.openai.errors import OpenAIError, engine_field
 from omnistage.entrypoints.openai.serving_engine import OpenAIServing, diffusion_stage
 from omnistage.io.media import IMAGE_FORMATS, decode_image, encode_image
 from omnistage.outputs import RequestOutput
@@ -39,6 +39,8 @@ from omnistage.params import DiffusionParams
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 _INT64 = 2**63
+# DiffusionParams field -> the request field that sets it
+_REQUEST_FIELDS = {"height": "size", "width": "size", "num_outputs_per_prompt": "n"}
 
 
 @dataclass
@@ -105,10 +107,10 @@ def validation_error(e: ValidationError) -> OpenAIError:
 
 
 def params_error(e: ValueError) -> OpenAIError:
-    """A `ValueError` from `DiffusionParams` / the model -> 400 naming the request field."""
-    message = str(e)
-    field = message.split(" ", 1)[0]
-    param = {"height": "size", "width": "size", "num_outputs_per_prompt": "n"}.get(field, field)
+    """A `ValueError` from `DiffusionParams` / the model -> 400 naming the request field (`height`
+    and `width` are the request's `size`, `num_outputs_per_prompt` its `n`)."""
+    message, field = str(e), engine_field(e)
+    param = _REQUEST_FIELDS.get(field, field)
     if param != field:
         message = f"{param}: {message}"
     known = set(DiffusionParams.__dataclass_fields__) | {"size", "n", "image", "prompt"}

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
+from omnistage.params import check_param
 from omnistage.stage import StageOutput
 
 SPEED_RANGE = (0.25, 4.0)                       # OpenAI's range for /v1/audio/speech `speed`
@@ -37,10 +38,9 @@ class TTSParams:
 
     def __post_init__(self) -> None:
         lo, hi = SPEED_RANGE
-        if not isinstance(self.speed, (int, float)) or not lo <= self.speed <= hi:
-            raise ValueError(f"speed must be in [{lo}, {hi}], got {self.speed!r}")
-        if self.voice is not None and not isinstance(self.voice, str):
-            raise ValueError(f"voice must be a string, got {self.voice!r}")
+        check_param(isinstance(self.speed, (int, float)) and lo <= self.speed <= hi, "speed", f"in [{lo}, {hi}]",
+                    self.speed)
+        check_param(self.voice is None or isinstance(self.voice, str), "voice", "a string", self.voice)
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """`AsyncOmni`: the asyncio entry point used by the server (event loop + one engine thread).
 
-The engine loop runs in a background thread (model forwards block), taking commands (add, abort)
-from a queue between steps and pushing each request's partial outputs to that request's asyncio
-queue through `loop.call_soon_threadsafe`. `generate` is an async generator of cumulative
-`RequestOutput`s; leaving it early (client gone, task cancelled) aborts the request in the engine.
+The engine loop runs in a background thread (model forwards block), taking commands from a queue
+between steps (`AddRequest`, `AbortRequest`, `StopEngine`: the event loop's messages to that
+thread) and pushing each request's partial outputs to that request's asyncio queue through
+`loop.call_soon_threadsafe`. `generate` is an async generator of cumulative `RequestOutput`s;
+leaving it early (client gone, task cancelled) aborts the request in the engine.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from omnistage.entrypoints.common import ChatRenderer, build_orchestrator, default_params_for
 from omnistage.outputs import RequestOutput
@@ -24,6 +26,34 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+@dataclass
+class AddRequest:
+    """Start a request (event loop -> engine thread)."""
+
+    request_id: str
+    prompt: Any                                 # as given to `generate`: text, token ids or a prompt dict
+    params: Any                                 # the entry stage's params; None = its default
+    stage_params: Optional[list]                # params per stage (`sampling_params_list`); None = from the spec
+    entry_stage: Optional[str]                  # the stage the request starts at; None = the first
+    arrival_time: float                         # time.time() when `generate` was called
+    accepted: asyncio.Future                    # resolved once the orchestrator took it; its exception if refused
+
+
+@dataclass
+class AbortRequest:
+    """Drop a request at the next step boundary (event loop -> engine thread)."""
+
+    request_id: str                             # a request added before; unknown ids are ignored
+
+
+@dataclass
+class StopEngine:
+    """Close the orchestrator and end the engine thread (sent once, by `close`)."""
+
+
+Command = Union[AddRequest, AbortRequest, StopEngine]
 
 
 class _Stream:
@@ -39,7 +69,7 @@ class AsyncOmni:
     def __init__(self, model: Optional[str] = None, device: str = "auto", dtype: str = "auto", **engine_kwargs):
         self.orchestrator = build_orchestrator(model, device, dtype, **engine_kwargs)
         self._renderer = ChatRenderer(self.orchestrator)
-        self._commands: queue.Queue = queue.Queue()
+        self._commands: "queue.Queue[Command]" = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._stats = self.orchestrator.stats()
@@ -114,8 +144,8 @@ class AsyncOmni:
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         accepted = asyncio.get_running_loop().create_future()
-        self._commands.put(("add", request_id, prompt, params, sampling_params_list, entry_stage, time.time(),
-                            accepted))
+        self._commands.put(AddRequest(request_id, prompt, params, sampling_params_list, entry_stage, time.time(),
+                                      accepted))
         finished = False
         try:
             await accepted                                      # raises ValueError for a bad request
@@ -130,15 +160,15 @@ class AsyncOmni:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(("abort", request_id))
+                self._commands.put(AbortRequest(request_id))
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._commands.put(AbortRequest(request_id))
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._commands.put(("stop",))
+            self._commands.put(StopEngine())
             self._thread.join(timeout=30)
 
     # ---- engine thread -------------------------------------------------------------------------
@@ -148,22 +178,23 @@ class AsyncOmni:
                 fut.set_exception(exc) if exc else fut.set_result(None)
         fut.get_loop().call_soon_threadsafe(done)
 
-    def _handle(self, cmd: tuple) -> bool:
-        if cmd[0] == "stop":
+    def _handle(self, cmd: Command) -> bool:
+        """Runs one command; False once told to stop."""
+        if isinstance(cmd, StopEngine):
             return False
-        if cmd[0] == "abort":
-            self.orchestrator.abort(cmd[1])
+        if isinstance(cmd, AbortRequest):
+            self.orchestrator.abort(cmd.request_id)
             return True
-        _, rid, prompt, params, stage_params, entry_stage, arrival, fut = cmd
-        if rid not in self._streams:                            # the caller left before we started
-            self._resolve(fut, None)
+        if cmd.request_id not in self._streams:                 # the caller left before we started
+            self._resolve(cmd.accepted, None)
             return True
         try:
-            self.orchestrator.add_request(rid, prompt, params, stage_params, arrival, entry_stage)
+            self.orchestrator.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.stage_params,
+                                          cmd.arrival_time, cmd.entry_stage)
         except Exception as e:                                  # bad request: tell only that caller
-            self._resolve(fut, e)
+            self._resolve(cmd.accepted, e)
         else:
-            self._resolve(fut, None)
+            self._resolve(cmd.accepted, None)
         return True
 
     @property
@@ -184,8 +215,8 @@ class AsyncOmni:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
                     break
-                if cmd[0] == "add":
-                    self._resolve(cmd[-1], EngineDeadError(f"the engine stopped: {e!r}"))
+                if isinstance(cmd, AddRequest):
+                    self._resolve(cmd.accepted, EngineDeadError(f"the engine stopped: {e!r}"))
 
     def _serve(self) -> None:
         running = True

@@ -1,16 +1,17 @@
 """`StageClient`: one stage engine in its own process, behind the `StageEngine` interface.
 
 The orchestrator's process holds the client; `python -m omnistage.pipeline.stage_client CMD OUT`
-is the stage's process. Control messages go over two zmq ipc sockets (commands in, outputs out),
-encoded by `pipeline.wire` (msgspec; arrays through shared memory). The stage process steps its
-engine whenever it has work, so it runs concurrently with the other stages; `step()` here only
-collects what it has produced. `add_request` and the optional `check_params` are round trips, so a
-bad request raises here as it would in-process (check verdicts are remembered per params value);
-`submit` (add_request for requests handed on by an upstream stage), `add_input` and `abort` are
-one-way, so the orchestrator never waits for a busy downstream stage; `voices` is
-read once at start, as are what entry points read of a main stage (`max_model_len`, and the
-`tokenizer`, loaded here from the folder the stage's tokenizer came from). The client's sockets
-are used from the orchestrator's thread only.
+is the stage's process. Control messages (`pipeline.stage_messages`) go over two zmq ipc sockets
+(commands in, outputs out), encoded by `pipeline.wire` (msgspec; arrays through shared memory).
+The stage process steps its engine whenever it has work, so it runs concurrently with the other
+stages; `step()` here only collects what it has produced. `add_request` and the optional
+`check_params` are round trips, so a bad request raises here as it would in-process, a
+`ParamError` with its field (check verdicts are remembered per params value); `submit`
+(add_request for requests handed on by an upstream stage), `add_input` and `abort` are one-way, so
+the orchestrator never waits for a busy downstream stage; `voices` is read once at start, as are
+what entry points read of a main stage (`max_model_len`, and the `tokenizer`, loaded here from the
+folder the stage's tokenizer came from). The client's sockets are used from the orchestrator's
+thread only.
 
 When the stage process dies, every request it held gets a finished `StageOutput` whose
 `error` is fatal (the orchestrator fails just those requests, and the server answers 503),
@@ -33,6 +34,8 @@ import zmq
 
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline import wire
+from omnistage.pipeline.stage_messages import (CallError, CallReply, CallStage, InitStage, StageFatal, StageOutputs,
+                                               StageReady, StopStage)
 from omnistage.stage import StageError, StageOutput
 
 logger = logging.getLogger(__name__)
@@ -53,24 +56,24 @@ class StageClient:
         self._held: set[str] = set()            # requests the stage process holds
         self._ready: list[StageOutput] = []     # outputs received while waiting for a reply
         self._stats: dict[str, float] = {}
-        self._checked: dict[bytes, str] = {}    # check_params verdicts by encoded params ("" = accepted)
+        self._checked: dict[bytes, Optional[CallError]] = {}   # check_params verdict by encoded params; None = ok
         self.restarts = 0                       # how many times the stage process was replaced
         self.proc: Optional[subprocess.Popen] = None
-        info = self._start()
-        self._voice_list = info.get("voices") or []   # read once: other threads may ask for it
-        self.params_type = _import(info["params_type"]) if info.get("params_type") else None
-        self.max_model_len = info.get("max_model_len")
+        ready = self._start()
+        self._voice_list = ready.voices or []   # read once: other threads may ask for it
+        self.params_type = _import(ready.params_type) if ready.params_type else None
+        self.max_model_len = ready.max_model_len
         self.tokenizer = None
-        if info.get("tokenizer"):
+        if ready.tokenizer:
             from transformers import AutoTokenizer
 
-            self.tokenizer = AutoTokenizer.from_pretrained(info["tokenizer"])
+            self.tokenizer = AutoTokenizer.from_pretrained(ready.tokenizer)
         for name in _OPTIONAL:                  # offer only the optional verbs the engine has
-            if name in info["methods"]:
+            if name in ready.methods:
                 setattr(self, name, getattr(self, "_" + name))
 
     # ---- process management ---------------------------------------------------------------------
-    def _start(self) -> dict:
+    def _start(self) -> StageReady:
         self._generation += 1
         base = os.path.join(self._dir, f"{self.spec.name}-{self._generation}")
         self._cmd = self._ctx.socket(zmq.PUSH)
@@ -81,7 +84,7 @@ class StageClient:
         self._out.bind(f"ipc://{base}.out")
         self.proc = subprocess.Popen([sys.executable, "-m", "omnistage.pipeline.stage_client",
                                       f"ipc://{base}.cmd", f"ipc://{base}.out"])
-        self._cmd.send(wire.encode(["init", self.spec]))
+        self._cmd.send(wire.encode(InitStage(self.spec)))
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -91,10 +94,10 @@ class StageClient:
                 raise RuntimeError(f"stage {self.spec.name!r} did not start in {self.start_timeout_s:.0f} s")
             if self._out.poll(100):
                 msg = wire.decode(self._out.recv())
-                if msg[0] == "fatal":
-                    raise RuntimeError(f"stage {self.spec.name!r} failed to start: {msg[1]}")
-                if msg[0] == "ready":
-                    return msg[1]
+                if isinstance(msg, StageFatal):
+                    raise RuntimeError(f"stage {self.spec.name!r} failed to start: {msg.message}")
+                if isinstance(msg, StageReady):
+                    return msg
 
     def _restart_after_death(self) -> list[StageOutput]:
         code = self.proc.returncode if self.proc is not None else None
@@ -112,7 +115,7 @@ class StageClient:
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             try:
-                self._cmd.send(wire.encode(["stop"]), zmq.NOBLOCK)
+                self._cmd.send(wire.encode(StopStage()), zmq.NOBLOCK)
                 self.proc.wait(timeout=5)
             except Exception:
                 self.proc.kill()
@@ -126,27 +129,26 @@ class StageClient:
             pass
 
     # ---- messages -------------------------------------------------------------------------------
-    def _receive(self, msg: list) -> None:
-        if msg[0] == "outputs":
-            outs, self._stats = msg[1], msg[2]
-            for out in outs:
+    def _receive(self, msg: Any) -> None:
+        if isinstance(msg, StageOutputs):
+            self._stats = msg.stats
+            for out in msg.outputs:
                 if out.finished:
                     self._held.discard(out.request_id)
-            self._ready.extend(outs)
+            self._ready.extend(msg.outputs)
 
     def _call(self, method: str, *args) -> Any:
         """A round trip: the stage runs `method(*args)` between two steps and answers."""
         self._seq += 1
         seq = self._seq
-        self._cmd.send(wire.encode(["call", seq, method, list(args)]))
+        self._cmd.send(wire.encode(CallStage(seq, method, list(args))))
         while True:
             if self._out.poll(50):
                 msg = wire.decode(self._out.recv())
-                if msg[0] == "reply" and msg[1] == seq:
-                    if msg[2] is not None:
-                        kind, text = msg[2]
-                        raise (ValueError if kind == "ValueError" else RuntimeError)(text)
-                    return msg[3]
+                if isinstance(msg, CallReply) and msg.seq == seq:
+                    if msg.error is not None:
+                        raise msg.error.exception()
+                    return msg.result
                 self._receive(msg)
             elif self.proc.poll() is not None:
                 self._ready.extend(self._restart_after_death())
@@ -161,28 +163,29 @@ class StageClient:
         """`add_request` without waiting for the stage process (it may be mid-step): for requests
         handed on by an upstream stage. A refusal comes back as a finished output whose
         `error` says why (the orchestrator fails the request with it)."""
-        self._cmd.send(wire.encode(["call", 0, "add_request", [request_id, inputs, params, arrival_time]]))
+        self._cmd.send(wire.encode(CallStage(0, "add_request", [request_id, inputs, params, arrival_time])))
         self._held.add(request_id)
 
     def _add_input(self, request_id: str, piece: Any) -> None:
         if request_id in self._held:
-            self._cmd.send(wire.encode(["call", 0, "add_input", [request_id, piece]]))
+            self._cmd.send(wire.encode(CallStage(0, "add_input", [request_id, piece])))
 
     def _check_params(self, params: Any) -> None:
         """A round trip the first time a params value is seen; its verdict is remembered (checks are
         pure functions of the params: a voice name, ODE settings)."""
         key = wire.encode(params)
-        verdict = self._checked.get(key)
-        if verdict is None:
+        if key in self._checked:
+            verdict = self._checked[key]
+        else:
             try:
                 self._call("check_params", params)
-                verdict = ""
+                verdict = None
             except ValueError as e:
-                verdict = str(e)
+                verdict = CallError.of(e)
             if len(self._checked) < 1024:
                 self._checked[key] = verdict
-        if verdict:
-            raise ValueError(verdict)
+        if verdict is not None:
+            raise verdict.exception()
 
     def _voices(self) -> list:
         return list(self._voice_list)
@@ -190,7 +193,7 @@ class StageClient:
     def abort(self, request_id: str) -> None:
         if request_id in self._held:
             self._held.discard(request_id)
-            self._cmd.send(wire.encode(["call", 0, "abort", [request_id]]))
+            self._cmd.send(wire.encode(CallStage(0, "abort", [request_id])))
 
     def has_unfinished(self) -> bool:
         return bool(self._held) or bool(self._ready)
@@ -231,48 +234,47 @@ def _serve(cmd_addr: str, out_addr: str) -> None:
     cmd.connect(cmd_addr)
     out.connect(out_addr)
     parent = os.getppid()
-    _, spec = wire.decode(cmd.recv())
+    spec = wire.decode(cmd.recv()).spec     # an InitStage
     try:
         from omnistage.pipeline.build import build_engine
 
         engine = build_engine(spec)             # the engine itself, here
     except Exception as e:
-        out.send(wire.encode(["fatal", repr(e)]))
+        out.send(wire.encode(StageFatal(repr(e))))
         return
     ptype = getattr(engine, "params_type", None)
-    tokenizer = getattr(engine, "tokenizer", None)
-    out.send(wire.encode(["ready", {"params_type": f"{ptype.__module__}:{ptype.__qualname__}" if ptype else None,
-                                    "methods": [m for m in _OPTIONAL if hasattr(engine, m)],
-                                    "voices": engine.voices() if hasattr(engine, "voices") else None,
-                                    "max_model_len": getattr(engine, "max_model_len", None),
-                                    "tokenizer": getattr(tokenizer, "name_or_path", None)}]))
+    out.send(wire.encode(StageReady(
+        params_type=f"{ptype.__module__}:{ptype.__qualname__}" if ptype else None,
+        methods=[m for m in _OPTIONAL if hasattr(engine, m)],
+        voices=engine.voices() if hasattr(engine, "voices") else None,
+        max_model_len=getattr(engine, "max_model_len", None),
+        tokenizer=getattr(getattr(engine, "tokenizer", None), "name_or_path", None))))
     sent = 0
     while os.getppid() == parent:               # the orchestrator's process is gone: stop too
         wait = 0 if engine.has_unfinished() else _IDLE_POLL_MS
         while cmd.poll(wait):
             msg = wire.decode(cmd.recv())
-            if msg[0] == "stop":
+            if isinstance(msg, StopStage):
                 return
-            _, seq, method, args = msg
             try:
-                result, error = getattr(engine, method)(*args), None
+                result, error = getattr(engine, msg.method)(*msg.args), None
             except Exception as e:              # a bad request: tell the caller, keep serving
-                result, error = None, [type(e).__name__, str(e)]
-                if seq == 0:
-                    logger.warning("stage %s: %s failed: %s", spec.name, method, e)
-                    if method in ("add_request", "add_input"):   # one-way: the request fails downstream
-                        rid = args[0]
+                result, error = None, CallError.of(e)
+                if msg.seq == 0:
+                    logger.warning("stage %s: %s failed: %s", spec.name, msg.method, e)
+                    if msg.method in ("add_request", "add_input"):   # one-way: the request fails downstream
+                        rid = msg.args[0]
                         engine.abort(rid)
                         lost = StageOutput(rid, RequestOutput(rid, finished=True), True,
                                            error=StageError(f"stage {spec.name!r}: {e}"))
-                        out.send(wire.encode(["outputs", [lost], engine.stats()]))
-            if seq:
-                out.send(wire.encode(["reply", seq, error, result]))
+                        out.send(wire.encode(StageOutputs([lost], engine.stats())))
+            if msg.seq:
+                out.send(wire.encode(CallReply(msg.seq, result, error)))
             wait = 0
         if engine.has_unfinished():
             outs = engine.step()
             if outs:
-                out.send(wire.encode(["outputs", outs, engine.stats()]))
+                out.send(wire.encode(StageOutputs(outs, engine.stats())))
                 sent += 1
                 if sent % 256 == 0 and "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
                     sys.modules["torch"].cuda.ipc_collect()   # free blocks whose CUDA IPC readers are done

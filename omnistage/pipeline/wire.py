@@ -2,8 +2,9 @@
 
 `encode(obj) -> bytes` / `decode(bytes) -> obj` carry plain data (str, int, float, bool, None, bytes,
 lists, tuples as lists, str-keyed dicts), omnistage dataclasses (`SamplingParams`, `TTSInput`,
-`RequestOutput`, `StageOutput`, ...; rebuilt by class path, only from the `omnistage` package), numpy
-arrays and torch tensors. Runs in both the orchestrator's and the stage's process.
+`RequestOutput`, `StageOutput`, the messages of `pipeline.stage_messages`, ...; rebuilt by class
+path, only from the `omnistage` package), numpy arrays and torch tensors. Runs in both the
+orchestrator's and the stage's process.
 
 * An array (or CPU tensor) of at least `SHM_MIN_BYTES` goes through a POSIX shared-memory segment:
   the sender creates it and hands over ownership, the receiver copies it out and unlinks it;

@@ -56,3 +56,22 @@ def test_unknown_objects_and_foreign_classes_are_refused():
     bad = wire._encoder.encode({wire._TYPE: "os:system"})
     with pytest.raises(ValueError, match="refusing to build os:system"):
         wire.decode(bad)
+
+
+def test_stage_messages_round_trip_and_refusals_keep_their_field():
+    from omnistage.params import ParamError
+    from omnistage.pipeline.stage_messages import CallError, CallReply, CallStage, StageOutputs, StopStage
+
+    call = CallStage(3, "add_request", ["r1", {"prompt": "hi"}, SamplingParams(max_tokens=2), None])
+    assert wire.decode(wire.encode(call)) == call
+    assert wire.decode(wire.encode(StopStage())) == StopStage()
+    outs = StageOutputs([StageOutput("r1", RequestOutput("r1", finished=True), True)], {"num_running": 0.0})
+    assert wire.decode(wire.encode(outs)) == outs
+    with pytest.raises(ParamError) as refused:
+        SamplingParams(top_p=2)
+    reply = wire.decode(wire.encode(CallReply(3, error=CallError.of(refused.value))))
+    raised = reply.error.exception()
+    assert isinstance(raised, ParamError) and raised.field == "top_p" and str(raised).startswith("top_p must")
+    plain = wire.decode(wire.encode(CallError.of(ValueError("no such voice")))).exception()
+    assert type(plain) is ValueError and str(plain) == "no such voice"
+    assert type(CallError.of(KeyError("x")).exception()) is RuntimeError

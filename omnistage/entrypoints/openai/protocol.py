@@ -3,8 +3,9 @@
 Requests: `CompletionRequest` (/v1/completions) and `ChatCompletionRequest` (/v1/chat/completions)
 with OpenAI's fields plus vLLM's extra sampling fields; unknown fields are ignored, so newer
 clients keep working. Types are checked here (a wrong type is a 400); value ranges are checked
-once, by `SamplingParams`, which names the field it rejects. Responses and stream chunks mirror
-OpenAI's objects; `stop_reason` (the stop string or token id that ended a choice) is vLLM's extra.
+once, by `SamplingParams`, whose `ParamError` names the field it rejects. Responses and stream
+chunks mirror OpenAI's objects; `stop_reason` (the stop string or token id that ended a choice) is
+vLLM's extra.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from omnistage.params import SamplingParams
+from omnistage.params import ParamError, SamplingParams
 
 _INT64 = 2**63
 # Request fields that map one to one onto SamplingParams fields.
@@ -58,7 +59,7 @@ class _SamplingRequest(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
-        """Raises ValueError naming the SamplingParams field (see `field_names`)."""
+        """Raises `ParamError` naming the SamplingParams field (see `field_names`)."""
         given = {name: getattr(self, name) for name in _SHARED_FIELDS}
         given = {k: v for k, v in given.items() if v is not None}
         return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs)
@@ -103,7 +104,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs must be used with logprobs set to true")
+            raise ParamError("top_logprobs", "top_logprobs must be used with logprobs set to true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 

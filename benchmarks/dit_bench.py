@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from omnistage.config import EngineConfig  # noqa: E402
 from omnistage.diffusion.engine import DiffusionEngine  # noqa: E402
 from omnistage.diffusion.pipelines.flux import FluxFamily  # noqa: E402
 from omnistage.diffusion.pipelines.wan import WanFamily  # noqa: E402
@@ -245,10 +246,10 @@ def run(smoke: bool) -> dict:
     from diffusers import AutoencoderKL, AutoencoderKLWan, FluxTransformer2DModel, WanTransformer3DModel
 
     s = SMOKE if smoke else FULL
-    device = "cpu" if smoke or not torch.cuda.is_available() else "cuda"
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    config = EngineConfig(device="cpu" if smoke else "auto").resolved("diffusion")   # as a diffusion stage runs
+    device, dtype = config.torch_device(), config.torch_dtype()
     wan_cfg, flux_cfg = dict(WAN, **s.get("wan_cfg", {})), dict(FLUX, **s.get("flux_cfg", {}))
-    res: dict = {"smoke": smoke, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+    res: dict = {"smoke": smoke, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                  "torch": torch.__version__, "dtype": str(dtype), "commit": _commit()}
     import diffusers
     res["diffusers"] = diffusers.__version__
@@ -268,7 +269,7 @@ def run(smoke: bool) -> dict:
                             counted=(lambda task: call(task, rows=("cond",))) if smoke else None)
     res["wan"]["shape"] = f"{w['width']}x{w['height']}x{w['frames']}"
     del wan
-    if device == "cuda":
+    if device.type == "cuda":
         torch.cuda.empty_cache()
 
     f = s["flux"]

@@ -1,11 +1,17 @@
-"""Engine configuration: one small dataclass tree built once and passed explicitly.
+"""Engine configuration: one small dataclass tree built once and passed explicitly (any process).
 
-`EngineConfig` is what the user tunes (batch limits, KV pool size, device, dtype); the AR engine
-derives everything else (block count, model dtype) from it and the checkpoint's config.
+In: what the user tunes (batch limits, KV pool size, device, dtype; "auto" allowed for the last
+two). Out: per stage, `EngineConfig.resolved(kind, checkpoint_dtype)`, a copy with a concrete
+device ("cpu" | "cuda:N") and dtype name, the one rule for both (`_auto_dtype`). The entry point
+resolves each stage's config once (`pipeline/build.py`); the memory planner, the engines and the
+chat renderer read the resolved values (`torch_device()`, `torch_dtype()`). Engines built directly
+(tests, benchmarks) resolve the config they are given the same way; resolving again changes nothing.
+The AR engine derives the rest (block count) from it and the checkpoint's config.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -16,6 +22,7 @@ if TYPE_CHECKING:
 # torch is imported only where a device or dtype is resolved, so that control-plane processes
 # (stage clients, the API server's argument parsing) start without paying for it.
 _DTYPES = ("float32", "bfloat16", "float16")
+_STAGE_KINDS = ("ar", "diffusion", "codec")     # as spec.STAGE_KINDS (spec.py sits above this module)
 CUDA_CONTEXT_BYTES = 2**29                      # CUDA context + torch kernels of one process on one GPU (estimate)
 
 
@@ -72,35 +79,85 @@ class EngineConfig:
         elif "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
 
-    def resolve_device(self) -> "torch.device":
+    def resolved(self, kind: Optional[str] = None, checkpoint_dtype: Optional[str] = None) -> "EngineConfig":
+        """A copy with a concrete `device` ("cpu" | "cuda:N") and, for a stage of `kind` ("ar" |
+        "diffusion" | "codec"), a concrete `dtype` name: the one given, or `_auto_dtype`'s. Without
+        `kind` (the pipeline-wide config, before its stages are known) only the device is resolved.
+        `checkpoint_dtype`: the dtype name an AR checkpoint stores its weights in (`checkpoint_dtype`
+        below); the other kinds ignore it. Resolving a resolved config gives an equal one."""
+        if kind is not None and kind not in _STAGE_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(_STAGE_KINDS)}; got {kind!r}")
+        device, dtype = concrete_device(self.device), self.dtype
+        if kind is not None and dtype == "auto":
+            dtype = _auto_dtype(kind, device, checkpoint_dtype)
+        return dataclasses.replace(self, device=device, dtype=dtype)
+
+    def torch_device(self) -> "torch.device":
+        """`device` as a torch.device ("auto" resolved as in `resolved`)."""
         import torch
 
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        return torch.device(concrete_device(self.device))
 
-    def resolve_dtype(self, checkpoint_dtype: Optional["torch.dtype"], device: "torch.device") -> "torch.dtype":
-        """`auto` keeps the checkpoint's dtype, except on a CPU, where half precision becomes bfloat16
-        if the CPU computes in it natively (AVX512-BF16 / AMX) and float32 otherwise: on this
-        project's AVX2 machines a bfloat16 matmul is emulated, and SmolLM2-135M decoded 64 prompts
-        4.6x faster in float32 (transformers, one thread: 94 vs 20 tok/s)."""
+    # the name the codec engines' `from_stage_spec` use
+    resolve_device = torch_device
+
+    def torch_dtype(self) -> "torch.dtype":
+        """`dtype` as a torch.dtype; the config must be resolved for its stage (`resolved(kind, ...)`)."""
+        if self.dtype == "auto":
+            raise ValueError("dtype is 'auto': resolve the config for its stage first "
+                             "(EngineConfig.resolved(kind, checkpoint_dtype))")
+        return dtype_by_name(self.dtype)
+
+
+def concrete_device(device: str) -> str:
+    """An `EngineConfig.device` as "cpu" or "cuda:N": "auto" is the first GPU when there is one.
+
+    Bare "cuda" is GPU 0, as torch's current device is in every process here (nothing calls
+    `torch.cuda.set_device`); asking torch for its current device would create a CUDA context in the
+    entry point's process."""
+    if device == "auto":
         import torch
 
-        if self.dtype != "auto":
-            return getattr(torch, self.dtype)
-        dtype = checkpoint_dtype or torch.float32
-        if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
-            return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-        return dtype
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda:0" if device == "cuda" else device
 
 
-def checkpoint_dtype(model_dir: str) -> Optional["torch.dtype"]:
-    """The dtype a transformers folder's config.json gives its weights (`dtype`, or the older
-    `torch_dtype`), or None when it names none."""
+def _auto_dtype(kind: str, device: str, checkpoint_dtype: Optional[str]) -> str:
+    """What `dtype="auto"` runs a stage of `kind` in on `device` (a concrete device string):
+
+    ar: the checkpoint's dtype (float32 when it names none), except on a CPU, where half precision
+        becomes bfloat16 if the CPU computes in it natively (AVX512-BF16 / AMX) and float32 otherwise:
+        on this project's AVX2 machines a bfloat16 matmul is emulated, and SmolLM2-135M decoded 64
+        prompts 4.6x faster in float32 (transformers, one thread: 94 vs 20 tok/s).
+    diffusion: bfloat16 on a GPU, float32 on a CPU (whatever the checkpoint stores).
+    codec: float32 (what the codec back ends compute in)."""
+    if checkpoint_dtype is not None and checkpoint_dtype not in _DTYPES:
+        raise ValueError(f"checkpoint_dtype must be one of {', '.join(_DTYPES)} or None; got {checkpoint_dtype!r}")
+    on_cpu = device == "cpu"
+    if kind == "diffusion":
+        return "float32" if on_cpu else "bfloat16"
+    if kind == "codec":
+        return "float32"
+    dtype = checkpoint_dtype or "float32"
+    if on_cpu and dtype in ("float16", "bfloat16"):
+        return "bfloat16" if cpu_has_native_bf16() else "float32"
+    return dtype
+
+
+def dtype_by_name(name: str, field: str = "dtype") -> "torch.dtype":
+    """The torch dtype of a dtype name ("float32" | "bfloat16" | "float16"); a ValueError naming `field` else."""
+    if name not in _DTYPES:
+        raise ValueError(f"{field} must be one of {', '.join(_DTYPES)}; got {name!r}")
+    import torch
+
+    return getattr(torch, name)
+
+
+def checkpoint_dtype(model_dir: str) -> Optional[str]:
+    """The dtype name a transformers folder's config.json gives its weights (`dtype`, or the older
+    `torch_dtype`) when it is one an engine runs in (float32, bfloat16, float16), else None."""
     import json
     import os
-
-    import torch
 
     path = os.path.join(model_dir, "config.json")
     if not os.path.exists(path):
@@ -108,8 +165,7 @@ def checkpoint_dtype(model_dir: str) -> Optional["torch.dtype"]:
     with open(path, encoding="utf-8") as f:
         config = json.load(f)
     name = config.get("dtype") or config.get("torch_dtype")
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    return dtype if isinstance(dtype, torch.dtype) else None
+    return name if name in _DTYPES else None
 
 
 @functools.lru_cache(maxsize=None)

@@ -50,13 +50,15 @@ class _Request:
 
 class AREngine:
     def __init__(self, model_dir: str, config: Optional[EngineConfig] = None, *, loader: ModelLoader):
-        """`loader` builds the model (from the model registry: `pipeline/build.py` picks it)."""
-        self.config = config = config or EngineConfig()
+        """`loader` builds the model (from the model registry: `pipeline/build.py` picks it). `config`:
+        the stage's, resolved for an AR stage (`EngineConfig.resolved`; one that is not yet is
+        resolved here the same way, with the checkpoint's dtype)."""
+        self.config = config = (config or EngineConfig()).resolved("ar", checkpoint_dtype(model_dir))
         self.model_dir = model_dir
-        self.device = config.resolve_device()
+        self.device = config.torch_device()
         # what this process held on the device before this engine (another inline stage, the renderer)
         self._mem_base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        self.dtype = config.resolve_dtype(checkpoint_dtype(model_dir), self.device)
+        self.dtype = config.torch_dtype()
         self.model, self.hf_config, self.tokenizer, self.eos_ids = loader(
             model_dir, self.device, self.dtype, config.max_model_len)
         max_len = self._max_len()

@@ -9,17 +9,19 @@ Out: a list of `StageOutput`s — a progress update (`output.progress` in 0..1) 
 advanced, and a final one (`finished=True`) carrying `images` (PIL) or `video` (VideoOutput, uint8
 frames [T, H, W, 3]), `videos`, `timings` (seconds per phase) and `finish_reason`; on failure its
 `error`. The `RequestOutput` itself carries the phase times so far in `metrics.phase_times` and, on
-failure, `error`. Built by the orchestrator through `from_stage_spec`.
+failure, `error`. Built by the orchestrator through `from_stage_spec` from the stage's resolved
+`EngineConfig` (device, dtype, batch limits).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
+from omnistage.config import EngineConfig
 from omnistage.diffusion.pipelines.base import DiffusionFamily, load_components, read_model_index
 from omnistage.diffusion.runner import DiffusionRunner
 from omnistage.diffusion.scheduler import DiffusionRunnerOutput, DiffusionScheduler, SchedEntry
@@ -33,33 +35,29 @@ from omnistage.stage import StageError, StageOutput
 DEFAULT_MAX_NUM_SEQS = 8
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1 << 20
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
 
-
-def resolve_device_dtype(device: Union[str, torch.device], dtype: Union[str, torch.dtype]):
-    if device in (None, "auto"):
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if isinstance(dtype, torch.dtype):
-        return device, dtype
-    if dtype in (None, "auto"):
-        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
-    return device, _DTYPES[dtype]
+def batch_limits(config: EngineConfig) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) of a diffusion stage: the config's, or this engine's
+    defaults where the config leaves them at EngineConfig's."""
+    base = EngineConfig()
+    seqs = config.max_num_seqs if config.max_num_seqs != base.max_num_seqs else DEFAULT_MAX_NUM_SEQS
+    tokens = (config.max_num_batched_tokens if config.max_num_batched_tokens != base.max_num_batched_tokens
+              else DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    return seqs, tokens
 
 
 class DiffusionEngine:
-    def __init__(self, model_dir: str, family_cls: type, device: Union[str, torch.device] = "auto",
-                 dtype: Union[str, torch.dtype] = "auto", max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, vae_tile_pixels: Optional[int] = None):
-        device, dtype = resolve_device_dtype(device, dtype)
+    def __init__(self, model_dir: str, family_cls: type, config: EngineConfig, vae_tile_pixels: Optional[int] = None):
+        """`config`: the stage's EngineConfig, resolved for a diffusion stage (`EngineConfig.resolved`;
+        one that is not yet, from a test or benchmark, is resolved here the same way): device, dtype
+        and batch limits (`batch_limits`)."""
+        config = config.resolved("diffusion")
+        device, dtype = config.torch_device(), config.torch_dtype()
         index = read_model_index(model_dir)
         family = family_cls(model_dir, index, load_components(model_dir, index, dtype, device), device, dtype)
         if vae_tile_pixels is not None:
             family.tile_threshold = vae_tile_pixels
-        self._start(family, max_num_seqs, max_num_batched_tokens)
+        self._start(family, *batch_limits(config))
 
     @classmethod
     def from_family(cls, family: DiffusionFamily, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
@@ -82,21 +80,13 @@ class DiffusionEngine:
 
     @classmethod
     def from_stage_spec(cls, spec, family_cls: type) -> "DiffusionEngine":
-        """Build from a pipeline `StageSpec`: `spec.engine` (EngineConfig) gives device, dtype and the
-        batch limits (left at EngineConfig's defaults, they take this engine's own defaults);
+        """Build from a pipeline `StageSpec`: `spec.engine` is the config (see `__init__`);
         `spec.options` may set `vae_tile_pixels`."""
-        from omnistage.config import EngineConfig
-
-        cfg, base = spec.engine, EngineConfig()
-        seqs = cfg.max_num_seqs if cfg.max_num_seqs != base.max_num_seqs else DEFAULT_MAX_NUM_SEQS
-        tokens = (cfg.max_num_batched_tokens if cfg.max_num_batched_tokens != base.max_num_batched_tokens
-                  else DEFAULT_MAX_NUM_BATCHED_TOKENS)
         unknown = set(spec.options) - {"vae_tile_pixels"}
         if unknown:
             raise ValueError(f"stage {spec.name!r}: diffusion options must be among ['vae_tile_pixels'], "
                              f"got {sorted(unknown)}")
-        return cls(spec.model_dir, family_cls, device=cfg.device, dtype=cfg.dtype, max_num_seqs=seqs,
-                   max_num_batched_tokens=tokens, vae_tile_pixels=spec.options.get("vae_tile_pixels"))
+        return cls(spec.model_dir, family_cls, spec.engine, vae_tile_pixels=spec.options.get("vae_tile_pixels"))
 
     # -- StageEngine -----------------------------------------------------------------------------
     params_type = DiffusionParams

@@ -10,7 +10,7 @@ from omnistage.models import registry
 from omnistage.params import DiffusionParams, SamplingParams
 from omnistage.pipeline.build import detect_pipeline
 from omnistage.pipeline.orchestrator import Orchestrator
-from omnistage.pipeline.deploy_config import apply_deploy_config, pinned_stages
+from omnistage.pipeline.deploy_config import pinned_stages
 from omnistage.pipeline.memory import plan_gpu_memory
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -26,14 +26,17 @@ def resolve_model(model: Optional[str]) -> str:
 
 def build_orchestrator(model: Optional[str], device: str, dtype: str, deploy_config: Any = None,
                        **engine_kwargs) -> Orchestrator:
-    """`deploy_config`: a YAML path or dict of pipeline overrides (see pipeline/deploy_config.py)."""
+    """`deploy_config`: a YAML path or dict of pipeline overrides (see pipeline/deploy_config.py).
+
+    The EngineConfig is built here once, its device resolved; `detect_pipeline` resolves each
+    stage's copy of it (after the overrides), and everything downstream reads those values."""
     unknown = set(engine_kwargs) - _ENGINE_FIELDS
     if unknown:
         raise TypeError(f"unknown engine options {sorted(unknown)}; known: {sorted(_ENGINE_FIELDS)}")
-    config = EngineConfig(device=device, dtype=dtype, **engine_kwargs)
-    if config.resolve_device().type == "cpu":
+    config = EngineConfig(device=device, dtype=dtype, **engine_kwargs).resolved()
+    if config.device == "cpu":
         config.apply_cpu_threads()
-    spec = apply_deploy_config(detect_pipeline(resolve_model(model), config), deploy_config)
+    spec = detect_pipeline(resolve_model(model), config, deploy_config)
     spec = plan_gpu_memory(spec, pinned=pinned_stages(deploy_config))   # stages sharing a GPU split it
     return Orchestrator(spec)
 

@@ -1,6 +1,12 @@
 """From a model folder to running stages: pipeline detection and stage construction (entry point's
 process for `detect_pipeline`; the stage's own process for `build_engine`).
 
+`detect_pipeline(model_dir, engine, deploy_config)` returns the `PipelineSpec` to run: the registry's
+pipeline with the deploy config's overrides, and each stage's `EngineConfig` resolved once for its
+kind (`resolve_stage`: a concrete device and dtype, `config.py`). What runs later -- the memory
+planner, the stage processes, the engines -- reads those values; `build_engine` resolves only a spec
+that did not come from here (tests), the same way.
+
 Everything model-specific comes from the model registry (`models/registry.py`): the entry serving
 the folder gives the pipeline builder (or the kind's default pipeline, here), the AR loaders, the
 diffusion family, the codec back ends and the edge adapters. The engines themselves import no model
@@ -9,12 +15,14 @@ code: they are handed what they run.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 from omnistage.adapters import EdgeAdapter, build_adapter
-from omnistage.config import EngineConfig
+from omnistage.config import EngineConfig, checkpoint_dtype
 from omnistage.models import registry
 from omnistage.params import DiffusionParams, SamplingParams
+from omnistage.pipeline.deploy_config import apply_deploy_config
 from omnistage.spec import EdgeSpec, PipelineSpec, StageSpec
 
 # The speech back end a chat LM is cascaded with when it is installed.
@@ -37,8 +45,14 @@ def tts_cascade(llm: StageSpec) -> PipelineSpec:
     return PipelineSpec([llm, tts], [EdgeSpec("llm", "tts", "text_to_tts", chunk_size=1, first_chunk_size=1)])
 
 
-def detect_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
-    """The pipeline of a local model folder, from the registry entry its config files match."""
+def resolve_stage(spec: StageSpec) -> StageSpec:
+    """`spec` with its `EngineConfig` resolved for its kind (`EngineConfig.resolved`); an AR stage's
+    `auto` dtype follows its checkpoint's."""
+    ckpt = checkpoint_dtype(spec.model_dir) if spec.kind == "ar" and spec.engine.dtype == "auto" else None
+    return dataclasses.replace(spec, engine=spec.engine.resolved(spec.kind, ckpt))
+
+
+def _registry_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
     entry = registry.entry_for_folder(model_dir)
     if entry.pipeline is not None:
         return registry.load_attr(entry.pipeline)(model_dir, engine)
@@ -47,9 +61,19 @@ def detect_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
     return tts_cascade(StageSpec("llm", "ar", model_dir, engine, final_output="text"))
 
 
+def detect_pipeline(model_dir: str, engine: EngineConfig, deploy_config: Any = None) -> PipelineSpec:
+    """The pipeline of a local model folder, from the registry entry its config files match, with
+    `deploy_config`'s overrides (a YAML path or dict, `pipeline/deploy_config.py`) and every stage's
+    config resolved. The overrides come first, so that a stage moved to another device gets that
+    device's dtype."""
+    spec = apply_deploy_config(_registry_pipeline(model_dir, engine.resolved()), deploy_config)
+    return dataclasses.replace(spec, stages=[resolve_stage(s) for s in spec.stages])
+
+
 def build_engine(spec: StageSpec) -> Any:
     """The stage engine of `spec`, in this process (the orchestrator wraps `runner: process` stages
     in a `StageClient`, whose process calls this)."""
+    spec = resolve_stage(spec)                  # unchanged when it comes from detect_pipeline
     if spec.kind == "ar":
         from omnistage.ar.engine import AREngine
 

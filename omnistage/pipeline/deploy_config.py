@@ -1,7 +1,9 @@
 """`--deploy-config FILE.yaml`: overrides of a detected pipeline (entry point's process, at start-up).
 
 In: a YAML file (or an already parsed dict) and the `PipelineSpec` the registry picked. Out: a new
-`PipelineSpec` with the overrides applied. Only what the file names changes:
+`PipelineSpec` with the overrides applied; `detect_pipeline` applies them before it resolves each
+stage's EngineConfig, so an overridden `device: auto` / `dtype: auto` is resolved like any other.
+Only what the file names changes:
 
 ```yaml
 stages:

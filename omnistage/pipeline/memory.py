@@ -1,10 +1,12 @@
 """How the stages that share a GPU split its memory (entry point's process, at start-up; no GPU work).
 
-In: a `PipelineSpec` (after the deploy config) and the stages whose `gpu_memory_utilization` the
-user set (`pinned`). Out: a new spec in which each stage on a shared CUDA device carries its OWN
-planned share of that device in `engine.gpu_memory_utilization`. The AR engine reads its share as
-"KV budget = share x total - its measured peak (weights + a largest step) - CUDA_CONTEXT_BYTES"
-(`ar/engine.py`); codec and diffusion stages get a share too, for the log (they size no cache).
+In: a `PipelineSpec` (`detect_pipeline`'s: deploy config applied, each stage's EngineConfig
+resolved; a spec built by hand is resolved here the same way, for reading only) and the stages
+whose `gpu_memory_utilization` the user set (`pinned`). Out: a new spec in which each stage on a
+shared CUDA device carries its OWN planned share of that device in `engine.gpu_memory_utilization`.
+The AR engine reads its share as "KV budget = share x total - its measured peak (weights + a
+largest step) - CUDA_CONTEXT_BYTES" (`ar/engine.py`); codec and diffusion stages get a share too,
+for the log (they size no cache).
 
 Per CUDA device, with U the pipeline-level `gpu_memory_utilization` (that of the device's first
 unpinned stage in pipeline order: the main stage's, unless it is elsewhere or pinned):
@@ -17,8 +19,9 @@ unpinned stage in pipeline order: the main stage's, unless it is elsewhere or pi
                =  what the AR stages' KV caches share, in proportion to how much KV each can use.
 
 Weights are counted from the safetensors headers (no tensor is read) at the dtype the stage runs
-in. Activations and contexts are estimates; the AR engine measures its real peak and caps its KV
-at what the device really has free, so an estimate that is off costs KV blocks, not a crash.
+in: its resolved `engine.dtype` (a codec's `memory.weights_dtype`, else as stored). Activations
+and contexts are estimates; the AR engine measures its real peak and caps its KV at what the
+device really has free, so an estimate that is off costs KV blocks, not a crash.
 A device holding one stage and no renderer keeps that stage's setting as it is.
 """
 
@@ -31,9 +34,10 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-from omnistage.config import CUDA_CONTEXT_BYTES, checkpoint_dtype
+from omnistage.config import CUDA_CONTEXT_BYTES, dtype_by_name
+from omnistage.pipeline.build import resolve_stage
 from omnistage.spec import PipelineSpec, StageSpec
 
 if TYPE_CHECKING:
@@ -43,8 +47,6 @@ logger = logging.getLogger(__name__)
 
 GiB = 2**30
 WORKSPACE_BYTES = GiB                           # activations of a codec / diffusion step, or of the chat renderer
-
-_WEIGHT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def safetensors_header(path: str) -> dict[str, dict]:
@@ -103,34 +105,20 @@ def _prefixes(stage: StageSpec) -> Optional[tuple[str, ...]]:
     return None if p is None else (p,) if isinstance(p, str) else tuple(p)
 
 
-def _ar_dtype(stage: StageSpec, device: str) -> "torch.dtype":
-    """As `AREngine` picks it (and the chat renderer, for the main stage's folder)."""
-    import torch
-
-    return stage.engine.resolve_dtype(checkpoint_dtype(stage.model_dir), torch.device(device))
-
-
-def _run_dtype(stage: StageSpec, device: str) -> Optional["torch.dtype"]:
-    if stage.kind == "ar":
-        return _ar_dtype(stage, device)
-    if stage.kind == "diffusion":
-        from omnistage.diffusion.engine import resolve_device_dtype
-
-        return resolve_device_dtype(device, stage.engine.dtype)[1]
+def _weights_dtype(stage: StageSpec) -> Optional["torch.dtype"]:
+    """The dtype a resolved stage's floating weights take once loaded (None: as stored)."""
+    if stage.kind != "codec":
+        return stage.engine.torch_dtype()
+    # a codec back end may compute in its own dtype, whatever its config says (`memory.weights_dtype`)
     name = stage.memory.get("weights_dtype")
-    if name is None:
-        return None
-    if name not in _WEIGHT_DTYPES:
-        raise ValueError(f"stage {stage.name!r}: memory.weights_dtype must be one of {', '.join(_WEIGHT_DTYPES)}; "
-                         f"got {name!r}")
-    import torch
-
-    return getattr(torch, name)
+    return None if name is None else dtype_by_name(name, f"stage {stage.name!r}: memory.weights_dtype")
 
 
 def stage_cost(stage: StageSpec, device: str) -> StageCost:
-    """A stage's memory on `device` (a CUDA device string) apart from its KV share (see the module docstring)."""
-    dtype = _run_dtype(stage, device)
+    """A stage's memory on `device` (a "cuda:N" string) apart from its KV share (see the module
+    docstring), with its config resolved there as the stage's engine resolves it."""
+    stage = resolve_stage(dataclasses.replace(stage, engine=dataclasses.replace(stage.engine, device=device)))
+    dtype = _weights_dtype(stage)
     context = CUDA_CONTEXT_BYTES if stage.runner == "process" else 0
     weights = weight_bytes(stage.model_dir, _prefixes(stage), dtype) if stage.model_dir else 0
     if stage.kind != "ar":
@@ -157,17 +145,6 @@ def split_kv(pool: int, demands: dict[str, int]) -> dict[str, int]:
     want = sum(demands.values())
     scale = 1.0 if want <= pool else pool / want
     return {name: int(d * scale) for name, d in demands.items()}
-
-
-def cuda_device(device: str) -> Optional[str]:
-    """`EngineConfig.device` -> "cuda:N", or None for the CPU."""
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        return None
-    return "cuda:0" if device == "cuda" else device
 
 
 def _cuda_total(device: str) -> int:
@@ -197,10 +174,10 @@ def _plan_device(device: str, stages: list[StageSpec], spec: PipelineSpec, pinne
     renderer = _renderer_on(spec, stages)
     if renderer or any(s.runner == "inline" for s in stages):
         reserves["entry point's CUDA context"] = CUDA_CONTEXT_BYTES
-    if renderer:
-        main = spec.main_stage
+    if renderer:                                # in the main stage's dtype (`OmniChatRenderer`)
+        main = next(s for s in stages if s.name == spec.main_stage.name)
         reserves["chat renderer"] = WORKSPACE_BYTES + weight_bytes(
-            main.model_dir, tuple(spec.renderer_weights), _ar_dtype(main, device))
+            main.model_dir, tuple(spec.renderer_weights), main.engine.torch_dtype())
     costs = {s.name: stage_cost(s, device) for s in free}
     left = int(total * util) - sum(reserves.values()) - sum(c.fixed for c in costs.values())
     described = [f"{n} {_gib(c.fixed)} (weights {_gib(c.weights)}, activations {_gib(c.work)}, "
@@ -229,10 +206,9 @@ def plan_gpu_memory(spec: PipelineSpec, pinned: frozenset[str] = frozenset(),
     `device_total(device) -> bytes` of a "cuda:N" device (default: torch's device properties)."""
     device_total = device_total or _cuda_total
     by_device: dict[str, list[StageSpec]] = {}
-    for s in spec.stages:
-        dev = cuda_device(s.engine.device)
-        if dev is not None:
-            by_device.setdefault(dev, []).append(s)
+    for s in map(resolve_stage, spec.stages):   # unchanged when they come from detect_pipeline
+        if s.engine.device != "cpu":
+            by_device.setdefault(s.engine.device, []).append(s)
     shares: dict[str, float] = {}
     for dev, stages in by_device.items():
         if len(stages) > 1 or _renderer_on(spec, stages):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+from omnistage.config import EngineConfig
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.models.registry import diffusion_family
 from omnistage.params import DiffusionParams
@@ -26,7 +27,7 @@ def _image(w=40, h=24, seed=0) -> Image.Image:
 @pytest.fixture(scope="module")
 def edit(tiny_dir):
     path = tiny_dir("qwen-image-edit")
-    return path, DiffusionEngine(path, diffusion_family(path), device="cpu", dtype="float32", max_num_seqs=8)
+    return path, DiffusionEngine(path, diffusion_family(path), EngineConfig(device="cpu", dtype="float32", max_num_seqs=8))
 
 
 @pytest.fixture(scope="module")

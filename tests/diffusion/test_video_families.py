@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 from diffusion_testutil import frames_uint8, max_pixel_diff, reference_pipe
+from omnistage.config import EngineConfig
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.models.registry import diffusion_family
 from omnistage.params import DiffusionParams
@@ -19,7 +20,8 @@ ENGINES: dict[str, DiffusionEngine] = {}
 
 def engine(tiny_dir, kind: str) -> DiffusionEngine:
     if kind not in ENGINES:
-        ENGINES[kind] = DiffusionEngine(tiny_dir(kind), diffusion_family(tiny_dir(kind)), device="cpu", dtype="float32", max_num_seqs=8)
+        ENGINES[kind] = DiffusionEngine(tiny_dir(kind), diffusion_family(tiny_dir(kind)),
+                                        EngineConfig(device="cpu", dtype="float32", max_num_seqs=8))
     return ENGINES[kind]
 
 

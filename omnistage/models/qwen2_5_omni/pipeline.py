@@ -130,12 +130,12 @@ class OmniChatRenderer:
 
         stage = spec.main_stage
         self.processor = AutoProcessor.from_pretrained(stage.model_dir)
-        device = stage.engine.resolve_device()
-        config = omni_config(stage.model_dir)
-        dtype = stage.engine.resolve_dtype(checkpoint_dtype(stage.model_dir), device)   # as the thinker stage's
-        self.model = load_thinker_encoders(stage.model_dir, device, dtype)
+        # the thinker stage's device and dtype: its config as the AR engine resolves it (resolved already
+        # when the spec comes from `detect_pipeline`)
+        engine = stage.engine.resolved("ar", checkpoint_dtype(stage.model_dir))
+        self.device = engine.torch_device()
+        self.model = load_thinker_encoders(stage.model_dir, self.device, engine.torch_dtype())
         self.config = self.model.config
-        self.device = device
 
     @torch.no_grad()
     def __call__(self, messages: list[dict], chat_template_kwargs: Optional[dict] = None) -> dict[str, Any]:

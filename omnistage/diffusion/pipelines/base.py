@@ -20,7 +20,7 @@ import torch
 
 from omnistage.diffusion.solvers import Schedule, make_schedule, mu_for
 from omnistage.diffusion.task import Conditioning, DiffusionTask
-from omnistage.params import DiffusionParams
+from omnistage.params import DiffusionParams, ParamError
 
 _TOKENIZER_HINTS = ("Tokenizer", "TokenizersBackend")
 
@@ -79,7 +79,7 @@ def to_uint8(x: torch.Tensor) -> np.ndarray:
 
 def check_multiple(name: str, value: int, multiple: int, maximum: int) -> None:
     if value % multiple != 0 or not (multiple <= value <= maximum):
-        raise ValueError(f"{name} must be a positive multiple of {multiple} and at most {maximum}, got {value}")
+        raise ParamError(name, f"{name} must be a positive multiple of {multiple} and at most {maximum}, got {value}")
 
 
 class DiffusionFamily:
@@ -177,7 +177,7 @@ class DiffusionFamily:
     def prompt(inputs: dict) -> str:
         p = inputs.get("prompt")
         if not isinstance(p, str):
-            raise ValueError(f"prompt must be a string, got {type(p).__name__}")
+            raise ParamError("prompt", f"prompt must be a string, got {type(p).__name__}")
         return p
 
     def set_tiling(self, vae, pixels: int) -> None:

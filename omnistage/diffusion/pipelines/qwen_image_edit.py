@@ -24,7 +24,7 @@ import torch
 from omnistage.diffusion.pipelines.base import assign_conds, cfg_prompts
 from omnistage.diffusion.pipelines.qwen_image import QwenImageFamily, pack
 from omnistage.diffusion.task import Conditioning, DiffusionTask
-from omnistage.params import DiffusionParams
+from omnistage.params import DiffusionParams, ParamError
 
 PROMPT_TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, "
                    "objects, background), then explain how the user's text instruction should alter or modify the "
@@ -44,10 +44,10 @@ def input_image(inputs: dict) -> Any:
         image = (inputs.get("multi_modal_data") or {}).get("image")
     if isinstance(image, (list, tuple)):
         if len(image) > 1:
-            raise ValueError(f"image must be exactly one input image for Qwen-Image-Edit, got {len(image)}")
+            raise ParamError("image", f"image must be exactly one input image for Qwen-Image-Edit, got {len(image)}")
         image = image[0] if image else None
     if image is None or not hasattr(image, "convert"):
-        raise ValueError("image must be given for Qwen-Image-Edit, as one PIL image")
+        raise ParamError("image", "image must be given for Qwen-Image-Edit, as one PIL image")
     return image.convert("RGB")
 
 
@@ -87,7 +87,7 @@ class QwenImageEditFamily(QwenImageFamily):
         ch, cw = condition_size(image)
         lh, lw = ch // self.vae_scale, cw // self.vae_scale
         if lh % 2 or lw % 2:
-            raise ValueError(f"image must give a condition size that packs into 2x2 latent patches, got {cw}x{ch} "
+            raise ParamError("image", f"image must give a condition size that packs into 2x2 latent patches, got {cw}x{ch} "
                              f"with this VAE (downscale {self.vae_scale})")
         task.images = [self.image_processor.resize(image, ch, cw)]
         noisy = task.tokens_per_row

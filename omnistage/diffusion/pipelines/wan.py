@@ -23,7 +23,7 @@ from omnistage.diffusion.pipelines.base import (DiffusionFamily, assign_conds, c
                                                  vae_stats)
 from omnistage.diffusion.solvers import make_schedule
 from omnistage.diffusion.task import Conditioning, DiffusionTask
-from omnistage.params import DiffusionParams
+from omnistage.params import DiffusionParams, ParamError
 
 MAX_TEXT = 512
 
@@ -155,7 +155,7 @@ class WanI2VFamily(WanFamily):
         if image is None and inputs.get("images"):
             image = inputs["images"][0]
         if image is None or not hasattr(image, "convert"):
-            raise ValueError("image is required for image-to-video and must be a PIL image")
+            raise ParamError("image", "image is required for image-to-video and must be a PIL image")
         task.images = [image]
 
     def latent_channels(self) -> int:

@@ -11,7 +11,6 @@ whose `param` is the field it carries, as the user spelt it (`bad_request`).
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
@@ -26,12 +25,6 @@ logger = logging.getLogger(__name__)
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error",
           503: "service_unavailable_error"}
-# Transitional: three engine checks still raise a plain ValueError whose text starts with the field
-# (ar/engine.py add_request "max_tokens must be <= ...", diffusion/pipelines/base.py check_multiple
-# "height must be a positive multiple ...", diffusion/pipelines/qwen_image_edit.py "image must be
-# ..."). Once they raise ParamError, delete this and its two lines in `engine_field`: a plain
-# ValueError then gets the route's default param.
-_LEGACY_FIELD = re.compile(r"^(\w+) must\b")
 
 
 class OpenAIError(Exception):
@@ -59,10 +52,7 @@ class ClientDisconnected(Exception):
 
 def engine_field(error: ValueError) -> Optional[str]:
     """The engine field a rejected parameter names: `ParamError.field`; None when it names none."""
-    if isinstance(error, ParamError):
-        return error.field
-    legacy = _LEGACY_FIELD.match(str(error))
-    return legacy.group(1) if legacy else None
+    return error.field if isinstance(error, ParamError) else None
 
 
 def bad_request(error: ValueError, rename: Optional[dict[str, str]] = None,

@@ -16,6 +16,7 @@ from omni_testutil import single_thread
 
 from omnistage.codec.engine import CodecEngine
 from omnistage.models.qwen2_5_omni.code2wav import Code2Wav, Code2WavParams, CodecInput, vocoder_context
+from omnistage.params import ParamError
 
 SEED = 7
 
@@ -130,3 +131,10 @@ def test_bad_requests_are_refused_and_abort_drops(whole):
     whole.add_request("empty", [], None)
     (out,) = whole.step()
     assert out.finished and out.output.audio.samples.shape == (0,)
+
+
+@pytest.mark.parametrize("field, value", [("num_steps", 1), ("guidance_scale", -1.0), ("seed", -3)])
+def test_bad_params_name_their_field(field, value):
+    with pytest.raises(ParamError, match=f"^{field} must be") as e:
+        Code2WavParams(**{field: value})
+    assert e.value.field == field

@@ -64,14 +64,15 @@ def check_greedy() -> bool:
 
 
 def check_code2wav_graphs() -> float:
-    from omnistage.codec.code2wav import Code2WavEngine, Code2WavParams
+    from omnistage.codec.engine import CodecEngine
+    from omnistage.models.qwen2_5_omni.code2wav import Code2Wav, Code2WavParams
     from omnistage.testing.qwen2_5_omni import VOICES, make_tiny_qwen2_5_omni
 
     path = make_tiny_qwen2_5_omni(os.path.join(tempfile.mkdtemp(), "omni"))
     audio = {}
+    torch.backends.cuda.matmul.allow_tf32 = False           # plain fp32: graphs and eager runs alike
     for graphs in (False, True):
-        engine = Code2WavEngine(path, device="cuda", chunk_codes=24, first_chunk_codes=12, cuda_graphs=graphs,
-                                tf32=False)
+        engine = CodecEngine(Code2Wav(path, device="cuda", chunk_codes=24, first_chunk_codes=12, cuda_graphs=graphs))
         for i, n in enumerate((150, 97, 200)):
             codes = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(i)).tolist()
             engine.add_request(f"r{i}", codes, Code2WavParams(voice=VOICES[i % len(VOICES)], seed=i))
@@ -80,19 +81,22 @@ def check_code2wav_graphs() -> float:
             done.update({o.request_id: o.output.audio.samples for o in engine.step() if o.finished})
         audio[graphs] = done
         if graphs:
-            print(f"code2wav graphs: {engine._graphs.captures} captured, {engine._graphs.replays} replays")
+            graph_cache = engine.model.ode.graphs
+            print(f"code2wav graphs: {graph_cache.captures} captured, {graph_cache.replays} replays")
     return max(float(abs(audio[True][k] - audio[False][k]).max()) for k in audio[False])
 
 
 def check_code2wav_tf32(path: str) -> float:
     """Waveform change from TF32 DiT matmuls (the GPU default) vs plain fp32, 7B-shape token2wav:
     max abs difference relative to the fp32 waveform's peak, for 3 requests (random codes, seeded)."""
-    from omnistage.codec.code2wav import Code2WavEngine, Code2WavParams
+    from omnistage.codec.engine import CodecEngine
+    from omnistage.models.qwen2_5_omni.code2wav import Code2Wav, Code2WavParams
     from omnistage.models.qwen2_5_omni.pipeline import CODE2WAV_OPTIONS
 
     audio = {}
     for tf32 in (False, True):
-        engine = Code2WavEngine(path, device="cuda", tf32=tf32, **CODE2WAV_OPTIONS)
+        torch.backends.cuda.matmul.allow_tf32 = tf32        # the process's setting, before the graphs are captured
+        engine = CodecEngine(Code2Wav(path, device="cuda", **CODE2WAV_OPTIONS))
         for i in range(3):
             codes = torch.randint(0, 8000, (300,), generator=torch.Generator().manual_seed(i)).tolist()
             engine.add_request(f"r{i}", codes, Code2WavParams(seed=i))

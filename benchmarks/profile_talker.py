@@ -63,22 +63,23 @@ def main() -> None:
 @torch.inference_mode()
 def code2wav(path: str) -> None:
     """ms per ODE batch of steady chunks (the pipeline's chunk settings), graphs on and off."""
-    from omnistage.codec.code2wav import Code2WavEngine
+    from omnistage.models.qwen2_5_omni.code2wav import Code2Wav, Code2WavParams
     from omnistage.models.qwen2_5_omni.pipeline import CODE2WAV_OPTIONS
 
     for graphs, tf32 in ((True, True), (True, False), (False, True)):
-        eng = Code2WavEngine(path, device="cuda", cuda_graphs=graphs, tf32=tf32, **CODE2WAV_OPTIONS)
-        print(f"code2wav DiT dtype {next(eng.dit.parameters()).dtype}, windows {sorted(eng._graph_frames)}")
+        torch.backends.cuda.matmul.allow_tf32 = tf32        # the process's setting, before the graphs are captured
+        eng = Code2Wav(path, device="cuda", cuda_graphs=graphs, **CODE2WAV_OPTIONS)
+        print(f"code2wav DiT dtype {next(eng.dit.parameters()).dtype}, windows {sorted(eng.graph_frames)}")
         frames = max(eng._steady_windows())
         for n in (1, 8):
             noise = torch.zeros(n, frames, eng.mel_dim)
             codes = torch.zeros(n, frames // eng.repeats + 1, dtype=torch.long)
-            args = (noise, codes, [eng.default_voice] * n, [frames] * n, eng.params_type(), graphs)
-            eng._run_ode(*args)
+            args = (noise, codes, [eng.default_voice] * n, [frames] * n, Code2WavParams().ode_key(), graphs)
+            eng.ode.run(*args)
             torch.cuda.synchronize()
             t = time.perf_counter()
             for _ in range(3):
-                eng._run_ode(*args)
+                eng.ode.run(*args)
             torch.cuda.synchronize()
             print(f"code2wav ODE, graphs {graphs}, tf32 {tf32}, batch {n}, {frames} frames: "
                   f"{(time.perf_counter() - t) / 3 * 1000:.1f} ms")

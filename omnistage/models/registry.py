@@ -63,7 +63,7 @@ MODELS: tuple[ModelEntry, ...] = (
         pipeline=f"{_OMNI}.pipeline:omni_pipeline",
         adapters={"qwen2_5_omni.thinker_to_talker": f"{_OMNI}.adapters:ThinkerToTalker",
                   "qwen2_5_omni.talker_to_code2wav": f"{_OMNI}.adapters:talker_to_code2wav"},
-        codecs={"qwen2_5_omni_code2wav": "omnistage.codec.code2wav:Code2WavEngine"},
+        codecs={"qwen2_5_omni_code2wav": f"{_OMNI}.code2wav:Code2Wav"},
         chat_renderer=f"{_OMNI}.pipeline:OmniChatRenderer"),
     ModelEntry("qwen_image", "diffusion", ("QwenImagePipeline",), family=f"{_DIFFUSERS}.qwen_image:QwenImageFamily"),
     ModelEntry("qwen_image_edit", "diffusion", ("QwenImageEditPipeline",),
@@ -77,7 +77,7 @@ MODELS: tuple[ModelEntry, ...] = (
     ModelEntry("piper", "speech",
                adapters={"text_to_tts": "omnistage.codec.speech:text_to_tts",
                          "text_to_text": "omnistage.codec.speech:text_to_text"},
-               codecs={"piper": "omnistage.codec.piper_tts:PiperTTSEngine"}),
+               codecs={"piper": "omnistage.models.piper.tts:PiperTTS"}),
 )
 
 

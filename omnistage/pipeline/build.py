@@ -31,7 +31,7 @@ CASCADE_TTS_BACKEND = "piper"
 
 def default_tts_backend() -> Optional[str]:
     """The TTS back end a chat LM is cascaded with, or None when none is installed."""
-    from omnistage.codec.piper_tts import piper_available
+    from omnistage.models.piper.voices import piper_available
 
     return CASCADE_TTS_BACKEND if piper_available() else None
 

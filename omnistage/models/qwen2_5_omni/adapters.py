@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from omnistage.codec.code2wav import CodecInput
+from omnistage.models.qwen2_5_omni.code2wav import CodecInput
 from omnistage.adapters import EdgeContext
 from omnistage.stage import ARPrompt, ExtraRows, HiddenStates, StageOutput
 

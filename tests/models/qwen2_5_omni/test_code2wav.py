@@ -14,7 +14,9 @@ import pytest
 import torch
 from omni_testutil import single_thread
 
-from omnistage.codec.code2wav import Code2WavEngine, Code2WavParams, CodecInput, vocoder_context
+from omnistage.codec.engine import CodecEngine
+from omnistage.models.qwen2_5_omni.code2wav import Code2Wav, Code2WavParams, CodecInput, vocoder_context
+from omnistage.params import ParamError
 
 SEED = 7
 
@@ -28,7 +30,7 @@ def run(engine, requests):
     live = {}
     for rid, c, params in requests:
         engine.add_request(rid, c, params)
-        live[rid] = engine.requests[rid]
+        live[rid] = engine.requests[rid].state
     done, counts = {}, {}
     while engine.has_unfinished():
         for out in engine.step():
@@ -41,7 +43,7 @@ def run(engine, requests):
 
 @pytest.fixture(scope="module")
 def whole(omni_dir):
-    return Code2WavEngine(omni_dir)
+    return CodecEngine(Code2Wav(omni_dir))
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +65,8 @@ def test_whole_mode_matches_transformers_token2wav(hf_omni, reference):
 
 @pytest.mark.parametrize("past, future, mel_tol, wav_tol", [(2, 1, 1e-2, 5e-3), (4, 2, 5e-4, 1e-4)])
 def test_chunked_mode_stays_close_to_whole_decode(omni_dir, reference, past, future, mel_tol, wav_tol):
-    engine = Code2WavEngine(omni_dir, chunk_codes=24, first_chunk_codes=12, past_blocks=past, future_blocks=future)
+    engine = CodecEngine(Code2Wav(omni_dir, chunk_codes=24, first_chunk_codes=12, past_blocks=past,
+                                  future_blocks=future))
     wav, mel, outputs = run(engine, [("a", codes(60), Code2WavParams(voice="Ethan", seed=SEED))])["a"]
     ref_wav, ref_mel, _ = reference
     assert outputs == 3                         # chunks of 12, 24 and 24 codes
@@ -73,7 +76,7 @@ def test_chunked_mode_stays_close_to_whole_decode(omni_dir, reference, past, fut
 
 
 def test_streamed_codes_give_audio_before_the_input_ends(omni_dir, reference):
-    engine = Code2WavEngine(omni_dir, chunk_codes=24, first_chunk_codes=12)
+    engine = CodecEngine(Code2Wav(omni_dir, chunk_codes=24, first_chunk_codes=12))
     all_codes = codes(60)
     engine.add_request("s", CodecInput(all_codes[:20], finished=False), Code2WavParams(voice="Ethan", seed=SEED))
     assert engine.step() == []                  # 12 codes + one future block (12 codes) not there yet
@@ -92,11 +95,11 @@ def test_batched_requests_decode_as_if_alone(omni_dir):
     requests = [(f"r{i}", codes(n, seed=i), Code2WavParams(voice=v, seed=i))
                 for i, (n, v) in enumerate([(22, "Ethan"), (35, "Chelsie"), (9, "Ethan")])]
     for options in ({}, {"chunk_codes": 24, "first_chunk_codes": 12}):
-        engine = Code2WavEngine(omni_dir, **options)
+        engine = CodecEngine(Code2Wav(omni_dir, **options))
         together = run(engine, requests)
         stats = engine.stats()
         assert stats["dit_rows_total"] > stats["dit_batches_total"]  # several requests per ODE forward
-        alone_engine = Code2WavEngine(omni_dir, **options)
+        alone_engine = CodecEngine(Code2Wav(omni_dir, **options))
         for request in requests:
             alone = run(alone_engine, [request])[request[0]][0]
             np.testing.assert_allclose(together[request[0]][0], alone, rtol=0, atol=1e-5)
@@ -105,12 +108,12 @@ def test_batched_requests_decode_as_if_alone(omni_dir):
 def test_vocoder_context_bounds_bigvgan_receptive_field(whole, reference):
     """BigVGAN over [s - ctx, e + ctx] of exact mel reproduces the whole decode's samples of [s, e)."""
     _, mel, _ = reference
-    ctx, hop = vocoder_context(whole.vocoder.config), 240
+    ctx, hop = vocoder_context(whole.model.vocoder.config), 240
     with torch.no_grad():
-        full = whole.vocoder(mel.T[None]).reshape(-1)
+        full = whole.model.vocoder(mel.T[None]).reshape(-1)
         s, e = 40, 70
-        part = whole.vocoder(mel[s - ctx: e + ctx].T[None]).reshape(-1)[ctx * hop: (ctx + e - s) * hop]
-        short = whole.vocoder(mel[s - 2: e + 2].T[None]).reshape(-1)[2 * hop: (2 + e - s) * hop]
+        part = whole.model.vocoder(mel[s - ctx: e + ctx].T[None]).reshape(-1)[ctx * hop: (ctx + e - s) * hop]
+        short = whole.model.vocoder(mel[s - 2: e + 2].T[None]).reshape(-1)[2 * hop: (2 + e - s) * hop]
     torch.testing.assert_close(part, full[s * hop: e * hop], rtol=0, atol=1e-6)
     assert (short - full[s * hop: e * hop]).abs().max() > 1e-3   # too little context shows
 
@@ -128,3 +131,10 @@ def test_bad_requests_are_refused_and_abort_drops(whole):
     whole.add_request("empty", [], None)
     (out,) = whole.step()
     assert out.finished and out.output.audio.samples.shape == (0,)
+
+
+@pytest.mark.parametrize("field, value", [("num_steps", 1), ("guidance_scale", -1.0), ("seed", -3)])
+def test_bad_params_name_their_field(field, value):
+    with pytest.raises(ParamError, match=f"^{field} must be") as e:
+        Code2WavParams(**{field: value})
+    assert e.value.field == field

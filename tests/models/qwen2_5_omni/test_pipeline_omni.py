@@ -314,7 +314,7 @@ def test_every_stage_in_its_own_process_gives_the_same_text_codes_and_audio(omni
     states, prompt embeddings, codes -- cross through `pipeline.wire`). Greedy text, talker codes and
     waveform equal the in-process pipeline's, for a text and an image+audio prompt, two at once."""
     from omnistage import Omni
-    from omnistage.codec.code2wav import Code2WavParams
+    from omnistage.models.qwen2_5_omni.code2wav import Code2WavParams
 
     deploy = {"stages": {"thinker": {"runner": "process"}, "code2wav": {"runner": "process"},
                          "talker": {"runner": "process", "params": {"max_tokens": 40}}}}
@@ -342,7 +342,7 @@ def test_stage_process_takes_handed_on_requests_without_waiting_and_reports_refu
     """`submit` is one-way: a request the code2wav process refuses (an id outside the codec table)
     comes back as a finished output naming the reason, and the next request decodes; a refused voice
     is remembered, and still refused, without another round trip."""
-    from omnistage.codec.code2wav import Code2WavParams
+    from omnistage.models.qwen2_5_omni.code2wav import Code2WavParams
     from omnistage.config import EngineConfig
     from omnistage.spec import StageSpec
     from omnistage.pipeline.stage_client import StageClient

@@ -1,0 +1,129 @@
+"""`CodecEngine`: a codec stage -- a text-to-speech voice or a code-to-waveform vocoder -- as a
+`StageEngine` around a codec model (the stage's process).
+
+In: `add_request(request_id, inputs, params)` where inputs is what the model's `take` reads (a
+`TTSInput` or text for a voice, a `CodecInput` or a list of ids for a vocoder; `finished=False`
+while an upstream stage streams more through `add_input`) and params an instance of the model's
+`params_type` (None = its defaults). Out: each `step()` returns one `StageOutput` per request that
+changed: `output.audio` is the cumulative `AudioOutput` (float32 mono in [-1, 1] at the model's
+rate), `output.prompt` / `prompt_token_ids` what the model says it has read (text spoken, phoneme or
+codec ids), `audio_chunk` the samples added this step (empty when none); the last one has
+`finished=True`.
+
+A step is schedule -> decode -> update: the `CodecScheduler` picks the ready chunks (round-robin, one
+batch key, up to the model's `max_batch`), the model decodes them in one call, the scheduler files
+the audio and says which requests changed or finished. The engine owns the requests and their
+audio; the model (`CodecModel`, implemented in the model's folder: `models/qwen2_5_omni/code2wav.py`,
+`models/piper/tts.py`) owns everything that knows what a chunk is. A back end's
+`from_stage_spec(spec)` builds its model and returns the engine around it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Hashable, Optional, Protocol
+
+import numpy as np
+
+from omnistage.codec.scheduler import CodecReport, CodecRequest, CodecScheduler
+from omnistage.outputs import AudioOutput, RequestMetrics, RequestOutput
+from omnistage.stage import StageOutput
+
+
+class CodecModel(Protocol):
+    """What a codec back end implements for `CodecEngine`. `state` is the model's own per-request
+    object (`new_state`); a chunk is whatever `ready` returns and `decode` reads back."""
+
+    params_type: type                           # request params class; `params_type()` = the defaults
+    max_batch: int                              # most requests one `decode` call serves
+
+    def voices(self) -> list[dict[str, Any]]: ...          # one {"id", "name", "sample_rate", "backend", ...} per voice
+
+    def check_params(self, params: Any) -> None: ...       # raises ValueError naming the field and the allowed values
+
+    def new_state(self, params: Any) -> Any: ...           # a new request's state, the stage's defaults filled in
+
+    def batch_key(self, state: Any) -> Hashable: ...       # requests with equal keys may share one `decode`
+
+    def take(self, state: Any, piece: Any) -> bool: ...    # validates, appends a piece; returns its `finished`
+
+    def ready(self, state: Any, input_done: bool) -> Optional[Any]: ...  # next chunk; None: wait / nothing left
+
+    def decode(self, states: list, chunks: list) -> list[np.ndarray]: ...  # audio per chunk; states move past them
+
+    def sample_rate(self, state: Any) -> int: ...          # Hz of the request's audio
+
+    def prompt(self, state: Any) -> tuple[Optional[str], list[int]]: ...  # (text read so far, ids read so far)
+
+    def stats(self) -> dict[str, float]: ...               # the model's counters (seconds per phase, batches)
+
+
+class CodecEngine:
+    def __init__(self, model: CodecModel):
+        self.model = model
+        self.params_type = model.params_type
+        self.scheduler = CodecScheduler(lambda req: model.ready(req.state, req.input_done), model.max_batch)
+        self._audio_seconds = 0.0
+
+    @property
+    def requests(self) -> dict[str, CodecRequest]:
+        """The unfinished requests by id, in round-robin order."""
+        return self.scheduler.requests
+
+    def voices(self) -> list[dict[str, Any]]:
+        return self.model.voices()
+
+    def check_params(self, params: Any) -> None:
+        """Raises ValueError for params this stage cannot serve (an unknown voice)."""
+        self.model.check_params(params)
+
+    def add_request(self, request_id: str, inputs: Any, params: Any = None,
+                    arrival_time: Optional[float] = None) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params if params is not None else self.params_type()
+        self.model.check_params(params)
+        state = self.model.new_state(params)
+        req = CodecRequest(request_id, state, self.model.batch_key(state),
+                           metrics=RequestMetrics(arrival_time=arrival_time or time.time()))
+        self._take(req, inputs)
+        self.scheduler.add(req)
+
+    def add_input(self, request_id: str, piece: Any) -> None:
+        """More input for a streamed request (the last piece has `finished=True`)."""
+        req = self.requests.get(request_id)
+        if req is not None:                     # an aborted request's late input is dropped
+            self._take(req, piece)
+
+    def _take(self, req: CodecRequest, piece: Any) -> None:
+        if req.input_done:
+            raise ValueError(f"request {req.request_id!r} already received its last input")
+        req.input_done = self.model.take(req.state, piece)
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> dict[str, float]:
+        ready = self.scheduler.num_ready()
+        return {"num_running": ready, "num_waiting": len(self.requests) - ready,
+                "audio_seconds_total": self._audio_seconds, **self.model.stats()}
+
+    def step(self) -> list[StageOutput]:
+        batch = self.scheduler.schedule()
+        audio = self.model.decode([r.state for r in batch.requests], batch.chunks) if len(batch) else []
+        for req, chunk in zip(batch.requests, audio):
+            self._audio_seconds += len(chunk) / self.model.sample_rate(req.state)
+        return [self._output(report) for report in self.scheduler.update(batch, audio)]
+
+    def _output(self, report: CodecReport) -> StageOutput:
+        req = report.request
+        chunk = report.chunk if report.chunk is not None else np.zeros(0, np.float32)
+        samples = np.concatenate(req.chunks) if req.chunks else np.zeros(0, np.float32)
+        prompt, ids = self.model.prompt(req.state)
+        out = RequestOutput(request_id=req.request_id, prompt=prompt, prompt_token_ids=list(ids),
+                            finished=report.finished, metrics=req.metrics,
+                            audio=AudioOutput(samples=samples, sample_rate=self.model.sample_rate(req.state)))
+        return StageOutput(req.request_id, out, report.finished, audio_chunk=chunk)

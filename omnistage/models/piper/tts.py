@@ -1,0 +1,150 @@
+"""`PiperTTS`: Piper voices as the codec model of a text-to-speech `CodecEngine` stage (registry back
+end "piper"; runs in the TTS stage's process).
+
+In: a request's input is a string (spoken whole) or a `TTSInput` (sentences; `finished=False` when
+an upstream LM streams more), its params a `TTSParams` (voice, speed). A chunk is the request's next
+sentence: each step synthesizes the next sentence of up to `max_batch_sentences` requests,
+round-robin. Out (through the engine): the cumulative `AudioOutput` (float32 mono in [-1, 1] at the
+voice's native rate, 22050 Hz for the bundled voice), the sentences spoken so far as `prompt` and
+their phoneme ids as `prompt_token_ids`. A request finishes when its input is finished and every
+sentence is spoken.
+
+Voices are the stage option `voices` (`voices.py`). Models load on first use and are shared by the
+presets that name them. Piper's exported graph pads a batch to its longest item and returns no
+per-item audio lengths, so each sentence runs its own forward; the step still serves several
+requests, which is what keeps time-to-first-audio flat under load.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from omnistage.codec.engine import CodecEngine
+from omnistage.codec.speech import TTSInput, TTSParams, check_voice
+from omnistage.models.piper.voices import DEFAULT_VOICE, INSTALL_HINT, VoiceSpec, piper_available, voices_from_options
+
+logger = logging.getLogger(__name__)
+
+
+class PiperState:
+    """One request's sentences: those to speak, those spoken, and what they gave."""
+
+    def __init__(self, voice: VoiceSpec, params: TTSParams):
+        self.voice = voice
+        self.params = params
+        self.pending: deque[str] = deque()      # sentences not spoken yet
+        self.spoken: list[str] = []             # sentences spoken, in order
+        self.phoneme_ids: list[int] = []        # phoneme ids of the spoken sentences
+        self.sample_rate = 0                    # Hz of the loaded voice model; 0 until the first sentence
+
+
+class PiperTTS:
+    """The codec model (`codec/engine.py: CodecModel`) of the Piper TTS stage."""
+
+    params_type = TTSParams
+
+    def __init__(self, voices: Optional[dict[str, Union[str, dict]]] = None, default_voice: Optional[str] = None,
+                 max_batch_sentences: int = 8, device: Any = "cpu"):
+        if not piper_available():
+            raise RuntimeError(f"the Piper TTS stage needs piper-tts and a voice; install with: {INSTALL_HINT}")
+        self.voice_specs = voices_from_options(voices)
+        if not self.voice_specs:
+            raise RuntimeError(f"no Piper voice is installed; install with: {INSTALL_HINT}")
+        self.default_voice = default_voice or (DEFAULT_VOICE if DEFAULT_VOICE in self.voice_specs
+                                               else next(iter(self.voice_specs)))
+        if self.default_voice not in self.voice_specs:
+            raise ValueError(f"default_voice must be one of {sorted(self.voice_specs)}, got {default_voice!r}")
+        if max_batch_sentences < 1:
+            raise ValueError(f"max_batch_sentences must be >= 1, got {max_batch_sentences}")
+        self.max_batch = max_batch_sentences
+        self.use_cuda = str(device).startswith("cuda")
+        self._models: dict[str, Any] = {}       # model path -> loaded PiperVoice
+        self._synth_seconds = 0.0
+
+    @classmethod
+    def from_stage_spec(cls, spec) -> CodecEngine:
+        """The TTS stage's engine; options are `voices`, `default_voice`, `max_batch_sentences`."""
+        return CodecEngine(cls(device=spec.engine.resolve_device(), **spec.options))
+
+    # ---- voices ---------------------------------------------------------------------------------
+    def voices(self) -> list[dict[str, Any]]:
+        return [v.describe() for v in self.voice_specs.values()]
+
+    def _model(self, voice: VoiceSpec):
+        model = self._models.get(voice.model_path)
+        if model is None:
+            import onnxruntime
+            from piper import PiperVoice
+
+            cuda = self.use_cuda and "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+            start = time.perf_counter()
+            model = PiperVoice.load(voice.model_path, voice.config_path, use_cuda=cuda)
+            logger.info("Piper voice %s loaded in %.2f s (%s)", voice.name, time.perf_counter() - start,
+                        "cuda" if cuda else "cpu")
+            self._models[voice.model_path] = model
+        return model
+
+    def _synthesize(self, voice: VoiceSpec, text: str, speed: float) -> tuple[np.ndarray, list[int], int]:
+        from piper.config import SynthesisConfig
+
+        model = self._model(voice)
+        length = voice.length_scale if voice.length_scale is not None else model.config.length_scale
+        syn = SynthesisConfig(speaker_id=voice.speaker_id, length_scale=length / speed,
+                              noise_scale=voice.noise_scale, noise_w_scale=voice.noise_w_scale)
+        pieces, ids = [], []
+        for chunk in model.synthesize(text, syn):
+            pieces.append(chunk.audio_float_array)
+            ids.extend(chunk.phoneme_ids)
+        audio = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
+        return audio, ids, model.config.sample_rate
+
+    # ---- CodecModel -------------------------------------------------------------------------------
+    def check_params(self, params: Optional[TTSParams]) -> None:
+        """Raises ValueError naming the valid voices when `params.voice` is unknown."""
+        check_voice(params, self.voice_specs)
+
+    def new_state(self, params: TTSParams) -> PiperState:
+        return PiperState(self.voice_specs[params.voice or self.default_voice], params)
+
+    def batch_key(self, state: PiperState) -> None:
+        return None                             # every sentence runs its own forward: any mix batches
+
+    def take(self, state: PiperState, piece: Any) -> bool:
+        if isinstance(piece, dict):
+            piece = piece.get("prompt", piece.get("input"))
+        if isinstance(piece, str):
+            piece = TTSInput.from_text(piece)
+        if not isinstance(piece, TTSInput):
+            raise ValueError("a TTS input must be text or a TTSInput")
+        state.pending.extend(s for s in piece.sentences if s.strip())
+        return piece.finished
+
+    def ready(self, state: PiperState, input_done: bool) -> Optional[str]:
+        return state.pending[0] if state.pending else None
+
+    def decode(self, states: list[PiperState], chunks: list[str]) -> list[np.ndarray]:
+        """Speaks each state's next sentence (`chunks`), one forward each."""
+        audio = []
+        for state, sentence in zip(states, chunks):
+            state.pending.popleft()
+            start = time.perf_counter()
+            wav, ids, state.sample_rate = self._synthesize(state.voice, sentence, state.params.speed)
+            self._synth_seconds += time.perf_counter() - start
+            state.phoneme_ids.extend(ids)
+            state.spoken.append(sentence)
+            audio.append(wav)
+        return audio
+
+    def sample_rate(self, state: PiperState) -> int:
+        return state.sample_rate or state.voice.sample_rate
+
+    def prompt(self, state: PiperState) -> tuple[Optional[str], list[int]]:
+        return " ".join(state.spoken), state.phoneme_ids
+
+    def stats(self) -> dict[str, float]:
+        return {"synthesis_seconds_total": self._synth_seconds}

@@ -1,0 +1,355 @@
+"""`Code2Wav`: Qwen2.5-Omni's token2wav (DiT + BigVGAN) as the codec model of a batched, streaming
+`CodecEngine` stage (registry back end "qwen2_5_omni_code2wav"; runs in the code2wav stage's process).
+
+In: a request's input is a `CodecInput` (talker codec ids, `finished=False` while the talker streams
+more) or a plain list of ids, and its params a `Code2WavParams` (voice from the checkpoint's
+`spk_dict.pt`, noise seed, ODE settings). Out (through the engine): the cumulative `AudioOutput`
+(float32 mono in [-1, 1] at 24000 Hz), the codes read as `prompt_token_ids`.
+
+How a request is decoded (the DiT's ODE is `code2wav_ode.py`; the vocoder is transformers'
+`Qwen2_5OmniToken2WavBigVGANModel`):
+  * Noise: a per-request `torch.Generator` seeded with `params.seed` draws the initial mel noise
+    frame by frame as codes arrive; the draws concatenate to exactly `torch.randn([1, frames, 80])`
+    after `torch.manual_seed(seed)`, which is what transformers' `token2wav` uses, so whole-sequence
+    decoding reproduces it, and chunked decoding uses the same noise for every frame.
+  * Whole mode (`chunk_codes=None`): once the input is finished, one window over all codes: the ODE
+    of `Qwen2_5OmniToken2WavDiTModel.sample`, then BigVGAN over the whole mel.
+  * Chunked mode: mel frames [s, e) are decoded by running the ODE over the window
+    [s - past, e + future) (past/future in DiT blocks of 24 frames, window start aligned to a block
+    so the DiT's block-local attention sees the same blocks as in a whole decode); the frames
+    [s, e) are kept, the window's frames after e are kept as a provisional look-ahead. A chunk
+    waits until the codes for e + future exist (or the input is finished). BigVGAN then vocodes
+    [s, e) from the kept mel before s (its receptive field, `vocoder_context` frames) plus the
+    provisional look-ahead after e; only the samples of [s, e) are emitted (no overlap-add). Errors
+    vs a whole decode come from the ODE state outside the window (each of the 36 DiT evaluations
+    widens the dependency by the look-back/ahead blocks) and from BigVGAN's provisional right
+    context; both shrink as `past_blocks` / `future_blocks` grow (measured in tests/models/qwen2_5_omni).
+  * Batching: the engine hands one `decode` the ready chunks of up to `max_batch_requests` requests
+    with the same ODE settings (`Code2WavParams.ode_key`, the batch key); the ODE runs them in one
+    forward per evaluation. BigVGAN runs once per group of equal-length inputs (padding would
+    change a convolution's tail).
+  * CUDA graphs (on a GPU, chunked mode, `cuda_graphs`): the ODE of a chunk (36 DiT evaluations,
+    launch-bound) replays as one graph when the window has a steady length (`_steady_windows`);
+    the batch is padded to a captured size (1, 2, 4, 8, ... up to `max_batch_requests`) with
+    empty rows. Graphs are captured at start-up for the default ODE settings.
+  * TF32: token2wav runs in float32 (as transformers runs it); on a GPU its DiT matmuls may use TF32
+    tensor cores (inputs rounded to 10-bit mantissas): measured on an H200 (7B shape), the CUDA-graph
+    ODE of 8 steady chunks takes 546 ms with TF32 and 1514 ms in plain fp32
+    (benchmarks/profile_talker.py); the waveform moves by 2e-3 of its peak (benchmarks/check_cuda.py).
+    `torch.backends.cuda.matmul.allow_tf32` is a process-wide flag, so it is set once, by
+    `from_stage_spec`, and only when the stage runs in its own process (`runner: process`, the GPU
+    layout of the omni pipeline): there it concerns this stage alone, and every eager run and
+    every graph capture sees the same setting. Inline, in a process other stages share, the stage
+    leaves the flag as the process has it (PyTorch's default: off), so that it never changes
+    another stage's float32 matmuls. Stage option `tf32: false` keeps plain fp32 in its own process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import secrets
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from omnistage.codec.engine import CodecEngine
+from omnistage.codec.speech import check_voice
+from omnistage.models.qwen2_5_omni.code2wav_ode import Code2WavODE
+from omnistage.params import check_param
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_RATE = 24000
+
+
+@dataclass
+class Code2WavParams:
+    voice: Optional[str] = None                 # a key of spk_dict.pt; None = the stage's default voice
+    seed: Optional[int] = None                  # initial-noise seed; None = a fresh random seed
+    num_steps: int = 10                         # ODE time points (transformers' default: 10 -> 9 RK4 steps)
+    guidance_scale: float = 0.5                 # classifier-free guidance weight; < 1e-5 turns CFG off
+    sway_coefficient: Optional[float] = -1.0    # sway sampling of the time points; None = uniform
+
+    def __post_init__(self) -> None:
+        check_param(isinstance(self.num_steps, int) and 2 <= self.num_steps <= 100, "num_steps",
+                    "an integer in [2, 100]", self.num_steps)
+        check_param(isinstance(self.guidance_scale, (int, float)) and self.guidance_scale >= 0, "guidance_scale",
+                    "a number >= 0", self.guidance_scale)
+        check_param(self.seed is None or (isinstance(self.seed, int) and self.seed >= 0), "seed",
+                    "a non-negative integer or None", self.seed)
+
+    def ode_key(self) -> tuple:
+        """Requests with the same key can share one ODE forward: (num_steps, guidance_scale, sway_coefficient)."""
+        return (self.num_steps, float(self.guidance_scale), self.sway_coefficient)
+
+
+@dataclass
+class CodecInput:
+    codes: list[int] = field(default_factory=list)  # talker codec ids (no bos/eos), in order
+    finished: bool = True                       # no codes follow the last one given so far
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def slice(self, start: int, end: int, finished: bool) -> "CodecInput":
+        return CodecInput(list(self.codes[start:end]), finished)
+
+
+def load_token2wav(model_dir: str, device: str = "cpu"):
+    """(token2wav module in float32 eval mode, speakers dict) from a Qwen2.5-Omni folder.
+
+    Reads only the `token2wav.*` tensors of the (single or sharded) safetensors checkpoint.
+    """
+    from safetensors import safe_open
+    from transformers import AutoConfig
+    from transformers.initialization import no_init_weights
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with no_init_weights():                     # every parameter is loaded below; buffers are built in __init__
+        model = Qwen2_5OmniToken2WavModel._from_config(config.token2wav_config, attn_implementation="sdpa")
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            files = sorted({v for k, v in json.load(f)["weight_map"].items() if k.startswith("token2wav.")})
+    else:
+        files = ["model.safetensors"]
+    state = {}
+    for name in files:
+        with safe_open(os.path.join(model_dir, name), "pt") as f:
+            for key in f.keys():
+                if key.startswith("token2wav."):
+                    state[key[len("token2wav."):]] = f.get_tensor(key)
+    missing, _ = model.load_state_dict(state, strict=False)  # unexpected: filter buffers some exports save
+    if missing:
+        raise ValueError(f"{model_dir}: token2wav weights missing from the checkpoint: {missing[:5]}")
+    speakers = torch.load(os.path.join(model_dir, "spk_dict.pt"), weights_only=True)
+    return model.float().eval().to(device), speakers
+
+
+def vocoder_context(bigvgan_config) -> int:
+    """Mel frames each side of a frame that can change its BigVGAN samples (rounded up, +1 margin).
+
+    Sums, stage by stage, the radius of the transposed conv, the widest AMP residual block (its
+    dilated and plain convs plus two anti-aliased activations per pair, ~6 samples each) divided
+    by the samples per frame at that stage. Real Qwen2.5-Omni: 40 frames; tests check the bound.
+    """
+    frames, rate = 3.0, 1                       # conv_pre: kernel 7
+    for stride, kernel in zip(bigvgan_config.upsample_rates, bigvgan_config.upsample_kernel_sizes):
+        frames += math.ceil(kernel / stride) / rate
+        rate *= stride
+        amp = max(sum((k - 1) / 2 * d + (k - 1) / 2 + 12 for d in dil)
+                  for k, dil in zip(bigvgan_config.resblock_kernel_sizes, bigvgan_config.resblock_dilation_sizes))
+        frames += amp / rate
+    frames += (6 + 3) / rate                    # activation_post + conv_post (kernel 7)
+    return math.ceil(frames) + 1
+
+
+class Code2WavState:
+    """One request's decoding state; a chunk of it is (s, e, window start, window end) in mel frames."""
+
+    def __init__(self, params: Code2WavParams, mel_dim: int):
+        self.params = params                    # the voice filled in
+        self.codes: list[int] = []              # every code received so far
+        seed = params.seed if params.seed is not None else secrets.randbits(62)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.noise = torch.zeros(0, mel_dim)    # initial ODE state per mel frame, drawn as needed
+        self.mel = torch.zeros(0, mel_dim)      # final mel frames [0, done)
+        self.lookahead = torch.zeros(0, mel_dim)  # provisional mel after `done` from the last window
+
+    @property
+    def done(self) -> int:
+        return self.mel.shape[0]
+
+    def draw_noise(self, frames: int) -> torch.Tensor:
+        missing = frames - self.noise.shape[0]
+        if missing > 0:
+            extra = torch.randn(1, missing, self.noise.shape[1], generator=self.generator)[0]
+            self.noise = torch.cat([self.noise, extra])
+        return self.noise[:frames]
+
+
+class Code2Wav:
+    """The codec model (`codec/engine.py: CodecModel`) of the code2wav stage."""
+
+    params_type = Code2WavParams
+
+    def __init__(self, model_dir: str, device: Any = "cpu", default_voice: Optional[str] = None,
+                 chunk_codes: Optional[int] = None, first_chunk_codes: Optional[int] = None,
+                 past_blocks: int = 2, future_blocks: int = 1, vocoder_context_frames: Optional[int] = None,
+                 max_batch_requests: int = 8, cuda_graphs: bool = True):
+        for name, value in (("chunk_codes", chunk_codes), ("first_chunk_codes", first_chunk_codes)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if first_chunk_codes is not None and chunk_codes is None:
+            raise ValueError("first_chunk_codes needs chunk_codes (chunked mode)")
+        for name, value in (("past_blocks", past_blocks), ("future_blocks", future_blocks)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if max_batch_requests < 1:
+            raise ValueError(f"max_batch_requests must be >= 1, got {max_batch_requests}")
+        self.device = torch.device(device)
+        self.model, self.speakers = load_token2wav(model_dir, self.device)
+        self.dit = self.model.code2wav_dit_model
+        self.vocoder = self.model.code2wav_bigvgan_model
+        self.default_voice = default_voice or next(iter(self.speakers))
+        if self.default_voice not in self.speakers:
+            raise ValueError(f"default_voice must be one of {sorted(self.speakers)}, got {default_voice!r}")
+        cfg = self.dit.config
+        self.repeats, self.block, self.mel_dim = cfg.repeats, cfg.block_size, cfg.mel_dim
+        self.max_code = cfg.num_embeds          # the codec table has num_embeds + 1 rows
+        self.hop = math.prod(self.vocoder.config.upsample_rates)
+        self.chunk_frames = None if chunk_codes is None else chunk_codes * self.repeats
+        self.first_chunk_frames = (first_chunk_codes or chunk_codes or 0) * self.repeats
+        self.past, self.future = past_blocks * self.block, future_blocks * self.block
+        self.voc_ctx = vocoder_context_frames if vocoder_context_frames is not None \
+            else vocoder_context(self.vocoder.config)
+        self.max_batch = max_batch_requests
+        # The ODE of a chunk replays as a CUDA graph when its window has one of the steady sizes (the
+        # first chunk's, a later chunk's); other windows (a request's tail, whole mode) run eagerly.
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and self.chunk_frames is not None
+        self.graph_frames: set[int] = self._steady_windows() if self.cuda_graphs else set()
+        self.batch_sizes = [b for b in (1, 2, 4, 8, 16, 32) if b < max_batch_requests] + [max_batch_requests]
+        self.ode = Code2WavODE(self.dit, self.speakers, self.device,
+                               max_graphs=4 * len(self.batch_sizes) * len(self.graph_frames))
+        self._totals = {"dit_seconds_total": 0.0, "vocoder_seconds_total": 0.0,
+                        "dit_batches_total": 0, "dit_rows_total": 0}
+        if self.cuda_graphs:
+            self.ode.capture(self.batch_sizes, self.graph_frames, Code2WavParams().ode_key(), self.default_voice)
+
+    @classmethod
+    def from_stage_spec(cls, spec) -> CodecEngine:
+        """The code2wav stage's engine; options are this class's keyword arguments plus `tf32` (bool,
+        default true; see the module docstring)."""
+        options = {"cuda_graphs": spec.engine.cuda_graphs, **spec.options}
+        tf32 = bool(options.pop("tf32", True))
+        device = spec.engine.resolve_device()
+        if device.type == "cuda":
+            if spec.runner == "process":        # before the graphs are captured: they keep the setting
+                torch.backends.cuda.matmul.allow_tf32 = tf32
+            elif tf32:
+                logger.info("code2wav runs inline: its float32 matmuls follow the process's TF32 setting "
+                            "(allow_tf32=%s); runner: process gives it its own", torch.backends.cuda.matmul.allow_tf32)
+        return CodecEngine(cls(spec.model_dir, device=device, **options))
+
+    # ---- CodecModel: requests ---------------------------------------------------------------------
+    def voices(self) -> list[dict[str, Any]]:
+        return [{"id": v, "name": v, "sample_rate": SAMPLE_RATE, "backend": "qwen2_5_omni"} for v in self.speakers]
+
+    def check_params(self, params: Optional[Code2WavParams]) -> None:
+        check_voice(params, self.speakers)
+
+    def new_state(self, params: Code2WavParams) -> Code2WavState:
+        if params.voice is None:
+            params = replace(params, voice=self.default_voice)
+        return Code2WavState(params, self.mel_dim)
+
+    def batch_key(self, state: Code2WavState) -> tuple:
+        return state.params.ode_key()
+
+    def take(self, state: Code2WavState, piece: Any) -> bool:
+        if not isinstance(piece, CodecInput):
+            codes = piece.tolist() if isinstance(piece, torch.Tensor) else piece
+            piece = CodecInput([int(c) for c in codes], True)
+        bad = [c for c in piece.codes if not 0 <= c <= self.max_code]
+        if bad:
+            raise ValueError(f"codec ids must be in [0, {self.max_code}], got {bad[:5]}")
+        state.codes.extend(piece.codes)
+        return piece.finished
+
+    def ready(self, state: Code2WavState, input_done: bool) -> Optional[tuple[int, int, int, int]]:
+        """(s, e, window start, window end) in mel frames of the request's next chunk, or None."""
+        total, s = len(state.codes) * self.repeats, state.done
+        if s >= total:
+            return None
+        if self.chunk_frames is None:           # whole mode: one window once everything is there
+            return (0, total, 0, total) if input_done else None
+        e = s + (self.first_chunk_frames if s == 0 else self.chunk_frames)
+        if e + self.future > total and not input_done:
+            return None
+        e = min(e, total)
+        return s, e, max(0, (s - self.past) // self.block * self.block), min(total, e + self.future)
+
+    def sample_rate(self, state: Code2WavState) -> int:
+        return SAMPLE_RATE
+
+    def prompt(self, state: Code2WavState) -> tuple[Optional[str], list[int]]:
+        return None, state.codes
+
+    def stats(self) -> dict[str, float]:
+        return dict(self._totals)
+
+    def decode(self, states: list[Code2WavState], chunks: list[tuple[int, int, int, int]]) -> list[np.ndarray]:
+        """One ODE batch over the chunks' windows, then BigVGAN; each chunk's samples, in order."""
+        start = time.perf_counter()
+        windows = self._decode_mel(states, chunks)
+        self._totals["dit_seconds_total"] += time.perf_counter() - start
+        self._totals["dit_batches_total"] += 1
+        self._totals["dit_rows_total"] += len(states)
+        start = time.perf_counter()
+        audio = self._vocode(states, chunks, windows)
+        self._totals["vocoder_seconds_total"] += time.perf_counter() - start
+        return audio
+
+    # ---- DiT: codes -> mel ------------------------------------------------------------------------
+    @torch.no_grad()
+    def _decode_mel(self, states: list[Code2WavState], chunks: list[tuple[int, int, int, int]]) -> list[torch.Tensor]:
+        """Runs the ODE for every request's window in one batch; returns each window's mel [frames, 80]."""
+        n = len(states)
+        lengths = [we - ws for _, _, ws, we in chunks]
+        frames = max(lengths)
+        graphed = self.cuda_graphs and frames in self.graph_frames
+        # a graphed batch is padded to a captured size with empty rows (every key masked but their own)
+        size = next(b for b in self.batch_sizes if b >= n) if graphed else n
+        noise = torch.zeros(size, frames, self.mel_dim)
+        codes = torch.zeros(size, frames // self.repeats + 1, dtype=torch.long)
+        for i, (state, (_, _, ws, we)) in enumerate(zip(states, chunks)):
+            noise[i, : we - ws] = state.draw_noise(we)[ws:]
+            window_codes = state.codes[ws // self.repeats: math.ceil(we / self.repeats)]
+            codes[i, : len(window_codes)] = torch.tensor(window_codes, dtype=torch.long)
+        voices = [s.params.voice for s in states] + [states[0].params.voice] * (size - n)
+        mel = self.ode.run(noise, codes, voices, lengths + [0] * (size - n), states[0].params.ode_key(), graphed)
+        return [mel[i, :length].float().cpu() for i, length in enumerate(lengths)]
+
+    def _steady_windows(self, most: int = 4) -> set[int]:
+        """Window lengths (mel frames) that chunks other than a request's last have: the first
+        chunk's, and the `most` - 1 commonest of the next 63 (one when chunks are whole DiT blocks)."""
+        counts: dict[int, int] = {}
+        s = 0
+        for _ in range(64):
+            e = s + (self.first_chunk_frames if s == 0 else self.chunk_frames)
+            length = e + self.future - max(0, (s - self.past) // self.block * self.block)
+            counts[length] = counts.get(length, 0) + 1
+            s = e
+        first = self.first_chunk_frames + self.future
+        common = sorted((n for n in counts if n != first), key=lambda n: -counts[n])
+        return {first, *common[: most - 1]}
+
+    # ---- BigVGAN: mel -> audio --------------------------------------------------------------------
+    @torch.no_grad()
+    def _vocode(self, states: list[Code2WavState], chunks: list[tuple[int, int, int, int]],
+                windows: list[torch.Tensor]) -> list[np.ndarray]:
+        """Keeps each chunk's mel, vocodes [s, e) with context; returns the samples of [s, e) only."""
+        jobs = []
+        for i, (state, (s, e, ws, _), mel) in enumerate(zip(states, chunks, windows)):
+            state.mel = torch.cat([state.mel[:s], mel[s - ws: e - ws]])
+            state.lookahead = mel[e - ws:]
+            left = max(0, s - self.voc_ctx)
+            context = torch.cat([state.mel[left:e], state.lookahead[: self.voc_ctx]])
+            jobs.append((i, context, s - left, e - s))
+        by_length: dict[int, list] = {}
+        for job in jobs:
+            by_length.setdefault(job[1].shape[0], []).append(job)
+        audio: list[Optional[np.ndarray]] = [None] * len(jobs)
+        for group in by_length.values():
+            mel = torch.stack([j[1] for j in group]).transpose(1, 2).to(self.device)
+            wavs = self.vocoder(mel).reshape(len(group), -1).float().cpu().numpy()
+            for (i, _, offset, count), wav in zip(group, wavs):
+                audio[i] = np.ascontiguousarray(wav[offset * self.hop: (offset + count) * self.hop], dtype=np.float32)
+        return audio

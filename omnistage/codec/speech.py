@@ -62,11 +62,10 @@ class TTSInput:
 
 
 def check_voice(params, known) -> None:
-    """Raises ValueError naming the valid voices when `params.voice` (None = the default) is not one
+    """Raises ParamError naming the valid voices when `params.voice` (None = the default) is not one
     of `known`: what every voice back end's `check_params` says of an unknown voice."""
     voice = getattr(params, "voice", None)
-    if voice is not None and voice not in known:
-        raise ValueError(f"voice must be one of {sorted(known)}, got {voice!r}")
+    check_param(voice is None or voice in known, "voice", f"one of {sorted(known)}", voice)
 
 
 def clean_for_speech(text: str) -> str:

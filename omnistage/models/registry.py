@@ -12,7 +12,8 @@ used, so reading the registry imports no model code and a stage process imports 
     default pipeline (`pipeline/build.py`);
   * `adapters`: edge adapters it registers (adapter name -> function of one upstream output, or a
     class built per edge with the edge's options: `omnistage/adapters.py`);
-  * `codecs`: codec back ends it registers (back-end name -> engine class with `from_stage_spec`);
+  * `codecs`: codec back ends it registers (back-end name -> the codec model class, whose
+    `from_stage_spec(spec)` builds the stage's `CodecEngine`);
   * `chat_renderer`: class built with the `PipelineSpec`, turning chat messages (text, image,
     audio, video parts) into the main stage's inputs; None = the tokenizer's chat template.
 
@@ -40,7 +41,7 @@ class ModelEntry:
     family: Optional[str] = None                # "module:Class" of the DiffusionFamily
     pipeline: Optional[str] = None              # "module:builder"; None = the kind's default pipeline
     adapters: dict[str, str] = field(default_factory=dict)    # edge adapter name -> "module:function|Class"
-    codecs: dict[str, str] = field(default_factory=dict)      # codec back end name -> "module:EngineClass"
+    codecs: dict[str, str] = field(default_factory=dict)      # codec back end name -> "module:ModelClass"
     chat_renderer: Optional[str] = None         # "module:Class" built with the PipelineSpec
 
     def __post_init__(self) -> None:
@@ -115,7 +116,7 @@ def adapter_target(name: str) -> Any:
 
 
 def codec_class(name: Optional[str]) -> Any:
-    """The engine class of the codec back end `name` (it has `from_stage_spec(spec)`)."""
+    """The codec model class of the back end `name`; its `from_stage_spec(spec)` builds the stage engine."""
     return _lookup("codecs", "backend", name)
 
 

@@ -38,7 +38,7 @@ from omnistage.models.loader import lm_shape
 from omnistage.models.qwen2_5_omni.stages import TALKER, THINKER, omni_config, read_tensors
 from omnistage.spec import EdgeSpec, PipelineSpec, StageSpec
 
-# Tensor-name prefixes each part loads (stages.py, codec/code2wav.py, `load_thinker_encoders` below).
+# Tensor-name prefixes each part loads (stages.py, code2wav.py, `load_thinker_encoders` below).
 THINKER_WEIGHTS = ["thinker.model.", "thinker.lm_head."]
 TALKER_WEIGHTS = ["talker."]
 CODE2WAV_WEIGHTS = ["token2wav."]

@@ -9,6 +9,9 @@ off is the unfused path as it was, an A/B in the same run) and for transformers 
   - TTFT of one 2048-token prompt
   - the floor of each: max(weight bytes per decode step / measured copy bandwidth, FLOPs / measured
     bf16 matmul rate)
+  - the GPU time of one decode step alone (CUDA-graph replay at batch 1 / 64 / 256, context 192),
+    which the host work around each step (scheduling, inputs, sampling) does not enter
+  - host time per launch: a Triton kernel vs a PyTorch elementwise op (eager steps are launch-bound)
 Also checks that greedy output on CUDA equals CPU output on a tiny fp32 model.
 Prints a markdown table last; writes JSON to --out if given.
 
@@ -106,7 +109,8 @@ def bench_ours(path: str, fused_on: bool, cuda_graphs: bool = True, batches=(1, 
     fused.ENABLED = fused_on                 # read at capture and at every call: set before the engine
     res: dict = {"fused": fused_on, "cuda_graphs": cuda_graphs}
     with Omni(path, device="cuda", dtype="bfloat16", max_num_seqs=256, cuda_graphs=cuda_graphs) as omni:
-        _timed_generate(omni, 4, 128, 128, 1)                          # warm-up: compiles, graphs
+        for n, new in ((4, 128), (64, 2), (1, 2)):                     # warm-up: compiles, autotuning
+            _timed_generate(omni, n, 128, new, 1)
         res["decode"] = []
         for i, b in enumerate(batches):
             dt, n_out = _timed_generate(omni, b, 128, 128, 10 + i)
@@ -116,8 +120,50 @@ def bench_ours(path: str, fused_on: bool, cuda_graphs: bool = True, batches=(1, 
             res["prefill"] = {"tokens": 256 * 128, "seconds": runs, "tok_s": 256 * 128 / min(runs)}
             runs = [_timed_generate(omni, 1, 2048, 1, 30 + i)[0] for i in range(3)]
             res["ttft_2048_s"] = min(runs)
+        if cuda_graphs:
+            res["graph_step_ms"] = graph_step_ms(omni.orchestrator.main.runner.graphs, batches)
     fused.ENABLED = True
     return res
+
+
+def graph_step_ms(graphs, batches) -> dict:
+    """GPU time of one captured decode step per batch size, every row at context 192 (its k, v
+    written to the scratch slot, so the KV pool is left as it was)."""
+    graphs.slots.fill_(graphs.scratch_slot)
+    graphs.ctx.fill_(192)
+    graphs.tables[:, :12] = torch.arange(12, device=graphs.tables.device)
+    out = {}
+    for b in batches:
+        g = graphs.graphs[b]
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(20):
+            g.replay()
+        torch.cuda.synchronize()
+        out[b] = (time.perf_counter() - t) / 20 * 1e3
+    return out
+
+
+def launch_us() -> dict:
+    """Host microseconds per call of a tiny op (the GPU keeps up, so this is the issuing cost)."""
+    from omnistage.layers import fused, triton_fused
+
+    x = torch.randn(1, 1536, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(1536, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    for name, fn in (("triton rms_norm", lambda: triton_fused.rms_norm(x, w, 1e-6)), ("torch add", lambda: x + x),
+                     ("torch rms_norm, unfused (7 ops)", lambda: fused.rms_norm_ref(x, w, 1e-6))):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(2000):
+            fn()
+        out[name] = (time.perf_counter() - t) / 2000 * 1e6
+        torch.cuda.synchronize()
+    return out
 
 
 def bench_hf(path: str, batches) -> dict:
@@ -200,6 +246,7 @@ def main() -> None:
     res["copy_bw_GBs"] = copy_bandwidth() / 1e9
     res["matmul_TFLOPs"] = matmul_flops() / 1e12
     res["floor"] = floors(res["copy_bw_GBs"] * 1e9, res["matmul_TFLOPs"] * 1e12, QWEN25_15B)
+    res["launch_us"] = launch_us()
     res["ours"] = bench_ours(path, fused_on=True)
     res["ours_unfused"] = bench_ours(path, fused_on=False)
     res["ours_eager"] = bench_ours(path, fused_on=True, cuda_graphs=False, batches=(1,))
@@ -228,6 +275,11 @@ def print_table(res: dict) -> None:
           f"| {1e3 * hf['ttft_2048_s']:.1f} | {1e3 * fl['ttft_2048_s']:.1f} |")
     print(f"| decode 1 x (128 in, 128 out), CUDA graphs off | {res['ours_eager']['decode'][0]['tok_s']:.0f} | - "
           f"| {hf_dec[1]:.0f} | - |")
+    for b, ms in on["graph_step_ms"].items():
+        floor = fl["weight_bytes"] / (res["copy_bw_GBs"] * 1e9) * 1e3
+        print(f"| one decode step's GPU time (graph replay), batch {b}, context 192, ms | {ms:.2f} "
+              f"| {off['graph_step_ms'][b]:.2f} | - | {floor:.2f} (weights / bw) |")
+    print("\nhost us per call: " + ", ".join(f"{k} {v:.1f}" for k, v in res["launch_us"].items()))
     print(f"\ncopy bandwidth {res['copy_bw_GBs']:.0f} GB/s, bf16 matmul {res['matmul_TFLOPs']:.0f} TFLOP/s, "
           f"weights {fl['weight_bytes'] / 1e9:.2f} GB; greedy CUDA == CPU on tiny model: {res['cuda_equals_cpu']}")
 

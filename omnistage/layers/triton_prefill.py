@@ -33,7 +33,8 @@ if triton is not None:
             r = tl.dot(a, b)
         return r
 
-    @triton.jit
+    # The chunk and tile counts change every step: not specialised on (one compiled kernel serves all).
+    @triton.jit(do_not_specialize=["num_chunks", "num_tiles"])
     def _prefill_kernel(q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, info_ptr, qk_scale,
                         stride_q, stride_k, stride_v, stride_o, num_chunks, num_tiles,
                         KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,

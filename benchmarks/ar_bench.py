@@ -1,11 +1,17 @@
-"""AR engine benchmark on one GPU: omnistage vs transformers `generate` vs the bandwidth roofline.
+"""AR engine benchmark on one GPU: omnistage vs transformers vs the hardware floor, in one run.
 
 Builds a random-weight bf16 checkpoint with Qwen2.5-1.5B's shape (random weights time exactly like
-real ones), then measures in one run:
+real ones), then measures, for omnistage with the fused kernels on and off (`layers.fused.ENABLED`:
+off is the unfused path as it was, an A/B in the same run) and for transformers on the same weights:
   - single-stream decode tok/s (1 request, 128 prompt tokens, 128 new tokens)
   - throughput at 64 and 256 concurrent requests (128 in / 128 out each), output tok/s
-  - transformers `generate` on the same weights (bs 1 and bs 64, left-padded batch)
-  - the roofline: weight bytes / measured device copy bandwidth (bs 1 decode upper bound)
+  - prefill tok/s: 256 prompts x 128 tokens, one new token each
+  - TTFT of one 2048-token prompt
+  - the floor of each: max(weight bytes per decode step / measured copy bandwidth, FLOPs / measured
+    bf16 matmul rate)
+  - the GPU time of one decode step alone (CUDA-graph replay at batch 1 / 64 / 256, context 192),
+    which the host work around each step (scheduling, inputs, sampling) does not enter
+  - host time per launch: a Triton kernel vs a PyTorch elementwise op (eager steps are launch-bound)
 Also checks that greedy output on CUDA equals CPU output on a tiny fp32 model.
 Prints a markdown table last; writes JSON to --out if given.
 
@@ -57,44 +63,160 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 10 / (time.perf_counter() - t)       # bytes read + written per second
 
 
+def matmul_flops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * 8192 ** 3 * 10 / (time.perf_counter() - t)
+
+
+def param_counts(shape: dict) -> tuple[int, int]:
+    """(decoder-layer parameters incl. final norm, embedding / lm_head parameters) of a Qwen2 shape."""
+    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    kv = shape["num_key_value_heads"] * h // shape["num_attention_heads"]
+    per_layer = h * (h + 2 * kv) + (h + 2 * kv) + h * h + 3 * h * inter + 2 * h
+    return layers * per_layer + h, shape["vocab_size"] * h
+
+
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, vocab - 100, (n, length), generator=g).tolist()
 
 
-def bench_ours(path: str, batch: int, in_len=128, out_len=128, cuda_graphs=True) -> dict:
-    from omnistage import Omni, SamplingParams
+def _timed_generate(omni, n: int, in_len: int, out_len: int, seed: int) -> tuple[float, int]:
+    from omnistage import SamplingParams
 
+    sp = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    ps = [{"prompt_token_ids": p} for p in prompts(n, in_len, 151936, seed)]
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = omni.generate(ps, sp, use_tqdm=False)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def bench_ours(path: str, fused_on: bool, cuda_graphs: bool = True, batches=(1, 64, 256)) -> dict:
+    """Every workload in one engine (fresh prompts each time: the prefix cache never hits)."""
+    from omnistage import Omni
+    from omnistage.layers import fused
+
+    fused.ENABLED = fused_on                 # read at capture and at every call: set before the engine
+    res: dict = {"fused": fused_on, "cuda_graphs": cuda_graphs}
     with Omni(path, device="cuda", dtype="bfloat16", max_num_seqs=256, cuda_graphs=cuda_graphs) as omni:
-        sp = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
-        omni.generate([{"prompt_token_ids": p} for p in prompts(4, in_len, 151936, 1)], sp, use_tqdm=False)
+        for n, new in ((4, 128), (64, 2), (1, 2)):                     # warm-up: compiles, autotuning
+            _timed_generate(omni, n, 128, new, 1)
+        res["decode"] = []
+        for i, b in enumerate(batches):
+            dt, n_out = _timed_generate(omni, b, 128, 128, 10 + i)
+            res["decode"].append({"batch": b, "seconds": dt, "output_tokens": n_out, "tok_s": n_out / dt})
+        if len(batches) > 1:
+            runs = [_timed_generate(omni, 256, 128, 1, 20 + i)[0] for i in range(2)]
+            res["prefill"] = {"tokens": 256 * 128, "seconds": runs, "tok_s": 256 * 128 / min(runs)}
+            runs = [_timed_generate(omni, 1, 2048, 1, 30 + i)[0] for i in range(3)]
+            res["ttft_2048_s"] = min(runs)
+        if cuda_graphs:
+            res["graph_step_ms"] = graph_step_ms(omni.orchestrator.main.runner.graphs, batches)
+    fused.ENABLED = True
+    return res
+
+
+def graph_step_ms(graphs, batches) -> dict:
+    """GPU time of one captured decode step per batch size, every row at context 192 (its k, v
+    written to the scratch slot, so the KV pool is left as it was)."""
+    graphs.slots.fill_(graphs.scratch_slot)
+    graphs.ctx.fill_(192)
+    graphs.tables[:, :12] = torch.arange(12, device=graphs.tables.device)
+    out = {}
+    for b in batches:
+        g = graphs.graphs[b]
+        for _ in range(3):
+            g.replay()
         torch.cuda.synchronize()
-        ps = [{"prompt_token_ids": p} for p in prompts(batch, in_len, 151936, 2)]
         t = time.perf_counter()
-        outs = omni.generate(ps, sp, use_tqdm=False)
+        for _ in range(20):
+            g.replay()
         torch.cuda.synchronize()
-        dt = time.perf_counter() - t
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"batch": batch, "seconds": dt, "output_tokens": n_out, "tok_s": n_out / dt, "cuda_graphs": cuda_graphs}
+        out[b] = (time.perf_counter() - t) / 20 * 1e3
+    return out
 
 
-def bench_hf(path: str, batch: int, in_len=128, out_len=128) -> dict:
+def launch_us() -> dict:
+    """Host microseconds per call of a tiny op (the GPU keeps up, so this is the issuing cost)."""
+    from omnistage.layers import fused, triton_fused
+
+    x = torch.randn(1, 1536, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(1536, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    for name, fn in (("triton rms_norm", lambda: triton_fused.rms_norm(x, w, 1e-6)), ("torch add", lambda: x + x),
+                     ("torch rms_norm, unfused (7 ops)", lambda: fused.rms_norm_ref(x, w, 1e-6))):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(2000):
+            fn()
+        out[name] = (time.perf_counter() - t) / 2000 * 1e6
+        torch.cuda.synchronize()
+    return out
+
+
+def bench_hf(path: str, batches) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    ids = torch.tensor(prompts(batch, in_len, 151936, 2), device="cuda")
-    mask = torch.ones_like(ids)
-    kw = dict(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=0)
-    model.generate(ids[:1], attention_mask=mask[:1], **{**kw, "max_new_tokens": 8, "min_new_tokens": 8})
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    out = model.generate(ids, attention_mask=mask, **kw)
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t
-    n_out = (out.shape[1] - in_len) * batch
+    kw = dict(do_sample=False, pad_token_id=0)
+
+    def generate(ids, new):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, **kw)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t, out
+
+    res: dict = {"decode": []}
+    generate(torch.tensor(prompts(1, 128, 151936, 1), device="cuda"), 8)
+    for b in batches:
+        dt, out = generate(torch.tensor(prompts(b, 128, 151936, 2), device="cuda"), 128)
+        n_out = (out.shape[1] - 128) * b
+        res["decode"].append({"batch": b, "seconds": dt, "output_tokens": n_out, "tok_s": n_out / dt})
+    with torch.no_grad():                                              # prefill: one forward, last logits only
+        ids = torch.tensor(prompts(256, 128, 151936, 3), device="cuda")
+        model(input_ids=ids[:16], logits_to_keep=1)
+        runs = []
+        for _ in range(2):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            model(input_ids=ids, logits_to_keep=1)
+            torch.cuda.synchronize()
+            runs.append(time.perf_counter() - t)
+    res["prefill"] = {"tokens": 256 * 128, "seconds": runs, "tok_s": 256 * 128 / min(runs)}
+    ids = torch.tensor(prompts(1, 2048, 151936, 4), device="cuda")
+    res["ttft_2048_s"] = min(generate(ids, 1)[0] for _ in range(3))
     del model
     torch.cuda.empty_cache()
-    return {"batch": batch, "seconds": dt, "output_tokens": n_out, "tok_s": n_out / dt}
+    return res
+
+
+def floors(bw: float, flops: float, shape: dict) -> dict:
+    """Lower bounds on time: weights read once per decode step; every matmul FLOP at the measured rate
+    (layer GEMMs for every token, lm_head for sampled rows, prefill attention; decode attention and
+    KV reads are left out, small at 256 tokens of context)."""
+    body, head = param_counts(shape)
+    weight_bytes = 2 * (body + head)                    # bf16; the embedding rows a step reads are few
+    layers, hd = shape["num_hidden_layers"], shape["hidden_size"]
+    out = {"weight_bytes": weight_bytes}
+    for b in (1, 64, 256):
+        t = max(128 * weight_bytes / bw, (2 * body * b * 256 + 2 * head * b * 128) / flops)
+        out[f"decode_{b}_tok_s"] = b * 128 / t
+    out["prefill_tok_s"] = 256 * 128 / ((2 * body * 256 * 128 + 2 * head * 256 + 2 * layers * hd * 128 * 128 * 256) / flops)
+    out["ttft_2048_s"] = (2 * body * 2048 + 2 * head + 2 * layers * hd * 2048 * 2048) / flops
+    return out
 
 
 def check_cuda_equals_cpu(work: str) -> bool:
@@ -121,32 +243,45 @@ def main() -> None:
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     res["cuda_equals_cpu"] = check_cuda_equals_cpu(args.work)
     path = build_checkpoint(os.path.join(args.work, "qwen2.5-1.5b-shape"))
-    n_params = sum(v for v in [
-        QWEN25_15B["vocab_size"] * QWEN25_15B["hidden_size"],
-        QWEN25_15B["num_hidden_layers"] * (
-            QWEN25_15B["hidden_size"] * (QWEN25_15B["hidden_size"] + 2 * 256) + 1536 + 2 * 256
-            + QWEN25_15B["hidden_size"] ** 2 + 3 * QWEN25_15B["hidden_size"] * QWEN25_15B["intermediate_size"])])
-    bw = copy_bandwidth()
-    res["weight_bytes"] = n_params * 2
-    res["copy_bw_GBs"] = bw / 1e9
-    res["roofline_bs1_tok_s"] = bw / (n_params * 2)
-    res["ours"] = [bench_ours(path, b) for b in (1, 64, 256)]
-    res["ours_eager"] = bench_ours(path, 1, cuda_graphs=False)
-    res["hf"] = [bench_hf(path, b) for b in ((1, 64) if args.skip_hf_256 else (1, 64, 256))]
+    res["copy_bw_GBs"] = copy_bandwidth() / 1e9
+    res["matmul_TFLOPs"] = matmul_flops() / 1e12
+    res["floor"] = floors(res["copy_bw_GBs"] * 1e9, res["matmul_TFLOPs"] * 1e12, QWEN25_15B)
+    res["launch_us"] = launch_us()
+    res["ours"] = bench_ours(path, fused_on=True)
+    res["ours_unfused"] = bench_ours(path, fused_on=False)
+    res["ours_eager"] = bench_ours(path, fused_on=True, cuda_graphs=False, batches=(1,))
+    res["hf"] = bench_hf(path, (1, 64) if args.skip_hf_256 else (1, 64, 256))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1))
-    hf = {r["batch"]: r["tok_s"] for r in res["hf"]}
-    print(f"\n| workload (Qwen2.5-1.5B shape, bf16, {res['gpu']}) | omnistage tok/s | transformers tok/s | floor |")
-    print("|---|---|---|---|")
-    for r in res["ours"]:
-        floor = f"{res['roofline_bs1_tok_s']:.0f} (weights/bw)" if r["batch"] == 1 else "-"
-        ref = f"{hf[r['batch']]:.0f}" if r["batch"] in hf else "not run"
-        print(f"| {r['batch']} x (128 in, 128 out) | {r['tok_s']:.0f} | {ref} | {floor} |")
-    print(f"| 1 x (128 in, 128 out), CUDA graphs off | {res['ours_eager']['tok_s']:.0f} | {hf[1]:.0f} | - |")
-    print(f"\ncopy bandwidth {res['copy_bw_GBs']:.0f} GB/s, weights {res['weight_bytes'] / 1e9:.2f} GB; "
-          f"greedy CUDA == CPU on tiny model: {res['cuda_equals_cpu']}")
+    print_table(res)
+
+
+def print_table(res: dict) -> None:
+    on, off, hf, fl = res["ours"], res["ours_unfused"], res["hf"], res["floor"]
+    hf_dec = {r["batch"]: r["tok_s"] for r in hf["decode"]}
+    print(f"\n| Qwen2.5-1.5B shape, bf16, {res['gpu']} | omnistage, fused kernels | omnistage, unfused "
+          "(before) | transformers | floor |")
+    print("|---|---|---|---|---|")
+    for a, b in zip(on["decode"], off["decode"]):
+        n = a["batch"]
+        ref = f"{hf_dec[n]:.0f}" if n in hf_dec else "not run"
+        print(f"| decode {n} x (128 in, 128 out), output tok/s | {a['tok_s']:.0f} | {b['tok_s']:.0f} | {ref} "
+              f"| {fl[f'decode_{n}_tok_s']:.0f} |")
+    print(f"| prefill 256 x 128 tokens, tok/s | {on['prefill']['tok_s']:.0f} | {off['prefill']['tok_s']:.0f} "
+          f"| {hf['prefill']['tok_s']:.0f} | {fl['prefill_tok_s']:.0f} |")
+    print(f"| TTFT, one 2048-token prompt, ms | {1e3 * on['ttft_2048_s']:.1f} | {1e3 * off['ttft_2048_s']:.1f} "
+          f"| {1e3 * hf['ttft_2048_s']:.1f} | {1e3 * fl['ttft_2048_s']:.1f} |")
+    print(f"| decode 1 x (128 in, 128 out), CUDA graphs off | {res['ours_eager']['decode'][0]['tok_s']:.0f} | - "
+          f"| {hf_dec[1]:.0f} | - |")
+    for b, ms in on["graph_step_ms"].items():
+        floor = fl["weight_bytes"] / (res["copy_bw_GBs"] * 1e9) * 1e3
+        print(f"| one decode step's GPU time (graph replay), batch {b}, context 192, ms | {ms:.2f} "
+              f"| {off['graph_step_ms'][b]:.2f} | - | {floor:.2f} (weights / bw) |")
+    print("\nhost us per call: " + ", ".join(f"{k} {v:.1f}" for k, v in res["launch_us"].items()))
+    print(f"\ncopy bandwidth {res['copy_bw_GBs']:.0f} GB/s, bf16 matmul {res['matmul_TFLOPs']:.0f} TFLOP/s, "
+          f"weights {fl['weight_bytes'] / 1e9:.2f} GB; greedy CUDA == CPU on tiny model: {res['cuda_equals_cpu']}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,11 @@
 """GPU correctness checks of the CUDA fast paths (run on the GPU machine before benchmarks).
 
 - Triton paged-decode attention equals the SDPA reference path (fp32 and bf16, GQA, ragged contexts).
+- Every kernel of layers.fused / triton_prefill equals its PyTorch reference (`layers.kernel_check`,
+  fp32 and bf16, 7B-sized shapes too): max abs error beside the reference's largest value.
+- Greedy bf16 ids of a 7B-shaped random Qwen2 (4 prompts, 128 new tokens): the served path (fused
+  kernels, CUDA graphs) and the unfused path with graphs, each against the eager PyTorch reference
+  path (no Triton at all); first divergence per prompt.
 - Greedy ids with CUDA graphs on equal those with graphs off and those on the CPU (tiny fp32 model).
 - code2wav's chunked decode replayed from CUDA graphs equals the eager decode (tiny Qwen2.5-Omni,
   fp32, 3 batched requests of different lengths, padded to a captured batch size).
@@ -15,8 +20,12 @@ import tempfile
 
 import torch
 
-from omnistage.layers import triton_attention
+from omnistage.layers import fused, kernel_check, triton_attention
 from omnistage.layers.attention import AttentionMetadata, paged_attention
+
+QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                 num_key_value_heads=4, vocab_size=152064, max_position_embeddings=4096, tie_word_embeddings=False,
+                 rms_norm_eps=1e-6)
 
 
 def check_triton() -> float:
@@ -42,6 +51,83 @@ def check_triton() -> float:
             triton_attention.triton = saved
         worst = max(worst, (fast.float() - ref.float()).abs().max().item())
     return worst
+
+
+def check_kernels() -> bool:
+    ok = True
+    for name, (err, peak) in kernel_check.kernel_errors("cuda", big=True).items():
+        good = err <= kernel_check.limit(name) * peak
+        print(f"kernel {name}: max abs err {err:.2e} (reference peak {peak:.2f}){'' if good else '  FAIL'}")
+        ok &= good
+    return ok
+
+
+def random_native_lm(shape: dict, max_positions: int):
+    """omnistage's Qwen2 with random bf16 weights (N(0, 0.02), norms 1) built on the GPU, no checkpoint."""
+    from transformers import Qwen2Config
+
+    from omnistage.models.llama import Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**shape)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg, max_positions).to(torch.bfloat16)
+    model = model.to_empty(device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    model.rotary.build(torch.device("cuda"))
+    return model.eval(), cfg
+
+
+def _greedy(model, cfg, prompts: list[list[int]], new: int, graphs: bool) -> list[list[int]]:
+    from omnistage.ar.engine import AREngine
+    from omnistage.config import EngineConfig
+    from omnistage.params import SamplingParams
+    from omnistage.testing.llm import make_tokenizer
+
+    tok = make_tokenizer()
+    eng = AREngine(tempfile.mkdtemp(), EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=8, num_kv_blocks=256,
+                                                    max_model_len=1024, cuda_graphs=graphs),
+                   loader=lambda *a: (model, cfg, tok, frozenset()))
+    sp = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), {"prompt_token_ids": p}, sp)
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o.output.outputs[0].token_ids for o in eng.step() if o.finished})
+    del eng
+    torch.cuda.empty_cache()
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def check_7b_greedy() -> dict:
+    """First divergence (index of the first differing new token, None: none in 128) per prompt."""
+    model, cfg = random_native_lm(QWEN25_7B, 1024)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(100, cfg.vocab_size - 100, (n,), generator=g).tolist() for n in (17, 64, 128, 300)]
+    saved = triton_attention.triton
+    fused.ENABLED, triton_attention.triton = False, None
+    try:
+        ref = _greedy(model, cfg, prompts, 128, graphs=False)             # the PyTorch reference path
+    finally:
+        triton_attention.triton = saved
+    unfused = _greedy(model, cfg, prompts, 128, graphs=True)             # the path before the fused kernels
+    fused.ENABLED = True
+    served = _greedy(model, cfg, prompts, 128, graphs=True)
+
+    def first_diff(a, b):
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+    res = {"fused+graphs": [first_diff(a, b) for a, b in zip(served, ref)],
+           "unfused+graphs": [first_diff(a, b) for a, b in zip(unfused, ref)],
+           "distinct ids in reference": [len(set(r)) for r in ref]}
+    del model
+    torch.cuda.empty_cache()
+    return res
 
 
 def check_greedy() -> bool:
@@ -146,11 +232,18 @@ def check_wire() -> bool:
 
 
 if __name__ == "__main__":
+    ar_only = "--ar-only" in sys.argv                 # the AR checks alone (kernels, greedy ids)
+    args = [a for a in sys.argv[1:] if a != "--ar-only"]
+    kernels_ok = check_kernels()
     err = check_triton()
     print(f"triton paged decode vs SDPA reference: max abs diff {err:.2e}")
-    if len(sys.argv) > 1:                    # a 7B-shape omni folder (omni_bench.py): the TF32 change
-        print(f"code2wav TF32 vs fp32 (7B-shape token2wav, 6 s): max abs diff / peak {check_code2wav_tf32(sys.argv[1]):.2e}")
+    print(f"7B-shape bf16 greedy, 4 prompts x 128 new tokens, first divergence from the eager reference: "
+          f"{check_7b_greedy()}")
+    if ar_only:
+        sys.exit(0 if check_greedy() and kernels_ok and err < 2e-2 else 1)
+    if args:                                 # a 7B-shape omni folder (omni_bench.py): the TF32 change
+        print(f"code2wav TF32 vs fp32 (7B-shape token2wav, 6 s): max abs diff / peak {check_code2wav_tf32(args[0]):.2e}")
     c2w = check_code2wav_graphs()
     print(f"code2wav: CUDA-graph chunked decode vs eager: max abs diff {c2w:.2e}")
-    ok = check_wire() and check_greedy() and err < 2e-2 and c2w < 1e-3
+    ok = check_wire() and check_greedy() and kernels_ok and err < 2e-2 and c2w < 1e-3
     sys.exit(0 if ok else 1)

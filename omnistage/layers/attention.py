@@ -2,19 +2,23 @@
 
 The runner flattens one step's tokens as [decode tokens of D sequences | prefill chunks ...] and
 describes them with `AttentionMetadata`. Each attention layer writes the step's keys and values into
-its cache slots, then attends: decodes in one batched call over their gathered block tables,
-each prefill chunk against its own context. This plain PyTorch path (SDPA) is the reference that
-fast kernels must match.
+its cache slots (`write_kv`, or fused into the rotary kernel on CUDA), then attends (`attend`):
+decodes in one batched call over their gathered block tables, prefill chunks each against its own
+context. The plain PyTorch path (SDPA, one call per prefill chunk) is the reference and the CPU path;
+on CUDA the decodes run `triton_attention` and all prefill chunks one `triton_prefill` launch, whose
+chunk tensors are built once per forward and kept on the metadata.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from omnistage.layers import triton_attention
+from omnistage.layers import fused, triton_attention, triton_prefill
+from omnistage.layers.fused import write_kv
 
 
 @dataclass
@@ -33,13 +37,13 @@ class AttentionMetadata:
     decode_ctx_lens: torch.Tensor | None = None      # [D] long: context length including the new token
     prefills: list[PrefillChunk] = field(default_factory=list)
     graph_batch: int = 0                        # > 0: replay the CUDA graph captured for this batch size
+    # `prefills` as the prefill kernel's tensors: made by the forward's first attention layer, reused by the rest
+    prefill_plan: Optional[triton_prefill.PrefillPlan] = field(default=None, repr=False)
 
-
-def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """cache [2, num_blocks, block_size, KVH, D]; k, v [T, KVH, D]."""
-    flat = cache.view(2, -1, *cache.shape[-2:])
-    flat[0].index_copy_(0, slots, k)
-    flat[1].index_copy_(0, slots, v)
+    def plan_prefills(self, block_m: int, device: torch.device) -> triton_prefill.PrefillPlan:
+        if self.prefill_plan is None or self.prefill_plan.block_m != block_m:
+            self.prefill_plan = triton_prefill.make_plan(self.prefills, block_m, device)
+        return self.prefill_plan
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
@@ -59,9 +63,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] (this step's, already rotated) -> out [T, H, D]."""
     write_kv(cache, k, v, meta.slot_mapping)
+    return attend(q, k, v, cache, meta, scale)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention of this step's rows, whose k, v (rotated, [T, KVH, D]) are already in the cache -> [T, H, D]."""
+    d = meta.num_decodes
+    fast = fused.use_triton(q)
+    if fast and d and not meta.prefills and triton_attention.available(q, cache):
+        return triton_attention.paged_decode_attention(q, cache, meta.decode_block_tables, meta.decode_ctx_lens,
+                                                       scale)
     out = torch.empty_like(q)
     block_size = cache.shape[2]
-    d = meta.num_decodes
     if d and triton_attention.available(q, cache):
         out[:d] = triton_attention.paged_decode_attention(q[:d], cache, meta.decode_block_tables,
                                                           meta.decode_ctx_lens, scale)
@@ -76,6 +90,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
         kvh, dh = kc.shape[1], q.shape[-1]
         o = F.scaled_dot_product_attention(q[:d].reshape(d, kvh, -1, dh), kc, vc, attn_mask=mask, scale=scale)
         out[:d] = o.reshape(d, -1, dh)
+    if meta.prefills and fast and triton_prefill.available(q):
+        plan = meta.plan_prefills(triton_prefill.block_m(q.dtype), q.device)
+        triton_prefill.prefill_attention(q, k, v, cache, plan, scale, out)
+        return out
     for p in meta.prefills:
         qs = q[p.q_start:p.q_start + p.q_len].transpose(0, 1)          # [H, q, Dh]
         if p.ctx_len == p.q_len:                                       # no cached context: use fresh k, v

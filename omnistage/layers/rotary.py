@@ -2,6 +2,8 @@
 
 The inverse frequencies come from transformers' rope initialisers (default, linear, llama3, yarn,
 longrope), so every rope variant a checkpoint declares in `rope_parameters` means what it means there.
+The model looks up each token's cos / sin rows once per forward (`tables`); the rotation itself is
+`fused.rotary_and_cache` (a Triton kernel on CUDA, `fused.rotary_ref` elsewhere).
 """
 
 from __future__ import annotations
@@ -54,18 +56,10 @@ class RotaryEmbedding(nn.Module):
             self.section_rows = torch.cat([rows, rows]).to(device)
         return self
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, D], k [T, KVH, D], positions [T] (or [3, T] for multimodal rope) -> rotated q, k."""
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] (or [3, T] for multimodal rope) -> cos, sin [T, D] float32, one row per token:
+        computed once per forward and shared by every layer."""
         if positions.dim() == 2:
             pick = self.section_rows.view(1, 1, -1).expand(1, positions.shape[1], -1)
-            cos = self.cos[positions].gather(0, pick)[0].to(q.dtype)[:, None, :]
-            sin = self.sin[positions].gather(0, pick)[0].to(q.dtype)[:, None, :]
-        else:
-            cos = self.cos[positions].to(q.dtype)[:, None, :]
-            sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+            return self.cos[positions].gather(0, pick)[0], self.sin[positions].gather(0, pick)[0]
+        return self.cos[positions], self.sin[positions]

@@ -22,7 +22,7 @@ PARTITION_BLOCKS = 16                                # KV blocks per program (25
 
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_bt"])      # the table width changes from step to step
     def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, scale, stride_bt,
                              H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                              D: tl.constexpr, BS: tl.constexpr, PART: tl.constexpr, NSPLIT: tl.constexpr,

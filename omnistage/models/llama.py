@@ -5,6 +5,11 @@ states [T, hidden], and logits for the rows the runner asks for. The three famil
 structure; they differ in declared flags: Qwen2 has q/k/v biases, Qwen3 normalises q and k per
 head and may set `head_dim` explicitly. Weights load from transformers checkpoints by name, with
 q/k/v and gate/up stacked into single matrices so each is one GEMM.
+
+A layer's elementwise work goes through `layers.fused` (one Triton kernel each on CUDA): the residual
+add rides with the next RMSNorm (layers pass (hidden, residual) along), the Qwen3 q/k norms and the
+KV-cache write ride with the rotary, and the MLP's activation with its product. Each token's rotary
+cos / sin rows are looked up once per forward.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.layers.attention import AttentionMetadata, paged_attention
+from omnistage.layers import fused
+from omnistage.layers.attention import AttentionMetadata, attend
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding
 
@@ -23,7 +29,7 @@ _ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x
 
 
 class Attention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool, o_bias: bool):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, o_bias: bool):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -35,19 +41,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.rotary = rotary
         self.kv_cache: torch.Tensor | None = None               # [2, blocks, block_size, KVH, D], bound by the runner
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """x [T, hidden]; rope: the step's cos, sin rows [T, head_dim] (`RotaryEmbedding.tables`)."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        o = paged_attention(q, k, v, self.kv_cache, meta, self.scale)
+        q, k = fused.rotary_and_cache(q, k, v, *rope, self.kv_cache, meta.slot_mapping, self.q_norm, self.k_norm)
+        o = attend(q, k, v, self.kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -57,24 +61,34 @@ class MLP(nn.Module):
         self.inter = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=bias)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=bias)
-        self.act = _ACTS[config.hidden_act]
+        self.act = None if config.hidden_act == "silu" else _ACTS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act is None:
+            return self.down_proj(fused.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, rotary, qkv_bias, qk_norm, o_bias, mlp_bias):
+    def __init__(self, config, qkv_bias, qk_norm, o_bias, mlp_bias):
         super().__init__()
-        self.self_attn = Attention(config, rotary, qkv_bias, qk_norm, o_bias)
+        self.self_attn = Attention(config, qkv_bias, qk_norm, o_bias)
         self.mlp = MLP(config, mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, meta):
+        """(x, residual): this layer's input is x + residual (residual None: x alone) -> the same pair
+        for the next layer, so each residual add runs inside the RMSNorm kernel that follows it."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -93,7 +107,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, self.rotary, self.qkv_bias(config), self.qk_norm, att_bias, mlp_bias)
+            DecoderLayer(config, self.qkv_bias(config), self.qk_norm, att_bias, mlp_bias)
             for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -107,9 +121,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        rope = self.rotary.tables(positions)
+        residual = None
         for layer in self.layers:
-            x = layer(x, positions, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, meta)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -1,0 +1,131 @@
+"""Every Triton kernel of `omnistage.layers` against its PyTorch reference (any process, CPU or CUDA).
+
+`kernel_errors(device)` -> {check name: [max abs error, largest |reference| value]}, on random inputs: the fused
+elementwise kernels (`triton_fused`) and the varlen prefill attention (`triton_prefill`, three
+chunks with and without cached context after two decode rows, GQA). benchmarks/check_cuda.py runs
+it on CUDA; tests/layers runs it on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`
+set before triton is imported: `python -m omnistage.layers.kernel_check`), which cannot do
+bfloat16 dots, so there the attention check takes float16.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from omnistage.layers import fused, triton_fused, triton_prefill
+from omnistage.layers.attention import AttentionMetadata, PrefillChunk, attend
+
+
+class _Norm:
+    """What the kernels read of an RMSNorm module."""
+
+    def __init__(self, weight: torch.Tensor, eps: float = 1e-6):
+        self.weight, self.eps = weight, eps
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> list[float]:
+    return [(a.float() - b.float()).abs().max().item(), b.float().abs().max().item()]
+
+
+def _worst(*errs: list[float]) -> list[float]:
+    return max(errs, key=lambda e: e[0] / e[1])
+
+
+def kernel_errors(device: str, dtypes=(torch.float32, torch.bfloat16), attn_dtypes=None,
+                  big: bool = False) -> dict[str, list[float]]:
+    """[max abs error, largest |reference|] of each kernel vs its reference. `big` adds model-sized shapes (7B: hidden 3584,
+    28 / 4 heads of 128)."""
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape, dtype=torch.float32, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g)).to(dtype).to(device)
+
+    errs: dict[str, list[float]] = {}
+    heads = [(12, 2, 64, 16), (4, 4, 32, 8)] + ([(28, 4, 128, 16)] if big else [])
+    for dtype in dtypes:
+        tag = str(dtype).split(".")[-1]
+        n, inter = (3584, 18944) if big else (96, 80)
+        x, r, w = rnd(7, n, dtype=dtype), rnd(7, n, dtype=dtype), 1 + rnd(n, dtype=dtype, scale=0.1)
+        errs[f"rms_norm {tag}"] = _err(triton_fused.rms_norm(x, w, 1e-6), fused.rms_norm_ref(x, w, 1e-6))
+        out, res = triton_fused.rms_norm(x, w, 1e-6, r)
+        errs[f"rms_norm+residual {tag}"] = _worst(_err(out, fused.rms_norm_ref(x + r, w, 1e-6)), _err(res, x + r))
+        gu = rnd(5, 2 * inter, dtype=dtype)
+        gate, up = gu.chunk(2, dim=-1)
+        errs[f"silu_and_mul {tag}"] = _err(triton_fused.silu_and_mul(gu), F.silu(gate) * up)
+        for h, kvh, d, bs in heads:
+            errs.update(_rotary_errors(h, kvh, d, bs, dtype, device, rnd, g))
+    for dtype in attn_dtypes or dtypes:
+        for h, kvh, d, bs in heads:
+            key = f"prefill attention {str(dtype).split('.')[-1]} H{h}/{kvh} D{d} bs{bs}"
+            errs[key] = _prefill_error(h, kvh, d, bs, dtype, device, rnd, g)
+    return errs
+
+
+def _rotary_errors(h, kvh, d, bs, dtype, device, rnd, g) -> dict[str, list[float]]:
+    t = 9
+    qkv = rnd(t, (h + 2 * kvh) * d, dtype=dtype)
+    q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)      # strided views, as the model passes them
+    q, k, v = q.view(t, h, d), k.view(t, kvh, d), v.view(t, kvh, d)
+    ang = 10 * rnd(t, d // 2)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    tag = str(dtype).split(".")[-1]
+    errs = {}
+    for norm in (False, True):
+        qn, kn = (_Norm(1 + rnd(d, dtype=dtype, scale=0.1)), _Norm(1 + rnd(d, dtype=dtype, scale=0.1))) \
+            if norm else (None, None)
+        caches = [torch.zeros(2, 4, bs, kvh, d, dtype=dtype, device=device) for _ in range(2)]
+        slots = torch.randperm(4 * bs, generator=g)[:t].to(device)
+        got = triton_fused.rotary_and_cache(q, k, v, cos, sin, caches[0], slots, qn, kn)
+        qr, kr = (fused.rms_norm_ref(q, qn.weight, qn.eps), fused.rms_norm_ref(k, kn.weight, kn.eps)) if norm else (q, k)
+        qr, kr = fused.rotary_ref(qr, kr, cos, sin)
+        fused.write_kv(caches[1], kr, v, slots)
+        key = f"rotary_and_cache{'+qk_norm' if norm else ''} {tag} H{h}/{kvh} D{d}"
+        errs[key] = _worst(_err(got[0], qr), _err(got[1], kr), _err(caches[0], caches[1]))
+    return errs
+
+
+def _prefill_error(h, kvh, d, bs, dtype, device, rnd, g) -> list[float]:
+    nb = 40
+    cache = rnd(2, nb, bs, kvh, d, dtype=dtype)
+    chunks = [(5, 37), (20, 20), (70, 70 + 3 * bs + 2), (1, 2 * bs + 1)]   # (q_len, ctx_len)
+    ndec = 2
+    t = ndec + sum(q for q, _ in chunks)
+    q, k, v = rnd(t, h, d, dtype=dtype), rnd(t, kvh, d, dtype=dtype), rnd(t, kvh, d, dtype=dtype)
+    perm = torch.randperm(nb, generator=g).tolist()
+    prefills, slots, row, used = [], [], ndec, 0
+    for q_len, ctx in chunks:
+        blocks = perm[used:used + -(-ctx // bs)]
+        used += len(blocks)
+        prefills.append(PrefillChunk(row, q_len, ctx, torch.tensor(blocks, device=device)))
+        slots += [blocks[p // bs] * bs + p % bs for p in range(ctx - q_len, ctx)]
+        row += q_len
+    tables = torch.tensor([perm[used:used + 2], perm[used + 2:used + 4]], device=device)
+    slots = [perm[used] * bs + 3, perm[used + 3] * bs + 1] + slots
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=device), num_decodes=ndec,
+                             decode_block_tables=tables, decode_ctx_lens=torch.tensor([4, bs + 2], device=device),
+                             prefills=prefills)
+    fused.write_kv(cache, k, v, meta.slot_mapping)
+    saved, fused.ENABLED = fused.ENABLED, False
+    try:
+        ref = attend(q, k, v, cache, meta, d ** -0.5)
+    finally:
+        fused.ENABLED = saved
+    out = torch.full_like(q, float("nan"))                       # every prefill row must be written
+    plan = meta.plan_prefills(triton_prefill.block_m(dtype), q.device)
+    triton_prefill.prefill_attention(q, k, v, cache, plan, d ** -0.5, out)
+    return _err(out[ndec:], ref[ndec:])
+
+
+def limit(name: str) -> float:
+    """Error allowed relative to the reference's largest value: float32 to rounding; bfloat16 and
+    float16 to about two units in the last place (the kernels round fewer times than the reference)."""
+    return 1e-5 if "float32" in name else 2e-2 if "bfloat16" in name else 4e-3
+
+
+if __name__ == "__main__":
+    print(json.dumps(kernel_errors(sys.argv[1] if len(sys.argv) > 1 else "cpu",
+                                   attn_dtypes=(torch.float32, torch.float16))))

@@ -8,6 +8,7 @@ that into a 400.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Optional, Union
 
@@ -60,7 +61,8 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         check_param(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "an integer in [1, 128]", self.n)
-        check_param(self.temperature >= 0, "temperature", ">= 0", self.temperature)
+        check_param(self.temperature >= 0 and math.isfinite(self.temperature), "temperature", "a finite number >= 0",
+                    self.temperature)
         check_param(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
         check_param(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "-1, 0 or a positive integer", self.top_k)
         check_param(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
@@ -71,6 +73,9 @@ class SamplingParams:
             check_param(self.min_tokens <= self.max_tokens, "min_tokens", f"<= max_tokens ({self.max_tokens})",
                    self.min_tokens)
         check_param(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
+        for name in ("stop_token_ids", "bad_token_ids"):    # the upper bound is the model's vocabulary size
+            bad = [t for t in getattr(self, name) if not (isinstance(t, int) and t >= 0)]
+            check_param(not bad, name, "token ids (integers >= 0)", bad[:4])
         check_param(-2 <= self.presence_penalty <= 2, "presence_penalty", "in [-2, 2]", self.presence_penalty)
         check_param(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "in [-2, 2]", self.frequency_penalty)
         check_param(0 < self.repetition_penalty <= 2, "repetition_penalty", "in (0, 2]", self.repetition_penalty)
@@ -114,7 +119,7 @@ class DiffusionParams:
             check_param(v is None or (isinstance(v, int) and v >= 1), name, "a positive integer", v)
         for name in ("guidance_scale", "true_cfg_scale"):
             v = getattr(self, name)
-            check_param(v is None or v >= 0, name, ">= 0", v)
+            check_param(v is None or (v >= 0 and math.isfinite(v)), name, "a finite number >= 0", v)
         check_param(isinstance(self.num_outputs_per_prompt, int) and 1 <= self.num_outputs_per_prompt <= 16,
                "num_outputs_per_prompt", "an integer in [1, 16]", self.num_outputs_per_prompt)
         check_param(self.seed is None or isinstance(self.seed, int), "seed", "an integer", self.seed)

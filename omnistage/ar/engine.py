@@ -151,6 +151,11 @@ class AREngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
+        vocab = self.hf_config.vocab_size
+        for name in ("stop_token_ids", "bad_token_ids"):    # ids index the logits: one past the end breaks a step
+            bad = [t for t in getattr(params, name) if t >= vocab]
+            if bad:
+                raise ParamError(name, f"{name} must be in [0, {vocab}), got {bad[:4]}")
         prompt = ARPrompt.of(inputs)
         text, ids = self.encode(prompt)
         if not ids:

@@ -1,6 +1,7 @@
 """The `omnistage` command: `serve`, `generate`, `make-tiny` (runs in the user's process).
 
-`omnistage serve [MODEL]` starts the OpenAI-compatible server (no MODEL: the embedded SmolLM2),
+`omnistage serve [MODEL]` starts the OpenAI-compatible server (no MODEL: the embedded SmolLM2; its
+API key from `--api-key-file PATH`, `$OMNISTAGE_API_KEY` or `--api-key`, the first two kept out of `ps`),
 `omnistage generate MODEL --prompt ...` runs one prompt offline and prints or writes the result
 (image / video models: `--output FILE.png|FILE.mp4`, `--size WxH`, `--steps`, `--num-frames`),
 `omnistage make-tiny DIR --kind llm|qwen-image|wan|...` writes tiny random checkpoints in real formats. Heavy
@@ -40,8 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="local model folder (transformers or diffusers layout); omit for the embedded SmolLM2")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
-    serve.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL)")
+    serve.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer KEY` on /v1 routes (visible in `ps`: prefer "
+                            "$OMNISTAGE_API_KEY or --api-key-file)")
+    serve.add_argument("--api-key-file", default=None, metavar="PATH",
+                       help="read the API key from this file (its first line); default: $OMNISTAGE_API_KEY if set")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model id clients send (default: MODEL's folder name, or MODEL as given)")
+    serve.add_argument("--max-body-bytes", type=int, default=None,
+                       help="largest request body; larger ones get 413 before they are read (default: 32 MiB)")
     serve.add_argument("--max-image-pixels", type=int, default=None,
                        help="largest width * height of a generated image or video frame (default: 2048*2048)")
     serve.add_argument("--max-video-jobs", type=int, default=None,
@@ -146,6 +154,8 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from omnistage.entrypoints.openai.api_server import run_server
 
+    if args.max_body_bytes is not None and args.max_body_bytes < 1:
+        raise SystemExit(f"omnistage: --max-body-bytes must be a positive integer, got {args.max_body_bytes}")
     run_server(args)
     return 0
 

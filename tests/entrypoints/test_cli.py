@@ -82,13 +82,17 @@ def test_serve_defaults():
     assert (args.model, args.host, args.port, args.api_key, args.device) == (None, "127.0.0.1", 8000, None, "auto")
 
 
-def test_serve_boots_and_answers(tiny_dir):
+def test_serve_boots_and_answers(tiny_dir, tmp_path):
+    """Also: the key from a file (not in `ps`) and never printed; the folder's name served, its path in
+    no answer (not in /metrics)."""
     model = str(tiny_dir[0] / "tiny-qwen2")
+    key = "sk-file-7f3a9c"
+    (tmp_path / "key").write_text(key + "\n", encoding="utf-8")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(_cmd("serve", model, "--port", str(port), "--device", "cpu", "--dtype", "float32",
-                                 "--served-model-name", "tiny", "--api-key", "k", "--log-level", "warning"),
+                                 "--api-key-file", str(tmp_path / "key"), "--log-level", "warning"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, encoding="utf-8",
                             env=_env())
     try:
@@ -101,13 +105,38 @@ def test_serve_boots_and_answers(tiny_dir):
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0) as client:
-            reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0) as client:
+            assert [m.id for m in client.models.list().data] == ["tiny-qwen2"]
+            reply = client.chat.completions.create(model="tiny-qwen2", messages=[{"role": "user", "content": "hi"}],
                                                    max_tokens=4)
         assert reply.usage.completion_tokens >= 1
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert 'model_name="tiny-qwen2"' in metrics and str(tiny_dir[0]) not in metrics
     finally:
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, output
     assert f"curl http://127.0.0.1:{port}/v1/chat/completions" in output
-    assert "Authorization: Bearer k" in output and "from openai import OpenAI" in output
+    # how to authenticate, without the key itself (the banner ends up in logs)
+    assert "Authorization: Bearer $OMNISTAGE_API_KEY" in output and "from openai import OpenAI" in output
+    assert key not in output
+
+
+def test_api_key_sources(tmp_path):
+    from omnistage.entrypoints.openai.api_server import resolve_api_key
+
+    def key(*flags, env=None):
+        return resolve_api_key(cli.build_parser().parse_args(["serve", *flags]), env or {})
+
+    (tmp_path / "key").write_text("from-file\n", encoding="utf-8")
+    (tmp_path / "empty").write_text("\n", encoding="utf-8")
+    assert key() is None
+    assert key(env={"OMNISTAGE_API_KEY": "from-env"}) == "from-env"
+    assert key("--api-key-file", str(tmp_path / "key"), env={"OMNISTAGE_API_KEY": "from-env"}) == "from-file"
+    assert key("--api-key", "flag", env={"OMNISTAGE_API_KEY": "from-env"}) == "flag"
+    for flags, message in ((("--api-key", "a", "--api-key-file", str(tmp_path / "key")), "once"),
+                           (("--api-key-file", str(tmp_path / "empty")), "is empty"),
+                           (("--api-key-file", str(tmp_path / "missing")), "cannot read")):
+        with pytest.raises(SystemExit, match=message):
+            key(*flags)

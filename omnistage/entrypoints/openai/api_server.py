@@ -5,10 +5,14 @@
 `POST /v1/chat/completions`, the speech routes of `serving_speech` (`POST /v1/audio/speech`,
 `GET /v1/audio/voices`), the image routes of `serving_images` (`POST /v1/images/generations`,
 `POST /v1/images/edits`) and the video-jobs routes of `serving_videos` (`/v1/videos`), capped by
-`MediaLimits`. With an API key, every `/v1` route needs `Authorization: Bearer KEY`
-(checked before the body is read). `run_server(args)` builds the engine from the CLI arguments,
-prints how to talk to it, and runs uvicorn in this process; the engine's model forwards run in
-its own thread, so the event loop stays free for I/O.
+`MediaLimits`. A body over `max_body_bytes` is a 413 before a route reads it (`body_limit`). With an
+API key, every `/v1` route needs `Authorization: Bearer KEY` (checked before the body is read); the
+key comes from `--api-key-file`, `--api-key` or `$OMNISTAGE_API_KEY` (`resolve_api_key`).
+`run_server(args)` builds the engine from the CLI arguments, prints how to talk to it (never the
+key: the snippets read `$OMNISTAGE_API_KEY`), and runs uvicorn in this process; the engine's model
+forwards run in its own thread, so the event loop stays free for I/O. Served without
+`--served-model-name`, a model folder is called by its folder name (`default_served_name`), so its
+path shows in no answer and no /metrics label.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import os
 import shlex
 from contextlib import asynccontextmanager
 from typing import Any, Optional
@@ -25,6 +30,7 @@ from fastapi.responses import Response
 from starlette.datastructures import Headers
 
 from omnistage import __version__
+from omnistage.entrypoints.openai.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
 from omnistage.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from omnistage.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from omnistage.entrypoints.openai.serving_chat import ServingChat
@@ -37,6 +43,17 @@ from omnistage.metrics import CONTENT_TYPE, EngineMetrics
 logger = logging.getLogger(__name__)
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"   # what `omnistage serve` with no model calls the embedded default
+API_KEY_ENV = "OMNISTAGE_API_KEY"               # where `omnistage serve` and the banner's snippets read the key
+
+
+def default_served_name(model: Optional[str]) -> str:
+    """The model id served without --served-model-name: a local folder's name (its path is nobody's
+    business: it would show in /v1/models and every /metrics label), else the id as given (a hub id)."""
+    if model is None:
+        return DEFAULT_SERVED_NAME
+    if os.path.isdir(model):
+        return os.path.basename(os.path.normpath(os.path.abspath(model)))
+    return model
 
 
 class ApiKeyMiddleware:
@@ -58,7 +75,9 @@ class ApiKeyMiddleware:
 
 
 def build_app(engine: Any, served_model_name: str, api_key: Optional[str] = None,
-              media_limits: Optional[MediaLimits] = None) -> FastAPI:
+              media_limits: Optional[MediaLimits] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
     metrics = EngineMetrics(engine, served_model_name)
     engine.output_hooks.append(metrics.on_output)
 
@@ -75,6 +94,7 @@ def build_app(engine: Any, served_model_name: str, api_key: Optional[str] = None
     install_error_handlers(app)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)   # outermost: before any read
     completions = ServingCompletion(engine, served_model_name, metrics)
     chat = ServingChat(engine, served_model_name, metrics)
 
@@ -107,21 +127,41 @@ def build_app(engine: Any, served_model_name: str, api_key: Optional[str] = None
     return app
 
 
-def usage_banner(host: str, port: int, name: str, api_key: Optional[str]) -> str:
-    """How to talk to the server: a curl line and an openai-client snippet."""
+def usage_banner(host: str, port: int, name: str, needs_key: bool) -> str:
+    """How to talk to the server: a curl line and an openai-client snippet. With a key they read it
+    from `$OMNISTAGE_API_KEY`: a banner ends up in logs, the key must not."""
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     base = f"http://{shown}:{port}/v1"
     body = json.dumps({"model": name, "messages": [{"role": "user", "content": "What is the capital of France?"}],
                        "max_tokens": 32})
-    auth = f" -H {shlex.quote('Authorization: Bearer ' + api_key)}" if api_key else ""
-    client = (f"from openai import OpenAI\n"
-              f"client = OpenAI(base_url={base!r}, api_key={(api_key or 'EMPTY')!r})\n"
+    auth = f' -H "Authorization: Bearer ${API_KEY_ENV}"' if needs_key else ""
+    key = f"os.environ[{API_KEY_ENV!r}]" if needs_key else "'EMPTY'"
+    client = (f"import os\nfrom openai import OpenAI\n"
+              f"client = OpenAI(base_url={base!r}, api_key={key})\n"
               f"reply = client.chat.completions.create(model={name!r}, "
               f"messages=[{{'role': 'user', 'content': 'What is the capital of France?'}}], max_tokens=32)\n"
               f"print(reply.choices[0].message.content)")
-    return (f"\nomnistage is serving {name!r} at {base}\n\n"
+    note = f"  (the API key is not shown: export {API_KEY_ENV}=<your key> first)\n\n" if needs_key else ""
+    return (f"\nomnistage is serving {name!r} at {base}\n\n{note}"
             f"  curl {base}/chat/completions -H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}\n\n"
             f"  python - <<'EOF'\n{client}\nEOF\n")
+
+
+def resolve_api_key(args, environ=os.environ) -> Optional[str]:
+    """The serve key: `--api-key-file`'s first line, else `--api-key`, else `$OMNISTAGE_API_KEY`, else None."""
+    key_file = getattr(args, "api_key_file", None)
+    if key_file and args.api_key:
+        raise SystemExit("omnistage: give the API key once: --api-key or --api-key-file")
+    if key_file:
+        try:
+            with open(key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except OSError as e:
+            raise SystemExit(f"omnistage: cannot read --api-key-file: {e}") from e
+        if not key:
+            raise SystemExit(f"omnistage: --api-key-file {key_file} is empty")
+        return key
+    return args.api_key or environ.get(API_KEY_ENV) or None
 
 
 def run_server(args) -> None:
@@ -132,13 +172,15 @@ def run_server(args) -> None:
 
     from omnistage.entrypoints.common import engine_kwargs_from_args
 
+    api_key = resolve_api_key(args)
     engine = AsyncOmni(model=args.model, device=args.device, dtype=args.dtype, **engine_kwargs_from_args(args))
     try:
-        name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
+        name = args.served_model_name or default_served_name(args.model)
         limits = MediaLimits(**{k: getattr(args, k) for k in ("max_image_pixels", "max_video_jobs")
                                 if getattr(args, k, None) is not None})
-        app = build_app(engine, name, args.api_key, limits)
-        print(usage_banner(args.host, args.port, name, args.api_key), flush=True)
+        app = build_app(engine, name, api_key, limits,
+                        max_body_bytes=getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES)
+        print(usage_banner(args.host, args.port, name, api_key is not None), flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
     finally:
         engine.close()

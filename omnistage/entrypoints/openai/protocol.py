@@ -2,8 +2,11 @@
 
 Requests: `CompletionRequest` (/v1/completions) and `ChatCompletionRequest` (/v1/chat/completions)
 with OpenAI's fields plus vLLM's extra sampling fields; unknown fields are ignored, so newer
-clients keep working. Types are checked here (a wrong type is a 400); value ranges are checked
-once, by `SamplingParams`, whose `ParamError` names the field it rejects. Responses and stream
+clients keep working. Every request schema of the server derives from `RequestBody`, which refuses
+text no UTF-8 encoder accepts (a lone surrogate, `\\ud800` in JSON, anywhere in a field's value)
+with a 400 naming the field, before anything is stored or tokenized. Types are checked here (a
+wrong type is a 400; booleans are strict, `"yes"` is not one); value ranges are checked once, by
+`SamplingParams`, whose `ParamError` names the field it rejects. Responses and stream
 chunks mirror OpenAI's objects; `stop_reason` (the stop string or token id that ended a choice) is
 vLLM's extra.
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator
 
 from omnistage.params import ParamError, SamplingParams
 
@@ -23,15 +26,47 @@ _SHARED_FIELDS = ("n", "temperature", "top_p", "stop", "seed", "presence_penalty
                   "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens")
 
 
-class _Request(BaseModel):
+def unencodable_text(value: Any, path: str) -> Optional[str]:
+    """The path (`messages[0].content`) of the first string (or dict key) in a parsed JSON value
+    that UTF-8 cannot encode, i.e. one holding a lone surrogate; None when there is none. Iterative:
+    deeply nested values cannot exhaust the stack."""
+    stack = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return where
+        elif isinstance(item, dict):
+            for key, sub in reversed(list(item.items())):
+                stack.append((sub, f"{where}.{key}" if isinstance(key, str) else where))
+                stack.append((key, where))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((sub, f"{where}[{i}]") for i, sub in reversed(list(enumerate(item))))
+    return None
+
+
+class RequestBody(BaseModel):
+    """Base of every request schema: unknown fields ignored, unencodable text refused per field."""
+
     model_config = ConfigDict(extra="ignore")
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _encodable(cls, value: Any, info: ValidationInfo) -> Any:
+        where = unencodable_text(value, info.field_name)
+        if where is not None:
+            raise ValueError(f"text must be valid Unicode; {where} holds a lone surrogate (such as \\ud800)")
+        return value
 
-class StreamOptions(_Request):
-    include_usage: bool = False                 # one more chunk at the end, with usage, no choices
+
+class StreamOptions(RequestBody):
+    include_usage: StrictBool = False           # one more chunk at the end, with usage, no choices
 
 
-class _SamplingRequest(_Request):
+class _SamplingRequest(RequestBody):
     """Fields shared by both endpoints. None means "not given": SamplingParams' default applies."""
 
     model: Optional[str] = None                 # None: the served model
@@ -42,7 +77,7 @@ class _SamplingRequest(_Request):
     seed: Optional[int] = Field(None, ge=-_INT64, lt=_INT64)
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
-    stream: Optional[bool] = False
+    stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None
     # vLLM's extra sampling fields
@@ -51,8 +86,8 @@ class _SamplingRequest(_Request):
     repetition_penalty: Optional[float] = None
     min_tokens: Optional[int] = None
     stop_token_ids: Optional[list[int]] = None
-    ignore_eos: Optional[bool] = None
-    skip_special_tokens: Optional[bool] = None
+    ignore_eos: Optional[StrictBool] = None
+    skip_special_tokens: Optional[StrictBool] = None
 
     @property
     def include_usage(self) -> bool:
@@ -69,25 +104,26 @@ class CompletionRequest(_SamplingRequest):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = 16              # OpenAI's default for completions
     logprobs: Optional[int] = None              # top alternatives per token, [0, 20]
-    echo: Optional[bool] = False                # not supported: a 400 when true
+    echo: Optional[StrictBool] = False          # not supported: a 400 when true
     suffix: Optional[str] = None                # not supported: a 400 when set
 
     def to_sampling_params(self) -> SamplingParams:
         return self._sampling_params(self.max_tokens, self.logprobs)
 
     def field_names(self) -> dict[str, str]:
-        return {}
+        """Engine field -> the request field the user set, for error messages."""
+        return {"prompt_token_ids": "prompt"}
 
 
-class ContentPart(_Request):
+class ContentPart(RequestBody):
     model_config = ConfigDict(extra="allow")
     type: str                                   # "text", "image_url", "input_audio", ...
     text: Optional[str] = None
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestBody):
     model_config = ConfigDict(extra="allow")
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]   # OpenAI's roles
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
 
@@ -96,7 +132,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     max_tokens: Optional[int] = None            # deprecated OpenAI spelling of max_completion_tokens
     max_completion_tokens: Optional[int] = None  # None: up to the context length
-    logprobs: Optional[bool] = False
+    logprobs: Optional[StrictBool] = False
     top_logprobs: Optional[int] = None          # alternatives per token when logprobs is true, [0, 20]
     modalities: Optional[list[str]] = None      # output modalities: ["text"] or ["text", "audio"] (speech models, cascades)
     audio: Optional[dict[str, Any]] = None      # with "audio" in modalities: {"voice": name, "format": wav | pcm | flac}
@@ -109,8 +145,8 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
     def field_names(self) -> dict[str, str]:
-        """SamplingParams field -> the request field the user set, for error messages."""
-        names = {"logprobs": "top_logprobs"}
+        """Engine field -> the request field the user set, for error messages."""
+        names = {"logprobs": "top_logprobs", "prompt": "messages", "prompt_token_ids": "messages"}
         if self.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
         return names

@@ -5,17 +5,24 @@ models read only the text parts (joined with newlines) and refuse media parts wi
 that read media (`AsyncOmni.media_types`, e.g. Qwen2.5-Omni: image, audio and video) get image_url /
 input_audio / audio_url / video_url parts decoded (`chat_media`, base64 only) and rendered off the
 event loop.
-The messages go through the model's chat renderer (`AsyncOmni.render_chat`). Out: a
-`ChatCompletionResponse` with usage, or an SSE stream of `chat.completion.chunk`s: a role chunk
-per choice, content deltas, `finish_reason` on each choice's last chunk, an optional usage chunk,
-then `[DONE]`. With `"modalities": ["text", "audio"]` (a pipeline with a speech stage) the
-message gains `audio` and the stream `delta.audio` chunks (`serving_speech.ChatAudio`). Logprobs use the chat shape `{content: [{token, logprob, bytes, top_logprobs}]}`.
+The messages' text is bounded in characters first; then they go through the model's chat renderer
+(`AsyncOmni.render_chat`) and the tokenizer, both in a worker thread. `chat_template_kwargs` are
+variables for the template: names that `apply_chat_template` itself takes (`tokenize`,
+`chat_template`, ...) are refused with a 400, and a template that fails on them says so without
+Python internals. Out: a `ChatCompletionResponse` with usage, or an SSE stream of
+`chat.completion.chunk`s: a role chunk per choice, content deltas, `finish_reason` on each choice's
+last chunk, an optional usage chunk, then `[DONE]`. With `"modalities": ["text", "audio"]` (a
+pipeline with a speech stage) the message gains `audio` and the stream `delta.audio` chunks
+(`serving_speech.ChatAudio`). Logprobs use the chat shape `{content: [{token, logprob, bytes,
+top_logprobs}]}`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
+import logging
 import time
 import uuid
 from contextlib import aclosing
@@ -23,6 +30,7 @@ from typing import AsyncIterator, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from jinja2 import TemplateError
 
 from omnistage.entrypoints.openai import chat_media
 from omnistage.entrypoints.openai.errors import OpenAIError, bad_request
@@ -34,9 +42,40 @@ from omnistage.entrypoints.openai.serving_engine import (DeltaTracker, OpenAISer
 from omnistage.entrypoints.openai.serving_speech import ChatAudio
 from omnistage.outputs import Logprob, RequestOutput, TokenLogprobs
 
+logger = logging.getLogger(__name__)
+
 # content part type -> what the model would have to read
 _MEDIA_PARTS = {"image_url": "images", "input_image": "images", "image": "images", "input_audio": "audio",
                 "audio_url": "audio", "audio": "audio", "video_url": "video", "video": "video"}
+
+
+def _template_arguments(tokenizer) -> set[str]:
+    """Names `apply_chat_template` takes itself: as chat_template_kwargs they would clash with or
+    change what the server passes (the messages, `tokenize=False`, the template)."""
+    method = getattr(tokenizer, "apply_chat_template", None)
+    names = {"conversation", "messages", "tokenize", "chat_template", "add_generation_prompt", "return_dict"}
+    if method is not None:
+        names |= {p.name for p in inspect.signature(method).parameters.values()
+                  if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return names
+
+
+def _check_template_kwargs(kwargs: Optional[dict], tokenizer) -> None:
+    if not kwargs:
+        return
+    reserved = _template_arguments(tokenizer)
+    for key in kwargs:
+        if not key.isidentifier() or key in reserved:
+            raise OpenAIError(400, f"chat_template_kwargs: {key[:40]!r} cannot be set; its keys are variables of "
+                                   "the chat template (identifiers such as \"enable_thinking\"), not arguments "
+                                   "of the renderer", param="chat_template_kwargs")
+
+
+def _text_chars(message: ChatMessage) -> int:
+    content = message.content
+    if isinstance(content, list):
+        return sum(len(part.text or "") for part in content if part.type == "text")
+    return len(content or "")
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,21 +125,18 @@ class ServingChat(OpenAIServing):
         audio = ChatAudio.from_request(self.engine, req.modalities, req.audio)   # None: text only
         if audio is not None and (req.n or 1) > 1:
             raise OpenAIError(400, "n must be 1 when modalities include \"audio\"", param="n")
+        if not req.messages:
+            raise OpenAIError(400, "messages must not be empty", param="messages")
+        self.check_prompt_chars(sum(_text_chars(m) for m in req.messages), "messages")
+        _check_template_kwargs(req.chat_template_kwargs, self.engine.tokenizer)
         media = tuple(getattr(self.engine, "media_types", ()))
         messages = [self._message(m, media, f"messages[{i}]") for i, m in enumerate(req.messages)]
-        if not messages:
-            raise OpenAIError(400, "messages must not be empty", param="messages")
         try:
             params = req.to_sampling_params()
         except ValueError as e:
             raise bad_request(e, req.field_names()) from e
-        try:
-            if any(isinstance(m["content"], list) for m in messages):   # media: encoders run in a thread
-                prompt = await asyncio.to_thread(self.engine.render_chat, messages, req.chat_template_kwargs)
-            else:
-                prompt = self.engine.render_chat(messages, req.chat_template_kwargs)
-        except Exception as e:                  # template errors (e.g. roles must alternate) are the caller's
-            raise OpenAIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
+        prompt = await self._render(messages, req.chat_template_kwargs)
+        prompt = await asyncio.to_thread(self.with_token_ids, prompt)
         if audio is not None:
             prompt = audio.prompt(prompt)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -114,6 +150,18 @@ class ServingChat(OpenAIServing):
         if audio is not None:
             response.choices[0].message.audio = audio.message_audio(final)
         return JSONResponse(response.model_dump())
+
+    async def _render(self, messages: list[dict], kwargs: Optional[dict]) -> dict:
+        """The model's chat renderer in a worker thread (it may run media encoders); its refusals are 400s."""
+        try:
+            return await asyncio.to_thread(self.engine.render_chat, messages, kwargs)
+        except (TemplateError, ValueError, LookupError) as e:   # the template's own refusals, transformers' checks
+            raise OpenAIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
+        except Exception as e:                  # e.g. a TypeError from a kwarg of the wrong type: no internals
+            logger.info("chat template failed: %r", e)
+            param = "chat_template_kwargs" if kwargs else "messages"
+            raise OpenAIError(400, f"the chat template could not render these messages"
+                                   f"{' with these chat_template_kwargs' if kwargs else ''}", param=param) from e
 
     @staticmethod
     def _message(msg: ChatMessage, media: tuple[str, ...] = (), field: str = "messages") -> dict:

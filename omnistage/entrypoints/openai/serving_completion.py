@@ -1,7 +1,8 @@
 """POST /v1/completions (event-loop thread of the API server).
 
 In: a `CompletionRequest` whose `prompt` is a string, a list of strings, token ids, or a list of
-token-id lists. Each prompt is one engine request with `n` completions; choice `i * n + j` is
+token-id lists; text prompts are bounded in characters, then tokenized in a worker thread. Each
+prompt is one engine request with `n` completions; choice `i * n + j` is
 completion j of prompt i, as in OpenAI's API. Out: a `CompletionResponse` with usage, or an SSE
 stream of `text_completion` chunks (per-choice deltas, `finish_reason` on each choice's last
 chunk, a usage chunk when `stream_options.include_usage`, then `[DONE]`).
@@ -9,6 +10,7 @@ chunk, a usage chunk when `stream_options.include_usage`, then `[DONE]`).
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from contextlib import aclosing
@@ -63,9 +65,14 @@ class ServingCompletion(OpenAIServing):
             params = req.to_sampling_params()
         except ValueError as e:
             raise bad_request(e, req.field_names()) from e
+        for p in prompts:
+            if isinstance(p, str):
+                self.check_prompt_chars(len(p), "prompt")
+        prompts = await asyncio.to_thread(lambda: [self.with_token_ids(p) for p in prompts])
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        gens = [self.generate(p, params, f"{rid}-{i}", default_param="prompt") for i, p in enumerate(prompts)]
+        gens = [self.generate(p, params, f"{rid}-{i}", req.field_names(), default_param="prompt")
+                for i, p in enumerate(prompts)]
         if req.stream:
             firsts = await self.until_disconnected(raw, self.first_outputs(gens))
             return self.sse_response(self._chunks(rid, created, req, params.n, gens, firsts))

@@ -5,6 +5,9 @@ In: validated requests and their engine prompts. Out: cumulative `RequestOutput`
 framing. The invariants live here, once:
   * every route checks first (`check_request`) that the model is the served one (404), the engine
     runs (503) and it makes what the route answers with: text, images / videos or speech (400);
+  * text prompts are bounded before they are tokenized (`check_prompt_chars`: more characters than
+    `MAX_CHARS_PER_TOKEN * max_model_len` cannot fit), and tokenized in a worker thread
+    (`with_token_ids`), never in the engine thread, where a long prompt would stall every stream;
   * every engine generator is closed on every path (finished, error, client gone), and closing an
     unfinished one aborts its request, which frees its KV blocks;
   * an engine `ValueError` (prompt too long, max_tokens past the context) arrives on a request's
@@ -34,6 +37,7 @@ from omnistage.outputs import RequestOutput, TokenLogprobs
 logger = logging.getLogger(__name__)
 
 LOGPROB_FLOOR = -9999.0                         # JSON has no -inf
+MAX_CHARS_PER_TOKEN = 16                        # no tokenizer packs more characters into a token of real text
 
 
 def clamp_logprob(value: float) -> float:
@@ -130,6 +134,29 @@ class OpenAIServing:
         makes, lacks = _OUTPUTS[output]
         if not makes(self.engine):
             raise OpenAIError(400, f"`{self.served_model_name}` {lacks}", param="model")
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """400 naming `param` for a text prompt too long to fit in the context whatever its tokens."""
+        limit = self.engine.max_model_len
+        if limit and chars > MAX_CHARS_PER_TOKEN * limit:
+            raise OpenAIError(400, f"{param} has {chars} characters; at most {MAX_CHARS_PER_TOKEN * limit} can fit "
+                                   f"in max_model_len ({limit} tokens)", param=param)
+
+    def with_token_ids(self, prompt: Any) -> Any:
+        """`prompt` with the token ids the engine would compute for it (the engine's tokenizer, the
+        prompt's `add_special_tokens`): a string becomes `{"prompt", "prompt_token_ids"}`, a dict
+        with text and no ids gains them; anything else is returned as it is. Blocking: call it in a
+        worker thread."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or self.engine.main_stage_kind != "ar":
+            return prompt
+        if isinstance(prompt, str):
+            return {"prompt": prompt, "prompt_token_ids": tokenizer.encode(prompt)}
+        text = prompt.get("prompt") if isinstance(prompt, dict) else None
+        if isinstance(text, str) and prompt.get("prompt_token_ids") is None:
+            ids = tokenizer.encode(text, add_special_tokens=prompt.get("add_special_tokens", True))
+            return {**prompt, "prompt_token_ids": ids}
+        return prompt
 
     # ---- engine streams -----------------------------------------------------------------------
     async def generate(self, prompt: Any, params: Any, request_id: str, rename: Optional[dict[str, str]] = None,

@@ -12,8 +12,11 @@
 
 Also here, shared with `serving_videos`: `MediaLimits` (the server's caps), `DiffusionServing` (model
 and engine checks, params from request fields, safe upload decoding, one engine request run to its
-final output). Uploads over `max_upload_bytes` are 413s, undecodable ones 400s; every bad field is
-a 4xx naming it. Model forwards run in the engine thread; PNG/JPEG/WEBP encoding in a worker thread.
+final output). A JSON body must be sent as JSON (or no Content-Type), a form as multipart /
+urlencoded: anything else is a 400. Uploads over `max_upload_bytes` are 413s, undecodable ones
+400s; prompts must be non-blank and at most `max_prompt_chars` long (checked before any upload is
+decoded); every bad field is a 4xx naming it. Model forwards run in the engine thread; PNG/JPEG/WEBP
+encoding in a worker thread.
 """
 
 from __future__ import annotations
@@ -28,16 +31,18 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from omnistage.entrypoints.openai.errors import OpenAIError, engine_field
+from omnistage.entrypoints.openai.errors import OpenAIError, engine_field, json_body_error, validation_error
+from omnistage.entrypoints.openai.protocol import RequestBody
 from omnistage.entrypoints.openai.serving_engine import OpenAIServing, diffusion_stage
 from omnistage.io.media import IMAGE_FORMATS, decode_image, encode_image
 from omnistage.outputs import RequestOutput
 from omnistage.params import DiffusionParams
 
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+_SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
 _INT64 = 2**63
 # DiffusionParams field -> the request field that sets it
 _REQUEST_FIELDS = {"height": "size", "width": "size", "num_outputs_per_prompt": "n"}
@@ -55,6 +60,7 @@ class MediaLimits:
     max_video_frames: int = 241                 # `num_frames` of one video job
     max_video_jobs: int = 16                    # queued + running video jobs (more: 429)
     max_stored_videos: int = 64                 # finished videos kept for download (oldest dropped)
+    max_prompt_chars: int = 32000               # `prompt` / `negative_prompt` characters (text encoders read far fewer)
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -62,10 +68,9 @@ class MediaLimits:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-class DiffusionFields(BaseModel):
+class DiffusionFields(RequestBody):
     """Request fields shared by the image and video routes (None: the model's default)."""
 
-    model_config = ConfigDict(extra="ignore")
     model: Optional[str] = None
     prompt: str
     size: Optional[str] = None                  # "WxH" in pixels, or "auto"
@@ -91,19 +96,12 @@ def parse_size(size: Optional[str], max_pixels: int) -> tuple[Optional[int], Opt
     m = _SIZE_RE.match(size)
     if m is None:
         raise OpenAIError(400, f"size must be \"WIDTHxHEIGHT\" in pixels (e.g. \"1024x1024\") or \"auto\", "
-                               f"got {size!r}", param="size")
+                               f"got {size[:40]!r}", param="size")
     w, h = int(m.group(1)), int(m.group(2))
     if w < 1 or h < 1 or w * h > max_pixels:
         raise OpenAIError(400, f"size must have a positive width and height with width * height <= "
                                f"{max_pixels} pixels, got {size!r}", param="size")
     return w, h
-
-
-def validation_error(e: ValidationError) -> OpenAIError:
-    first = e.errors()[0]
-    loc = ".".join(str(p) for p in first.get("loc", ()))
-    return OpenAIError(400, f"{loc}: {first.get('msg', 'invalid value')}" if loc else str(e),
-                       param=loc.split(".")[0] or None)
 
 
 def params_error(e: ValueError) -> OpenAIError:
@@ -125,6 +123,8 @@ async def read_form(raw: Request, limits: MediaLimits) -> tuple[dict[str, str], 
         raise OpenAIError(413, f"the request body is {length} bytes; the limit is {cap} bytes")
     try:
         form = await raw.form(max_files=limits.max_upload_files + 1, max_fields=100)
+    except StarletteHTTPException:              # the body grew past the server's cap: a 413
+        raise
     except Exception as e:                      # malformed multipart, too many parts
         raise OpenAIError(400, f"the request body is not a valid form: {e}") from None
     fields: dict[str, str] = {}
@@ -140,13 +140,16 @@ async def read_form(raw: Request, limits: MediaLimits) -> tuple[dict[str, str], 
 
 async def read_body(raw: Request, limits: MediaLimits) -> tuple[dict[str, Any], dict[str, list[UploadFile]]]:
     """JSON or form body -> (fields, files)."""
-    ctype = raw.headers.get("content-type", "")
-    if ctype.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+    ctype = raw.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype in ("multipart/form-data", "application/x-www-form-urlencoded"):
         return await read_form(raw, limits)
+    if ctype and ctype != "application/json" and not ctype.endswith("+json"):
+        raise OpenAIError(400, f"the request body must be JSON (Content-Type: application/json) or a form "
+                               f"(multipart/form-data), got Content-Type {ctype[:60]!r}")
     try:
         body = json.loads(await raw.body() or b"{}")
-    except ValueError as e:
-        raise OpenAIError(400, f"the request body is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:
+        raise json_body_error(e) from None
     if not isinstance(body, dict):
         raise OpenAIError(400, "the request body must be a JSON object")
     return body, {}
@@ -194,6 +197,18 @@ class DiffusionServing(OpenAIServing):
     def stage(self) -> Any:
         """The diffusion stage engine (None for models that are not diffusion pipelines)."""
         return diffusion_stage(self.engine)
+
+    def fields(self, model: type[DiffusionFields], fields: dict[str, Any]) -> Any:
+        """Request fields -> `model`, its prompts checked: non-blank, at most `max_prompt_chars`."""
+        req = parse_fields(model, fields)
+        if not req.prompt.strip():
+            raise OpenAIError(400, "prompt must not be empty", param="prompt")
+        cap = self.limits.max_prompt_chars
+        for name in ("prompt", "negative_prompt"):
+            text = getattr(req, name)
+            if text is not None and len(text) > cap:
+                raise OpenAIError(400, f"{name} must be at most {cap} characters, got {len(text)}", param=name)
+        return req
 
     def check_model(self, model: Optional[str], output_kind: str, with_image: bool = False) -> Any:
         """`check_request` for a route that makes `output_kind` ("image" | "video"), then what that
@@ -243,11 +258,22 @@ class DiffusionServing(OpenAIServing):
         return await (self.until_disconnected(raw, final()) if raw is not None else final())
 
 
+def body_schema(model: type[BaseModel], form_files: tuple[str, ...] = ()) -> dict:
+    """OpenAPI `requestBody` of a route that reads its body itself: JSON of `model`, or with
+    `form_files` a multipart form of its fields plus those binary files."""
+    schema = model.model_json_schema()
+    if not form_files:
+        return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+    props = {**schema["properties"], **{f: {"type": "string", "format": "binary"} for f in form_files}}
+    form = {**schema, "properties": props, "required": [*schema.get("required", []), form_files[0]]}
+    return {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": form}}}}
+
+
 def parse_fields(model: type[BaseModel], fields: dict[str, Any]) -> Any:
     try:
         return model.model_validate(fields)
     except ValidationError as e:
-        raise validation_error(e) from None
+        raise validation_error(e.errors()) from None
 
 
 class ServingImages(DiffusionServing):
@@ -265,14 +291,14 @@ class ServingImages(DiffusionServing):
 
     async def generations(self, raw: Request) -> dict:
         fields, _ = await read_body(raw, self.limits)
-        req = parse_fields(ImageRequest, fields)
+        req = self.fields(ImageRequest, fields)
         self.check_model(req.model, "image")
         params = self._image_params(req)
         return await self._respond(raw, req, {"prompt": req.prompt}, params)
 
     async def edits(self, raw: Request) -> dict:
         fields, files = await read_body(raw, self.limits)
-        req = parse_fields(ImageRequest, fields)
+        req = self.fields(ImageRequest, fields)
         self.check_model(req.model, "image", with_image=True)
         params = self._image_params(req)
         if parse_size(req.size, self.limits.max_image_pixels) == (None, None):
@@ -303,10 +329,10 @@ def register_image_routes(app: FastAPI, engine: Any, served_model_name: str, met
                           limits: Union[MediaLimits, None] = None) -> None:
     serving = ServingImages(engine, served_model_name, metrics, limits or MediaLimits())
 
-    @app.post("/v1/images/generations")
+    @app.post("/v1/images/generations", openapi_extra=body_schema(ImageRequest))
     async def create_image(raw: Request) -> dict:
         return await serving.generations(raw)
 
-    @app.post("/v1/images/edits")
+    @app.post("/v1/images/edits", openapi_extra=body_schema(ImageRequest, ("image", "mask")))
     async def edit_image(raw: Request) -> dict:
         return await serving.edits(raw)

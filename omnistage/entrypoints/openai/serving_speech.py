@@ -24,11 +24,11 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 from sse_starlette import EventSourceResponse
 
 from omnistage.codec.speech import TTSParams
 from omnistage.entrypoints.openai.errors import OpenAIError, bad_request
+from omnistage.entrypoints.openai.protocol import RequestBody
 from omnistage.entrypoints.openai.serving_engine import OpenAIServing
 from omnistage.io.audio import AUDIO_FORMATS, MEDIA_TYPES, AudioStreamEncoder, encode_audio
 from omnistage.outputs import RequestOutput
@@ -38,8 +38,7 @@ AUDIO_TTL_S = 3600                              # `expires_at` of chat audio: no
 FRAME = 256                                     # samples per "output token" in speech usage
 
 
-class SpeechRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class SpeechRequest(RequestBody):
     model: Optional[str] = None                 # None or the served model's name
     input: str                                  # text to speak, at most 4096 characters
     voice: Union[str, dict[str, Any], None] = None  # a voice name, or {"id": name}; None = the default voice
@@ -49,18 +48,18 @@ class SpeechRequest(BaseModel):
     stream_format: Optional[str] = None         # None = one file; "audio" = byte stream; "sse" = events
 
 
-def _voice_name(voice: Any) -> Optional[str]:
+def _voice_name(voice: Any, field: str = "voice") -> Optional[str]:
     if isinstance(voice, dict):
         voice = voice.get("id")
     if voice is not None and not isinstance(voice, str):
-        raise OpenAIError(400, "voice must be a voice name or {\"id\": name}", param="voice")
+        raise OpenAIError(400, f"{field} must be a voice name or {{\"id\": name}}", param=field)
     return voice
 
 
-def _check_voice(engine: Any, voice: Optional[str]) -> None:
+def _check_voice(engine: Any, voice: Optional[str], field: str = "voice") -> None:
     names = [v["id"] for v in engine.voices()]
     if voice is not None and voice not in names:
-        raise OpenAIError(400, f"voice must be one of {names}, got {voice!r}", param="voice")
+        raise OpenAIError(400, f"{field} must be one of {names}, got {voice[:40]!r}", param=field)
 
 
 class _AudioDelta:
@@ -77,12 +76,32 @@ class _AudioDelta:
         return chunk
 
 
+async def _first(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+    try:
+        return await gen.__anext__()
+    except StopAsyncIteration:
+        raise OpenAIError(500, "the engine ended the request without output") from None
+
+
+async def _final(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+    final = None
+    async with aclosing(gen) as outs:
+        async for final in outs:
+            pass
+    if final is None or final.audio is None:
+        raise OpenAIError(500, "the engine ended the request without audio")
+    return final
+
+
 class ServingSpeech(OpenAIServing):
     def _check(self, req: SpeechRequest) -> TTSParams:
         self.check_request(req.model, "speech")
         if not req.input.strip() or len(req.input) > MAX_INPUT_CHARS:
             raise OpenAIError(400, f"input must be 1 to {MAX_INPUT_CHARS} characters, got {len(req.input)}",
                               param="input")
+        if "\x00" in req.input:                 # ends a C string: a voice back end cannot take it
+            raise OpenAIError(400, f"input must not contain NUL (U+0000) characters; found one at "
+                                   f"{req.input.index(chr(0))}", param="input")
         if req.response_format not in AUDIO_FORMATS:
             raise OpenAIError(400, f"response_format must be one of {', '.join(AUDIO_FORMATS)}, got "
                                    f"{req.response_format!r}", param="response_format")
@@ -100,15 +119,13 @@ class ServingSpeech(OpenAIServing):
         params = self._check(req)
         rid = f"speech-{uuid.uuid4().hex}"
         gen = self.generate(req.input, params, rid, default_param="input", entry_stage=self.engine.speech_stage)
-        first = await gen.__anext__()           # errors become 4xx/5xx before any byte is sent
+        # Until the response starts, a client that leaves cancels the synthesis (counted as an abort);
+        # errors become 4xx / 5xx before any byte is sent.
         if req.stream_format is None:
-            final = first
-            async with aclosing(gen) as rest:
-                async for out in rest:
-                    final = out
-            audio = final.audio
+            audio = (await self.until_disconnected(raw, _final(gen))).audio
             return Response(encode_audio(audio.samples, audio.sample_rate, req.response_format),
                             media_type=MEDIA_TYPES[req.response_format])
+        first = await self.until_disconnected(raw, _first(gen))
         pieces = self._byte_pieces(first, gen, req.response_format)
         if req.stream_format == "audio":
             return StreamingResponse(self._raw(pieces), media_type=MEDIA_TYPES[req.response_format])
@@ -182,10 +199,10 @@ class ChatAudio:
         audio = dict(audio or {})
         fmt = audio.get("format") or "wav"
         if fmt not in AUDIO_FORMATS:
-            raise OpenAIError(400, f"audio.format must be one of {', '.join(AUDIO_FORMATS)}, got {fmt!r}",
+            raise OpenAIError(400, f"audio.format must be one of {', '.join(AUDIO_FORMATS)}, got {str(fmt)[:40]!r}",
                               param="audio.format")
-        voice = _voice_name(audio.get("voice"))
-        _check_voice(engine, voice)
+        voice = _voice_name(audio.get("voice"), "audio.voice")
+        _check_voice(engine, voice, "audio.voice")
         return cls(voice, fmt)
 
     def prompt(self, prompt: dict) -> dict:

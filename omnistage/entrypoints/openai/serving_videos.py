@@ -8,7 +8,8 @@
     at once with a queued job `{id, object: "video", status: "queued", progress: 0, created_at,
     model, size, seconds, prompt}`; more than `limits.max_video_jobs` unfinished jobs is a 429.
   * `GET /v1/videos/{id}`: the job; `status` goes queued -> in_progress -> completed | failed,
-    `progress` 0..100 follows the denoising steps (100 once the MP4 is ready).
+    `progress` 0..100 follows the denoising steps (100 once the MP4 is ready). Its `prompt` is the
+    first `PROMPT_ECHO_CHARS` characters of the prompt (a job and a page of jobs stay small).
   * `GET /v1/videos/{id}/content[?variant=video|thumbnail]`: the MP4 (video/mp4), or the first
     frame as WEBP; a 400 until the job completed.
   * `GET /v1/videos[?after=&limit=&order=]`: a cursor page `{object: "list", data, has_more,
@@ -16,8 +17,9 @@
   * `DELETE /v1/videos/{id}`: forgets the job; a running one is aborted at the engine's next step
     boundary, so the engine is free for the next job one step later.
 `seconds` without `num_frames` asks for `seconds * fps + 1` frames, which the model rounds to a
-count it accepts. Jobs and finished videos live in memory; the oldest finished ones are dropped
-past `limits.max_stored_videos`. A gauge `omnistage:video_jobs{status}` reports the queue.
+count it accepts; a frame count refused then is reported as a bad `seconds`. Jobs and finished
+videos live in memory; the oldest finished ones are dropped past `limits.max_stored_videos`. A
+gauge `omnistage:video_jobs{status}` reports the queue.
 """
 
 from __future__ import annotations
@@ -36,13 +38,13 @@ from pydantic import Field
 
 from omnistage.entrypoints.openai.errors import OpenAIError
 from omnistage.entrypoints.openai.serving_images import (DiffusionFields, DiffusionServing, MediaLimits,
-                                                         decode_data_url, parse_fields, read_body,
-                                                         read_upload)
+                                                         body_schema, decode_data_url, read_body, read_upload)
 from omnistage.io.media import encode_image, encode_mp4
 from omnistage.metrics import PREFIX
 from omnistage.params import DiffusionParams
 
 STATUSES = ("queued", "in_progress", "completed", "failed")
+PROMPT_ECHO_CHARS = 1000                        # characters of a job's prompt kept and echoed
 
 
 class VideoRequest(DiffusionFields):
@@ -56,7 +58,7 @@ class VideoRequest(DiffusionFields):
 @dataclass
 class VideoJob:
     id: str
-    prompt: str
+    prompt: str                                 # its first PROMPT_ECHO_CHARS characters, for display
     model: str
     params: DiffusionParams                     # resolved: size, frames and fps are all set
     created_at: int                             # unix seconds
@@ -98,6 +100,11 @@ class _JobsCollector:
         yield g
 
 
+def _fps(req: VideoRequest, stage: Any) -> int:
+    """The request's fps, or the model's default."""
+    return req.fps or stage.check_params(DiffusionParams()).fps
+
+
 class ServingVideos(DiffusionServing):
     def __init__(self, engine: Any, served_model_name: str, metrics: Any, limits: MediaLimits):
         super().__init__(engine, served_model_name, metrics, limits)
@@ -109,7 +116,7 @@ class ServingVideos(DiffusionServing):
     async def create(self, raw: Request) -> dict:
         fields, files = await read_body(raw, self.limits)
         reference = fields.pop("input_reference[image_url]", None)
-        req: VideoRequest = parse_fields(VideoRequest, fields)
+        req: VideoRequest = self.fields(VideoRequest, fields)
         stage = self.check_model(req.model, "video")
         self._check_room()
         image = await self._reference(req, files, reference)
@@ -119,13 +126,10 @@ class ServingVideos(DiffusionServing):
         if not stage.takes_image and image is not None:
             raise OpenAIError(400, f"`{self.served_model_name}` does not take an input image",
                               param="input_reference")
-        params = self.params(req, num_frames=self._frames(req, stage), fps=req.fps)
-        if params.num_frames > self.limits.max_video_frames:
-            raise OpenAIError(400, f"num_frames must be at most {self.limits.max_video_frames}, got "
-                                   f"{params.num_frames}", param="num_frames")
+        params = self._video_params(req, stage)
         self._check_room()                      # again: other creates may have been queued while we decoded
-        job = VideoJob(id=f"video_{uuid.uuid4().hex}", prompt=req.prompt, model=self.served_model_name,
-                       params=params, created_at=int(time.time()))
+        job = VideoJob(id=f"video_{uuid.uuid4().hex}", prompt=req.prompt[:PROMPT_ECHO_CHARS],
+                       model=self.served_model_name, params=params, created_at=int(time.time()))
         inputs: dict[str, Any] = {"prompt": req.prompt}       # the negative prompt travels in params
         if image is not None:
             inputs["image"] = image
@@ -152,7 +156,23 @@ class ServingVideos(DiffusionServing):
             reference = ref
         return None if reference is None else decode_data_url(reference, self.limits, "input_reference")
 
+    def _video_params(self, req: VideoRequest, stage: Any) -> DiffusionParams:
+        """The job's resolved params; a refused frame count that came from `seconds` is a bad `seconds`."""
+        frames = self._frames(req, stage)
+        try:
+            params = self.params(req, num_frames=frames, fps=req.fps)
+            if params.num_frames > self.limits.max_video_frames:
+                raise OpenAIError(400, f"num_frames must be at most {self.limits.max_video_frames}, got "
+                                       f"{params.num_frames}", param="num_frames")
+        except OpenAIError as e:
+            if req.num_frames is not None or frames is None or e.param != "num_frames":
+                raise
+            raise OpenAIError(400, f"seconds: {float(req.seconds):g} s at {_fps(req, stage)} fps is {frames} frames; "
+                                   f"{e.message}", param="seconds") from None
+        return params
+
     def _frames(self, req: VideoRequest, stage: Any) -> Optional[int]:
+        """Frames asked for: `num_frames`, else `seconds * fps + 1`, else None (the model's default)."""
         if req.num_frames is not None or req.seconds is None:
             return req.num_frames
         try:
@@ -160,9 +180,9 @@ class ServingVideos(DiffusionServing):
         except ValueError:
             seconds = -1.0
         if not 0 < seconds <= 600:
-            raise OpenAIError(400, f"seconds must be a number in (0, 600], got {req.seconds!r}", param="seconds")
-        fps = req.fps or stage.check_params(DiffusionParams()).fps
-        return int(round(seconds * fps)) + 1
+            raise OpenAIError(400, f"seconds must be a number in (0, 600], got {str(req.seconds)[:20]!r}",
+                              param="seconds")
+        return int(round(seconds * _fps(req, stage))) + 1
 
     def _evict(self) -> None:
         done = [j.id for j in self.jobs.values() if j.finished]
@@ -245,7 +265,7 @@ def register_video_routes(app: FastAPI, engine: Any, served_model_name: str, met
                           limits: Optional[MediaLimits] = None) -> ServingVideos:
     serving = ServingVideos(engine, served_model_name, metrics, limits or MediaLimits())
 
-    @app.post("/v1/videos")
+    @app.post("/v1/videos", openapi_extra=body_schema(VideoRequest))
     async def create_video(raw: Request) -> dict:
         return await serving.create(raw)
 

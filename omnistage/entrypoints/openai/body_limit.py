@@ -1,0 +1,73 @@
+"""The request-body size cap (pure ASGI middleware, event-loop thread of the API server).
+
+In: every HTTP request, before any route reads its body. Out: a 413 in the OpenAI error shape for a
+body over `max_body_bytes` (`omnistage serve --max-body-bytes`, `build_app(max_body_bytes=)`), or
+the request passed on unchanged. A declared `Content-Length` over the cap is answered at once,
+without reading a byte of the body; a body without one (chunked) is counted as it streams in, and
+the read that crosses the cap raises `BodyTooLarge`, which FastAPI and the serving code let through
+to the 413 handler. Either way the 413 says `Connection: close`: the rest of the body is never read,
+so the connection cannot carry another request.
+"""
+
+from __future__ import annotations
+
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from omnistage.entrypoints.openai.errors import OpenAIError
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024       # a 20 MB upload fits, base64 included; a 50 MB prompt does not
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """The body grew past the cap while being read (an HTTPException: FastAPI's body parsing re-raises those)."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"the request body is larger than the {limit}-byte limit (--max-body-bytes)")
+
+
+class BodySizeLimitMiddleware:
+    def __init__(self, app, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        self.app = app
+        self.limit = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(scope, receive, send, f"the request body is {declared} bytes; the limit is "
+                                                     f"{self.limit} bytes (--max-body-bytes)")
+            return
+        received, started = 0, False
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise BodyTooLarge(self.limit)
+            return message
+
+        async def closing(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if received > self.limit:       # the 413 of BodyTooLarge: the unread rest ends the connection
+                    message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        try:
+            await self.app(scope, counted, closing)
+        except BodyTooLarge as e:               # raised where no handler was in reach
+            if started:
+                raise
+            await self._refuse(scope, receive, send, str(e.detail))
+
+    @staticmethod
+    async def _refuse(scope, receive, send, message: str) -> None:
+        response = OpenAIError(413, message).response()
+        response.headers["connection"] = "close"
+        await response(scope, receive, send)

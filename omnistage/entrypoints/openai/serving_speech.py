@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from sse_starlette import EventSourceResponse
 
-from omnistage.codec.speech import TTSParams
+from omnistage.codec.speech import TTSParams, clean_for_speech
 from omnistage.entrypoints.openai.errors import OpenAIError, bad_request
 from omnistage.entrypoints.openai.serving_engine import OpenAIServing
 from omnistage.io.audio import AUDIO_FORMATS, MEDIA_TYPES, AudioStreamEncoder, encode_audio
@@ -83,6 +83,9 @@ class ServingSpeech(OpenAIServing):
         if not req.input.strip() or len(req.input) > MAX_INPUT_CHARS:
             raise OpenAIError(400, f"input must be 1 to {MAX_INPUT_CHARS} characters, got {len(req.input)}",
                               param="input")
+        if not clean_for_speech(req.input):     # only control characters, markdown marks, unencodable ones
+            raise OpenAIError(400, "input must contain speakable text; it has only control, formatting or "
+                                   "unencodable characters", param="input")
         if req.response_format not in AUDIO_FORMATS:
             raise OpenAIError(400, f"response_format must be one of {', '.join(AUDIO_FORMATS)}, got "
                                    f"{req.response_format!r}", param="response_format")

@@ -109,6 +109,11 @@ class StageOutput:
     finish_reason: Optional[str] = None         # diffusion: "stop" | "abort" | "error" on the last output
     error: Optional[StageError] = None          # the request failed in this stage
 
+    @classmethod
+    def failed(cls, request_id: str, error: StageError) -> "StageOutput":
+        """The last output of a request the stage dropped: finished, nothing produced, `error` says why."""
+        return cls(request_id, RequestOutput(request_id, finished=True), True, error=error)
+
 
 class StageDeadError(RuntimeError):
     """A request failed because a stage holding it went down (its process died); the stage restarts."""

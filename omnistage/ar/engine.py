@@ -5,7 +5,9 @@ once at `add_request`) with `SamplingParams`, and streamed `ExtraRows` for reque
 `stream_extra` (`add_input`). Out: `StageOutput`s carrying cumulative `RequestOutput`s for the
 requests that changed this step (and `HiddenStates` for those that asked for them). The engine
 owns tokenizer-side work (prompt encoding, incremental detokenization, stop strings); the
-scheduler decides what runs; the runner computes.
+scheduler decides what runs; the runner computes. The per-request host work of a step
+(detokenizing, stop checks, building outputs) is isolated: a request it raises for fails alone, as
+a finished `StageOutput` whose `error` says why; only the batched forward is the engine's own.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from omnistage.ar.sequence import Sequence
 from omnistage.config import CUDA_CONTEXT_BYTES, EngineConfig, checkpoint_dtype
 from omnistage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from omnistage.params import ParamError, SamplingParams
-from omnistage.stage import ARPrompt, ExtraRows, StageOutput
+from omnistage.stage import ARPrompt, ExtraRows, StageError, StageOutput
 
 logger = logging.getLogger(__name__)
 
@@ -235,22 +237,41 @@ class AREngine:
         changed: dict[str, _Request] = {s.seq.request_id: self.requests[s.seq.request_id]
                                         for s in sched.scheduled if s.seq.seq_id in result.hidden}
         by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
+        failed: dict[str, Exception] = {}       # request id -> what its host work raised
         for seq_id, token in result.sampled.items():
             seq = by_id[seq_id]
             req = self.requests[seq.request_id]
+            if req.request_id in failed:
+                continue
             req.metrics.first_token_time = req.metrics.first_token_time or now
-            if seq_id in result.logprobs:
-                seq.logprobs.append(self._logprobs(token, *result.logprobs[seq_id]))
-            self._check_stop(seq, token)
+            try:
+                if seq_id in result.logprobs:
+                    seq.logprobs.append(self._logprobs(token, *result.logprobs[seq_id]))
+                self._check_stop(seq, token)
+            except Exception as e:
+                failed[req.request_id] = e
+                continue
             changed[req.request_id] = req
         outputs = []
         for req in changed.values():
+            if req.request_id in failed:
+                continue
             finished = all(s.is_finished for s in req.seqs)
+            try:
+                out = StageOutput(req.request_id, self._make_output(req, finished), finished,
+                                  hidden=result.hidden.get(req.seqs[0].seq_id))
+            except Exception as e:
+                failed[req.request_id] = e
+                continue
             if finished:
                 req.metrics.finished_time = now
                 del self.requests[req.request_id]
-            outputs.append(StageOutput(req.request_id, self._make_output(req, finished), finished,
-                                       hidden=result.hidden.get(req.seqs[0].seq_id)))
+            outputs.append(out)
+        for rid, error in failed.items():
+            logger.warning("AR request %s failed in its host work", rid, exc_info=error)
+            self.abort(rid)
+            why = f"building its output failed: {type(error).__name__}: {error}"
+            outputs.append(StageOutput.failed(rid, StageError(why)))
         return outputs
 
     def _logprobs(self, token: int, chosen: float, top: list[tuple[int, float]]) -> TokenLogprobs:

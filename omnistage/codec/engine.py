@@ -12,22 +12,27 @@ codec ids), `audio_chunk` the samples added this step (empty when none); the las
 
 A step is schedule -> decode -> update: the `CodecScheduler` picks the ready chunks (round-robin, one
 batch key, up to the model's `max_batch`), the model decodes them in one call, the scheduler files
-the audio and says which requests changed or finished. The engine owns the requests and their
-audio; the model (`CodecModel`, implemented in the model's folder: `models/qwen2_5_omni/code2wav.py`,
-`models/piper/tts.py`) owns everything that knows what a chunk is. A back end's
-`from_stage_spec(spec)` builds its model and returns the engine around it.
+the audio and says which requests changed or finished. A request whose `take`, `ready` or decode
+raises fails alone (a finished `StageOutput` whose `error` says why; the stage serves on): when a
+batch of several fails, each chunk is decoded again on its own, so the others in it survive. The
+engine owns the requests and their audio; the model (`CodecModel`, implemented in the model's
+folder: `models/qwen2_5_omni/code2wav.py`, `models/piper/tts.py`) owns everything that knows what a
+chunk is. A back end's `from_stage_spec(spec)` builds its model and returns the engine around it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Hashable, Optional, Protocol
 
 import numpy as np
 
-from omnistage.codec.scheduler import CodecReport, CodecRequest, CodecScheduler
+from omnistage.codec.scheduler import CodecBatch, CodecReport, CodecRequest, CodecScheduler
 from omnistage.outputs import AudioOutput, RequestMetrics, RequestOutput
-from omnistage.stage import StageOutput
+from omnistage.stage import StageError, StageOutput
+
+logger = logging.getLogger(__name__)
 
 
 class CodecModel(Protocol):
@@ -49,7 +54,9 @@ class CodecModel(Protocol):
 
     def ready(self, state: Any, input_done: bool) -> Optional[Any]: ...  # next chunk; None: wait / nothing left
 
-    def decode(self, states: list, chunks: list) -> list[np.ndarray]: ...  # audio per chunk; states move past them
+    # audio per chunk, states moved past them; when it raises, decoding the same chunks again must be safe
+    # (the engine retries each chunk alone): Piper moves no state until all are done, code2wav rewrites its own
+    def decode(self, states: list, chunks: list) -> list[np.ndarray]: ...
 
     def sample_rate(self, state: Any) -> int: ...          # Hz of the request's audio
 
@@ -62,8 +69,9 @@ class CodecEngine:
     def __init__(self, model: CodecModel):
         self.model = model
         self.params_type = model.params_type
-        self.scheduler = CodecScheduler(lambda req: model.ready(req.state, req.input_done), model.max_batch)
+        self.scheduler = CodecScheduler(self._ready, model.max_batch)
         self._audio_seconds = 0.0
+        self._failed: dict[str, str] = {}      # request id -> why it failed; reported (and dropped) by the next step
 
     @property
     def requests(self) -> dict[str, CodecRequest]:
@@ -102,6 +110,7 @@ class CodecEngine:
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
+        self._failed.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -112,15 +121,63 @@ class CodecEngine:
                 "audio_seconds_total": self._audio_seconds, **self.model.stats()}
 
     def step(self) -> list[StageOutput]:
-        batch = self.scheduler.schedule()
-        audio = self.model.decode([r.state for r in batch.requests], batch.chunks) if len(batch) else []
-        for req, chunk in zip(batch.requests, audio):
-            self._audio_seconds += len(chunk) / self.model.sample_rate(req.state)
-        return [self._output(report) for report in self.scheduler.update(batch, audio)]
+        batch, audio = self._decode(self.scheduler.schedule())
+        reports = self.scheduler.update(batch, audio)
+        outputs = []
+        for report in reports:
+            if report.request.request_id not in self._failed:
+                try:
+                    outputs.append(self._output(report))
+                except Exception as e:
+                    self._fail(report.request.request_id, "reporting", e)
+        failed, self._failed = self._failed, {}
+        for rid, why in failed.items():
+            self.scheduler.abort(rid)
+            outputs.append(StageOutput.failed(rid, StageError(why)))
+        return outputs
+
+    def _ready(self, req: CodecRequest) -> Optional[Any]:
+        """The model's next chunk of `req`; None once it failed (its `ready` raising fails it)."""
+        if req.request_id in self._failed:
+            return None
+        try:
+            return self.model.ready(req.state, req.input_done)
+        except Exception as e:
+            self._fail(req.request_id, "preparing the next chunk", e)
+            return None
+
+    def _decode(self, batch: CodecBatch) -> tuple[CodecBatch, list[np.ndarray]]:
+        """The batch's audio. When the model raises on a batch of several, each chunk is decoded again
+        alone: only the requests whose chunk fails alone fail; returns the batch of those that did not."""
+        if not len(batch):
+            return batch, []
+        try:
+            return batch, self.model.decode([r.state for r in batch.requests], batch.chunks)
+        except Exception as e:
+            if len(batch) == 1:
+                self._fail(batch.requests[0].request_id, "decoding", e)
+                return CodecBatch(), []
+            logger.warning("codec batch of %d failed (%s); decoding its chunks one by one", len(batch), e)
+        kept, audio = CodecBatch(), []
+        for req, chunk in zip(batch.requests, batch.chunks):
+            try:
+                audio.append(self.model.decode([req.state], [chunk])[0])
+            except Exception as e:
+                self._fail(req.request_id, "decoding", e)
+                continue
+            kept.requests.append(req)
+            kept.chunks.append(chunk)
+        return kept, audio
+
+    def _fail(self, request_id: str, what: str, error: Exception) -> None:
+        if request_id not in self._failed:
+            logger.warning("codec request %s failed while %s", request_id, what, exc_info=error)
+            self._failed[request_id] = f"{what} failed: {type(error).__name__}: {error}"
 
     def _output(self, report: CodecReport) -> StageOutput:
         req = report.request
         chunk = report.chunk if report.chunk is not None else np.zeros(0, np.float32)
+        self._audio_seconds += len(chunk) / self.model.sample_rate(req.state)
         samples = np.concatenate(req.chunks) if req.chunks else np.zeros(0, np.float32)
         prompt, ids = self.model.prompt(req.state)
         out = RequestOutput(request_id=req.request_id, prompt=prompt, prompt_token_ids=list(ids),

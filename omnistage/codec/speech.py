@@ -6,11 +6,18 @@ from an upstream LM as the text grows: the text -> TTS adapter sends each senten
 complete, and the last piece with `finished=True`. `TTSInput` supports the orchestrator's streaming
 protocol (`len()` counts units produced so far, `slice()` cuts a piece), so the orchestrator forwards
 pieces without knowing what a sentence is. `text_to_tts` is the LM -> TTS edge adapter.
+
+Whatever text arrives (a user's `input`, an LM's output) is made speakable first (`speakable`):
+control and format characters, lone surrogates, private-use and unassigned code points are
+dropped, and runs of combining marks are capped, so no voice back end sees what it cannot encode.
+A run of text with no sentence end is cut at `MAX_SENTENCE_CHARS` (at a clause mark or a space
+when there is one), so no sentence, and no step of a TTS stage, grows with the input.
 """
 
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -27,7 +34,11 @@ _ABBREVIATIONS = frozenset({"mr", "mrs", "ms", "dr", "prof", "sr", "jr", "st", "
 _MARKDOWN = re.compile(r"[*_`#>|~]+")
 _LIST_MARK = re.compile(r"^\s*(?:[-•]|\d+\.)\s+", re.MULTILINE)
 _SPACES = re.compile(r"\s+")
-MAX_SENTENCE_CHARS = 300                        # longer runs without an end are cut at a clause boundary
+MAX_SENTENCE_CHARS = 300                        # longer runs without an end are cut at a clause mark, a space, or here
+MAX_MARKS_PER_CHAR = 3                          # combining marks kept after one base character (more: "zalgo" text)
+# Unicode categories no voice reads: control, format, surrogate, private use, unassigned (whitespace is kept).
+_UNSPEAKABLE = frozenset({"Cc", "Cf", "Cs", "Co", "Cn"})
+_ASCII_UNSPEAKABLE = re.compile(r"[\x00-\x08\x0e-\x1b\x7f]")   # the ASCII controls that are not whitespace
 
 
 @dataclass
@@ -68,9 +79,32 @@ def check_voice(params, known) -> None:
     check_param(voice is None or voice in known, "voice", f"one of {sorted(known)}", voice)
 
 
+def speakable(text: str) -> str:
+    """`text` without what no voice can read: control and format characters (whitespace stays),
+    lone surrogates, private-use and unassigned code points; at most `MAX_MARKS_PER_CHAR`
+    combining marks after a character; NFC. Works character by character, so a prefix of a
+    growing text keeps its result up to its last whitespace."""
+    if text.isascii():
+        return _ASCII_UNSPEAKABLE.sub("", text)
+    kept, marks = [], 0
+    for c in text:
+        category = unicodedata.category(c)
+        if category[0] == "M":
+            marks += 1
+            if marks > MAX_MARKS_PER_CHAR:
+                continue
+        elif category in _UNSPEAKABLE and not c.isspace():
+            continue
+        else:
+            marks = 0
+        kept.append(c)
+    return unicodedata.normalize("NFC", "".join(kept))
+
+
 def clean_for_speech(text: str) -> str:
-    """Drops markdown marks and list bullets and folds whitespace: what a voice should read."""
-    text = _LIST_MARK.sub("", text)
+    """What a voice should read of `text`: `speakable` characters, no markdown marks or list
+    bullets, whitespace folded."""
+    text = _LIST_MARK.sub("", speakable(text))
     text = _MARKDOWN.sub("", text)
     return _SPACES.sub(" ", text).strip()
 
@@ -86,37 +120,54 @@ def _ends_sentence(text: str, end: int) -> bool:
     return not (w in _ABBREVIATIONS or (len(w) == 1 and w.isalpha()))
 
 
+def _clause_cut(run: str) -> int:
+    """Where to cut a run longer than `MAX_SENTENCE_CHARS` that has no sentence end in its first
+    `MAX_SENTENCE_CHARS`: after the last clause mark there, else at the last space, else right
+    there (never between a character and its combining marks)."""
+    cut = max(run.rfind(c, 0, MAX_SENTENCE_CHARS) for c in ",;:")
+    if cut > 0:
+        return cut + 1
+    cut = run.rfind(" ", 0, MAX_SENTENCE_CHARS)
+    if cut > 0:
+        return cut
+    cut = MAX_SENTENCE_CHARS
+    while cut > 1 and unicodedata.category(run[cut])[0] == "M":
+        cut -= 1
+    return cut
+
+
 def split_sentences(text: str, final: bool) -> tuple[list[str], str]:
     """Complete sentences of a (growing) text, cleaned for speech, and the unfinished rest.
 
     With `final` the rest is the text's last sentence (it will not grow any more). Sentences that
-    clean to nothing (only markdown or whitespace) are dropped. Calling this on a longer version of
-    the same text never changes the sentences already returned: a sentence ends only where the
-    following whitespace has already arrived.
+    clean to nothing (only markdown, whitespace or unspeakable characters) are dropped. A sentence
+    has at most `MAX_SENTENCE_CHARS` characters: a longer run is cut (`_clause_cut`). Calling this
+    on a longer version of the same text never changes the sentences already returned: a sentence
+    ends only where the following whitespace has already arrived, and a run is cut only once more
+    than `MAX_SENTENCE_CHARS` of it are there.
     """
+    text = speakable(text)
     sentences: list[str] = []
     start = 0
+
+    def emit(end: int) -> None:
+        nonlocal start
+        piece = clean_for_speech(text[start:end])
+        start = end
+        if piece:
+            sentences.append(piece)
+
     for m in _SENTENCE_END.finditer(text):
         if not _ends_sentence(text, m.end()) or m.end() <= start:
             continue
-        piece = clean_for_speech(text[start:m.end()])
-        start = m.end()
-        if piece:
-            sentences.append(piece)
+        while m.end() - start > MAX_SENTENCE_CHARS:   # a run-on before this end: cut it first
+            emit(start + _clause_cut(text[start:start + MAX_SENTENCE_CHARS + 1]))
+        emit(m.end())
+    while len(text) - start > MAX_SENTENCE_CHARS:     # a run-on without an end (yet)
+        emit(start + _clause_cut(text[start:start + MAX_SENTENCE_CHARS + 1]))
     rest = text[start:]
-    while len(rest) > MAX_SENTENCE_CHARS:       # a run-on without an end: cut at the last clause mark
-        cut = max(rest.rfind(c, 0, MAX_SENTENCE_CHARS) for c in ",;:")
-        cut = cut + 1 if cut > 0 else rest.rfind(" ", 0, MAX_SENTENCE_CHARS)
-        if cut <= 0:
-            break
-        piece = clean_for_speech(rest[:cut])
-        if piece:
-            sentences.append(piece)
-        rest = rest[cut:]
     if final:
-        piece = clean_for_speech(rest)
-        if piece:
-            sentences.append(piece)
+        emit(len(text))
         rest = ""
     return sentences, rest
 

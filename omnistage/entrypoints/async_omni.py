@@ -218,6 +218,18 @@ class AsyncOmni:
                 if isinstance(cmd, AddRequest):
                     self._resolve(cmd.accepted, EngineDeadError(f"the engine stopped: {e!r}"))
 
+    def _step_failed(self, error: Exception) -> None:
+        """An engine-level failure: the orchestrator's step raised outside any one stage (a stage
+        whose step raises fails only the requests it holds, inside the orchestrator). The requests
+        the orchestrator holds fail with it; streams whose request it does not hold (not added yet)
+        are untouched, and the engine serves on."""
+        logger.error("engine step failed", exc_info=error)
+        for rid in list(self.orchestrator.routes):
+            self.orchestrator.abort(rid)
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.put(RuntimeError(f"engine step failed: {error!r}"))
+
     def _serve(self) -> None:
         running = True
         while running:
@@ -234,12 +246,9 @@ class AsyncOmni:
                     continue
             try:
                 outputs = self.orchestrator.step()
-            except Exception as e:                              # a broken step fails its requests, not the server
-                logger.exception("engine step failed")
-                for rid, stream in list(self._streams.items()):
-                    self.orchestrator.abort(rid)
-                    stream.put(RuntimeError(f"engine step failed: {e!r}"))
-                continue
+            except Exception as e:                              # the orchestrator itself broke (stages fail alone)
+                self._step_failed(e)
+                outputs = []                                    # requests it failed before still hear why
             self._stats = self.orchestrator.stats()
             for rid, error in self.orchestrator.pop_errors():   # a stage went down: only its requests fail
                 stream = self._streams.get(rid)

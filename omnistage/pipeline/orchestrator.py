@@ -10,7 +10,8 @@ units (sentences, tokens) as soon as a piece of the edge's chunk size is complet
 stage starts before its upstream finishes; a whole-output edge forwards once at the end. Each
 edge has one adapter, built at start-up (`pipeline.build.edge_adapter`); it is called with an
 `EdgeContext` held per request and edge (the request's fields and entry inputs, the adapter's
-memory). An adapter or downstream stage that raises fails only that request (`pop_errors`). The
+memory). An adapter or downstream stage that raises fails only that request (`pop_errors`), and a
+stage whose step raises fails only the requests it holds (the other stages step on). The
 request's outputs of its final stages are merged into one `RequestOutput`: the entry stage's
 prompt, token ids and metrics; text from the stage that produces text, audio / images / video from
 the stages that produce them. Completion finish reasons are held back until every stage of the
@@ -22,6 +23,7 @@ process behind the same `StageEngine` interface.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -30,7 +32,9 @@ from omnistage.outputs import RequestOutput
 from omnistage.adapters import EdgeContext
 from omnistage.pipeline.build import build_engine, edge_adapter, params_type
 from omnistage.spec import EdgeSpec, PipelineSpec, StageSpec
-from omnistage.stage import ARPrompt, StageDeadError, StageOutput, Streamable
+from omnistage.stage import ARPrompt, StageDeadError, StageError, StageOutput, Streamable
+
+logger = logging.getLogger(__name__)
 
 # Request-level fields of a dict prompt that the orchestrator reads (and no stage sees).
 REQUEST_FIELDS = ("modalities", "voice")
@@ -173,7 +177,7 @@ class Orchestrator:
             stage = self.stages[spec.name]
             if not stage.has_unfinished():
                 continue
-            for out in stage.step():
+            for out in self._step_stage(spec.name, stage):
                 route = self.routes.get(out.request_id)
                 if route is None or spec.name not in route.started:
                     continue                    # aborted, or a stage that does not serve this request
@@ -210,6 +214,17 @@ class Orchestrator:
             if finished:
                 del self.routes[rid]
         return outputs
+
+    def _step_stage(self, name: str, stage: Any) -> list[StageOutput]:
+        """One step of one stage. A step that raises fails the requests the stage holds, each as its
+        own run-time failure (the stage is not dead, and the other stages step on)."""
+        try:
+            return stage.step()
+        except Exception as e:
+            held = [rid for rid, route in self.routes.items() if name in route.started and name not in route.done]
+            logger.exception("stage %s: step failed; failing the %d requests it holds", name, len(held))
+            why = StageError(f"stage {name!r} failed this step: {type(e).__name__}: {e}")
+            return [StageOutput.failed(rid, why) for rid in held]
 
     def _fail(self, request_id: str, error: Exception) -> None:
         """Drops a request from every stage and reports it (to `pop_errors`) instead of an output."""

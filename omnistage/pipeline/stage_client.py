@@ -15,7 +15,9 @@ thread only.
 
 When the stage process dies, every request it held gets a finished `StageOutput` whose
 `error` is fatal (the orchestrator fails just those requests, and the server answers 503),
-and a fresh process is started for the next requests.
+and a fresh process is started for the next requests. A step that raises in the stage process
+fails only the requests the engine holds (finished `StageOutput`s with a non-fatal `error`), and
+an output that cannot be encoded fails only its request; the process serves on.
 """
 
 from __future__ import annotations
@@ -250,6 +252,7 @@ def _serve(cmd_addr: str, out_addr: str) -> None:
         max_model_len=getattr(engine, "max_model_len", None),
         tokenizer=getattr(getattr(engine, "tokenizer", None), "name_or_path", None))))
     sent = 0
+    held: set[str] = set()                      # requests the engine holds (added, not finished or aborted)
     while os.getppid() == parent:               # the orchestrator's process is gone: stop too
         wait = 0 if engine.has_unfinished() else _IDLE_POLL_MS
         while cmd.poll(wait):
@@ -258,6 +261,10 @@ def _serve(cmd_addr: str, out_addr: str) -> None:
                 return
             try:
                 result, error = getattr(engine, msg.method)(*msg.args), None
+                if msg.method == "add_request":
+                    held.add(msg.args[0])
+                elif msg.method == "abort":
+                    held.discard(msg.args[0])
             except Exception as e:              # a bad request: tell the caller, keep serving
                 result, error = None, CallError.of(e)
                 if msg.seq == 0:
@@ -272,12 +279,48 @@ def _serve(cmd_addr: str, out_addr: str) -> None:
                 out.send(wire.encode(CallReply(msg.seq, result, error)))
             wait = 0
         if engine.has_unfinished():
-            outs = engine.step()
+            outs = _step(engine, held, spec.name)
             if outs:
-                out.send(wire.encode(StageOutputs(outs, engine.stats())))
+                _send_outputs(out, engine, outs, held)
                 sent += 1
                 if sent % 256 == 0 and "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
                     sys.modules["torch"].cuda.ipc_collect()   # free blocks whose CUDA IPC readers are done
+
+
+def _step(engine: Any, held: set[str], name: str) -> list[StageOutput]:
+    """One engine step. A step that raises fails every request the engine holds, each reported as a
+    finished output with its error (a run-time failure, not a dead stage); the process serves on."""
+    try:
+        outs = engine.step()
+    except Exception as e:
+        logger.exception("stage %s: step failed; failing the %d requests it holds", name, len(held))
+        why = StageError(f"stage {name!r} failed this step: {type(e).__name__}: {e}")
+        outs = [StageOutput.failed(rid, why) for rid in sorted(held)]
+        for failed in outs:
+            engine.abort(failed.request_id)
+    for o in outs:
+        if o.finished:
+            held.discard(o.request_id)
+    return outs
+
+
+def _send_outputs(out: Any, engine: Any, outs: list[StageOutput], held: set[str]) -> None:
+    """Sends a step's outputs; an output that cannot be encoded fails its request alone."""
+    stats = engine.stats()
+    try:
+        out.send(wire.encode(StageOutputs(outs, stats)))
+        return
+    except Exception:
+        logger.exception("a step's outputs could not be sent together; sending them one by one")
+    for o in outs:
+        try:
+            data = wire.encode(StageOutputs([o], stats))
+        except Exception as e:
+            engine.abort(o.request_id)
+            held.discard(o.request_id)
+            why = StageError(f"its output could not be sent to the orchestrator: {type(e).__name__}: {e}")
+            data = wire.encode(StageOutputs([StageOutput.failed(o.request_id, why)], stats))
+        out.send(data)
 
 
 if __name__ == "__main__":

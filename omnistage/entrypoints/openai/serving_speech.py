@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sse_starlette import EventSourceResponse
 
-from omnistage.codec.speech import TTSParams
+from omnistage.codec.speech import TTSParams, clean_for_speech
 from omnistage.entrypoints.openai.errors import OpenAIError, bad_request
 from omnistage.entrypoints.openai.protocol import RequestBody
 from omnistage.entrypoints.openai.serving_engine import OpenAIServing
@@ -99,9 +99,12 @@ class ServingSpeech(OpenAIServing):
         if not req.input.strip() or len(req.input) > MAX_INPUT_CHARS:
             raise OpenAIError(400, f"input must be 1 to {MAX_INPUT_CHARS} characters, got {len(req.input)}",
                               param="input")
-        if "\x00" in req.input:                 # ends a C string: a voice back end cannot take it
+        if "\x00" in req.input:                 # never text (a C-string end): refused, not silently dropped
             raise OpenAIError(400, f"input must not contain NUL (U+0000) characters; found one at "
                                    f"{req.input.index(chr(0))}", param="input")
+        if not clean_for_speech(req.input):     # only control characters, markdown marks, unencodable ones
+            raise OpenAIError(400, "input must contain speakable text; it has only control, formatting or "
+                                   "unencodable characters", param="input")
         if req.response_format not in AUDIO_FORMATS:
             raise OpenAIError(400, f"response_format must be one of {', '.join(AUDIO_FORMATS)}, got "
                                    f"{req.response_format!r}", param="response_format")

@@ -3,16 +3,21 @@ end "piper"; runs in the TTS stage's process).
 
 In: a request's input is a string (spoken whole) or a `TTSInput` (sentences; `finished=False` when
 an upstream LM streams more), its params a `TTSParams` (voice, speed). A chunk is the request's next
-sentence: each step synthesizes the next sentence of up to `max_batch_sentences` requests,
-round-robin. Out (through the engine): the cumulative `AudioOutput` (float32 mono in [-1, 1] at the
-voice's native rate, 22050 Hz for the bundled voice), the sentences spoken so far as `prompt` and
-their phoneme ids as `prompt_token_ids`. A request finishes when its input is finished and every
-sentence is spoken.
+sentence: each step synthesizes the next piece of it for up to `max_batch_sentences` requests,
+round-robin. A piece is one sentence as the phonemizer splits it, of at most
+`max_phonemes_per_step` phonemes: a longer one is cut after its last pause (`,` `;` `:`) or word
+break within the bound, and the rest follows in the next steps, so the work of one step, and what
+one request can hold up the others, is bounded whatever the text. Out (through the engine): the
+cumulative `AudioOutput` (float32 mono in [-1, 1] at the voice's native rate, 22050 Hz for the
+bundled voice), the sentences spoken so far as `prompt` and their phoneme ids as
+`prompt_token_ids`. A request finishes when its input is finished and every sentence is spoken.
 
 Voices are the stage option `voices` (`voices.py`). Models load on first use and are shared by the
 presets that name them. Piper's exported graph pads a batch to its longest item and returns no
-per-item audio lengths, so each sentence runs its own forward; the step still serves several
-requests, which is what keeps time-to-first-audio flat under load.
+per-item audio lengths, so each piece runs its own forward; the step still serves several
+requests, which is what keeps time-to-first-audio flat under load. Sentences are cleaned for
+speech once more as they arrive (`codec.speech.clean_for_speech`); `decode` changes no state until
+every piece of its batch is synthesized, so the engine can retry a failed batch piece by piece.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from omnistage.codec.engine import CodecEngine
-from omnistage.codec.speech import TTSInput, TTSParams, check_voice
+from omnistage.codec.speech import TTSInput, TTSParams, check_voice, clean_for_speech
 from omnistage.models.piper.voices import DEFAULT_VOICE, INSTALL_HINT, VoiceSpec, piper_available, voices_from_options
 
 logger = logging.getLogger(__name__)
+
+_PAUSES = frozenset(",;:")                      # phonemes after which a long sentence is best cut
 
 
 class PiperState:
@@ -37,7 +44,8 @@ class PiperState:
     def __init__(self, voice: VoiceSpec, params: TTSParams):
         self.voice = voice
         self.params = params
-        self.pending: deque[str] = deque()      # sentences not spoken yet
+        self.pending: deque[str] = deque()      # sentences not (completely) spoken yet
+        self.rest: Optional[list[list[str]]] = None  # phonemes of pending[0] not spoken yet; None = not phonemized
         self.spoken: list[str] = []             # sentences spoken, in order
         self.phoneme_ids: list[int] = []        # phoneme ids of the spoken sentences
         self.sample_rate = 0                    # Hz of the loaded voice model; 0 until the first sentence
@@ -49,7 +57,7 @@ class PiperTTS:
     params_type = TTSParams
 
     def __init__(self, voices: Optional[dict[str, Union[str, dict]]] = None, default_voice: Optional[str] = None,
-                 max_batch_sentences: int = 8, device: Any = "cpu"):
+                 max_batch_sentences: int = 8, max_phonemes_per_step: int = 160, device: Any = "cpu"):
         if not piper_available():
             raise RuntimeError(f"the Piper TTS stage needs piper-tts and a voice; install with: {INSTALL_HINT}")
         self.voice_specs = voices_from_options(voices)
@@ -61,14 +69,18 @@ class PiperTTS:
             raise ValueError(f"default_voice must be one of {sorted(self.voice_specs)}, got {default_voice!r}")
         if max_batch_sentences < 1:
             raise ValueError(f"max_batch_sentences must be >= 1, got {max_batch_sentences}")
+        if not isinstance(max_phonemes_per_step, int) or max_phonemes_per_step < 8:
+            raise ValueError(f"max_phonemes_per_step must be an integer >= 8, got {max_phonemes_per_step!r}")
         self.max_batch = max_batch_sentences
+        self.max_phonemes = max_phonemes_per_step
         self.use_cuda = str(device).startswith("cuda")
         self._models: dict[str, Any] = {}       # model path -> loaded PiperVoice
         self._synth_seconds = 0.0
 
     @classmethod
     def from_stage_spec(cls, spec) -> CodecEngine:
-        """The TTS stage's engine; options are `voices`, `default_voice`, `max_batch_sentences`."""
+        """The TTS stage's engine; options are `voices`, `default_voice`, `max_batch_sentences`,
+        `max_phonemes_per_step`."""
         return CodecEngine(cls(device=spec.engine.resolve_device(), **spec.options))
 
     # ---- voices ---------------------------------------------------------------------------------
@@ -89,19 +101,24 @@ class PiperTTS:
             self._models[voice.model_path] = model
         return model
 
-    def _synthesize(self, voice: VoiceSpec, text: str, speed: float) -> tuple[np.ndarray, list[int], int]:
+    def _speak(self, state: PiperState, sentence: str) -> tuple[np.ndarray, list[int], list[list[str]]]:
+        """Synthesizes the next piece of `sentence` (the head of `state.pending`) without changing
+        `state`: (its audio, its phoneme ids, the phonemes of the sentence left after it)."""
         from piper.config import SynthesisConfig
 
-        model = self._model(voice)
+        voice, model = state.voice, self._model(state.voice)
+        phonemes = state.rest if state.rest is not None else [p for p in model.phonemize(sentence) if p]
+        if not phonemes:
+            return np.zeros(0, np.float32), [], []
+        piece, rest = next_piece(phonemes, self.max_phonemes)
         length = voice.length_scale if voice.length_scale is not None else model.config.length_scale
-        syn = SynthesisConfig(speaker_id=voice.speaker_id, length_scale=length / speed,
+        syn = SynthesisConfig(speaker_id=voice.speaker_id, length_scale=length / state.params.speed,
                               noise_scale=voice.noise_scale, noise_w_scale=voice.noise_w_scale)
-        pieces, ids = [], []
-        for chunk in model.synthesize(text, syn):
-            pieces.append(chunk.audio_float_array)
-            ids.extend(chunk.phoneme_ids)
-        audio = np.concatenate(pieces).astype(np.float32) if pieces else np.zeros(0, np.float32)
-        return audio, ids, model.config.sample_rate
+        ids = model.phonemes_to_ids(piece)
+        audio = np.asarray(model.phoneme_ids_to_audio(ids, syn), np.float32).reshape(-1)
+        peak = float(np.abs(audio).max()) if audio.size else 0.0
+        audio = audio / peak if peak > 1e-8 else np.zeros_like(audio)   # Piper's own normalization
+        return np.clip(audio, -1.0, 1.0), ids, rest
 
     # ---- CodecModel -------------------------------------------------------------------------------
     def check_params(self, params: Optional[TTSParams]) -> None:
@@ -121,22 +138,29 @@ class PiperTTS:
             piece = TTSInput.from_text(piece)
         if not isinstance(piece, TTSInput):
             raise ValueError("a TTS input must be text or a TTSInput")
-        state.pending.extend(s for s in piece.sentences if s.strip())
+        cleaned = (clean_for_speech(s) for s in piece.sentences)
+        state.pending.extend(s for s in cleaned if s)
         return piece.finished
 
     def ready(self, state: PiperState, input_done: bool) -> Optional[str]:
         return state.pending[0] if state.pending else None
 
     def decode(self, states: list[PiperState], chunks: list[str]) -> list[np.ndarray]:
-        """Speaks each state's next sentence (`chunks`), one forward each."""
-        audio = []
+        """Speaks the next piece of each state's next sentence (`chunks`), one forward each; the
+        states move on only once all of them are synthesized."""
+        spoken = []
         for state, sentence in zip(states, chunks):
-            state.pending.popleft()
             start = time.perf_counter()
-            wav, ids, state.sample_rate = self._synthesize(state.voice, sentence, state.params.speed)
+            spoken.append(self._speak(state, sentence))
             self._synth_seconds += time.perf_counter() - start
+        audio = []
+        for state, sentence, (wav, ids, rest) in zip(states, chunks, spoken):
+            state.sample_rate = self._model(state.voice).config.sample_rate
             state.phoneme_ids.extend(ids)
-            state.spoken.append(sentence)
+            state.rest = rest or None
+            if not rest:                        # the sentence is spoken
+                state.pending.popleft()
+                state.spoken.append(sentence)
             audio.append(wav)
         return audio
 
@@ -148,3 +172,22 @@ class PiperTTS:
 
     def stats(self) -> dict[str, float]:
         return {"synthesis_seconds_total": self._synth_seconds}
+
+
+def next_piece(sentences: list[list[str]], most: int) -> tuple[list[str], list[list[str]]]:
+    """The phonemes one forward speaks next, and the phoneme sentences left after them: the first
+    sentence whole when it has at most `most` phonemes, else its first `most` cut after the last
+    pause in their second half, or at the last word break, or right there."""
+    first, later = sentences[0], sentences[1:]
+    if len(first) <= most:
+        return first, later
+    window = first[:most]
+    cut = max((i + 1 for i, p in enumerate(window) if p in _PAUSES and i >= most // 2), default=0)
+    if cut == 0:
+        cut = max((i for i, p in enumerate(window) if p == " "), default=0)
+    if cut == 0:
+        cut = most
+    rest = first[cut:]
+    if rest and rest[0] == " ":
+        rest = rest[1:]
+    return first[:cut], ([rest] if rest else []) + later

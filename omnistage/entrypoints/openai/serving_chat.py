@@ -87,7 +87,12 @@ class ServingChat(OpenAIServing):
         if audio is not None and (req.n or 1) > 1:
             raise OpenAIError(400, "n must be 1 when modalities include \"audio\"", param="n")
         media = tuple(getattr(self.engine, "media_types", ()))
-        messages = [self._message(m, media, f"messages[{i}]") for i, m in enumerate(req.messages)]
+        def convert() -> list[dict]:
+            return [self._message(m, media, f"messages[{i}]") for i, m in enumerate(req.messages)]
+
+        # media parts are decoded in a decoder thread: the event loop keeps serving meanwhile
+        messages = await chat_media.off_loop(convert) if chat_media.has_media(
+            m.content for m in req.messages) else convert()
         if not messages:
             raise OpenAIError(400, "messages must not be empty", param="messages")
         try:

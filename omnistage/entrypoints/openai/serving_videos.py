@@ -8,7 +8,9 @@
     at once with a queued job `{id, object: "video", status: "queued", progress: 0, created_at,
     model, size, seconds, prompt}`; more than `limits.max_video_jobs` unfinished jobs is a 429.
   * `GET /v1/videos/{id}`: the job; `status` goes queued -> in_progress -> completed | failed,
-    `progress` 0..100 follows the denoising steps (100 once the MP4 is ready).
+    `progress` 0..100 follows the denoising steps (100 once the MP4 is ready). A job that fails at
+    run time has `error: {"code": "generation_failed", "message": its own error}`; `engine_dead`
+    only when the engine or its stage went down.
   * `GET /v1/videos/{id}/content[?variant=video|thumbnail]`: the MP4 (video/mp4), or the first
     frame as WEBP; a 400 until the job completed.
   * `GET /v1/videos[?after=&limit=&order=]`: a cursor page `{object: "list", data, has_more,
@@ -41,6 +43,7 @@ from omnistage.entrypoints.openai.serving_images import (DiffusionFields, Diffus
 from omnistage.io.media import encode_image, encode_mp4
 from omnistage.metrics import PREFIX
 from omnistage.params import DiffusionParams
+from omnistage.stage import RequestFailedError
 
 STATUSES = ("queued", "in_progress", "completed", "failed")
 
@@ -161,7 +164,7 @@ class ServingVideos(DiffusionServing):
             seconds = -1.0
         if not 0 < seconds <= 600:
             raise OpenAIError(400, f"seconds must be a number in (0, 600], got {req.seconds!r}", param="seconds")
-        fps = req.fps or stage.check_params(DiffusionParams()).fps
+        fps = req.fps or stage.default_fps
         return int(round(seconds * fps)) + 1
 
     def _evict(self) -> None:
@@ -184,8 +187,9 @@ class ServingVideos(DiffusionServing):
             job.status, job.progress, job.completed_at = "completed", 100, int(time.time())
         except asyncio.CancelledError:                          # deleted: the engine request is aborted
             raise
-        except OpenAIError as e:
-            self._fail(job, e.code or e.type, e.message)
+        except OpenAIError as e:                               # a run-time failure of this job: its own error
+            code = "generation_failed" if isinstance(e.__cause__, RequestFailedError) else e.code or e.type
+            self._fail(job, code, e.message)
         except Exception as e:                                  # an encoder error must not go unreported
             self._fail(job, "internal_error", f"{type(e).__name__}: {e}")
         finally:

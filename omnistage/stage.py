@@ -89,10 +89,21 @@ class HiddenStates:
 
 @dataclass
 class StageError:
-    """Why a stage dropped a request; the orchestrator fails only that request with it."""
+    """Why a stage dropped a request; the orchestrator fails only that request with `exception()`."""
 
     message: str
-    fatal: bool = False                         # the stage went down under it (its process died): a 503, not a 400
+    fatal: bool = False                         # the stage went down under it (its process died): a 503
+    refused: bool = False                       # the stage refused the request's input or params: a 400
+    field: Optional[str] = None                 # with refused: the param it names (`ParamError.field`)
+
+    def exception(self) -> Exception:
+        """The typed error the request fails with: `StageDeadError` (the stage died), `ParamError` /
+        `ValueError` (refused input) or `RequestFailedError` (it failed at run time; the stage serves on)."""
+        if self.fatal:
+            return StageDeadError(self.message)
+        if self.refused:
+            return ParamError(self.field, self.message) if self.field else ValueError(self.message)
+        return RequestFailedError(self.message)
 
 
 @dataclass
@@ -117,6 +128,11 @@ class StageOutput:
 
 class StageDeadError(RuntimeError):
     """A request failed because a stage holding it went down (its process died); the stage restarts."""
+
+
+class RequestFailedError(RuntimeError):
+    """A stage failed one request at run time (its forward, encode or decode raised on that request's
+    inputs); the request fails with this message, the stage and every other request go on."""
 
 
 @runtime_checkable

@@ -8,7 +8,9 @@ compatible requests shares one denoiser forward; requests that finished denoisin
 Out: a list of `StageOutput`s — a progress update (`output.progress` in 0..1) for every request that
 advanced, and a final one (`finished=True`) carrying `images` (PIL) or `video` (VideoOutput, uint8
 frames [T, H, W, 3]), `videos`, `timings` (seconds per phase) and `finish_reason`; on failure its
-`error`. The `RequestOutput` itself carries the phase times so far in `metrics.phase_times` and, on
+`error`, a run-time failure of that request alone (a batched encode or a shared forward that raises
+is run again request by request, so the others go on). `check_params` refuses params over the
+model's limits up front (`ParamError` naming the field). The `RequestOutput` itself carries the phase times so far in `metrics.phase_times` and, on
 failure, `error`. Built by the orchestrator through `from_stage_spec` from the stage's resolved
 `EngineConfig` (device, dtype, batch limits).
 """
@@ -71,6 +73,7 @@ class DiffusionEngine:
         self.family, self.device, self.dtype = family, family.device, family.dtype
         self.output_kind = self.family.output_kind    # "image" or "video"
         self.takes_image = self.family.takes_image    # requests must bring an input image (edit, I2V)
+        self.default_fps = getattr(self.family, "default_fps", None)   # video models: fps of an unset `fps`
         self.scheduler = DiffusionScheduler(max_num_seqs, max_num_batched_tokens)
         self.runner = DiffusionRunner(self.family)
         self.tasks: dict[str, DiffusionTask] = {}
@@ -122,8 +125,8 @@ class DiffusionEngine:
         if group:
             try:
                 result = self.runner.step(group)
-            except Exception as e:  # a broken forward fails its group, never the engine
-                result.failed = {t.request_id: f"denoising failed: {e}" for t in group}
+            except Exception as e:  # the runner fails only the tasks whose own forward breaks; past that,
+                result.failed = {t.request_id: f"denoising failed: {e}" for t in group}   # the group
         for rid, msg in result.failed.items():
             outputs.append(self._fail(rid, msg))
         finished = set(self.scheduler.update(result))
@@ -177,7 +180,10 @@ class DiffusionEngine:
         try:
             self.family.encode(tasks)
         except Exception as e:
-            return [self._fail(t.request_id, f"prompt encoding failed: {e}") for t in tasks]
+            if len(tasks) == 1:
+                return [self._fail(tasks[0].request_id, f"prompt encoding failed: {e}")]
+            # one request's prompt can break a batched encode: encode each alone, so only it fails
+            return [out for t in tasks for out in self._admit([t])]
         per_task = (time.perf_counter() - start) / len(tasks)
         failed = []
         for t in tasks:

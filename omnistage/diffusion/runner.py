@@ -4,7 +4,8 @@ In: the tasks the scheduler grouped (equal compatibility keys, possibly at diffe
 The runner stacks each task's sample rows once per CFG branch (conditional, then unconditional) into
 one batch with one timestep per row, makes ONE denoiser call through the family, splits the output
 back per task, lets the family combine the CFG rows, and advances each task with its own solver
-state. Out: a `DiffusionRunnerOutput` (who stepped, each one's next compatibility key).
+state. Out: a `DiffusionRunnerOutput` (who stepped, each one's next compatibility key, and who
+failed: a forward that raises is retried task by task, so only the request that breaks it fails).
 """
 
 from __future__ import annotations
@@ -31,8 +32,47 @@ class DiffusionRunner:
 
     @torch.no_grad()
     def step(self, tasks: list[DiffusionTask]) -> DiffusionRunnerOutput:
-        fam = self.family
+        """One step of every task; a task whose forward raises is in `failed` and the others step.
+
+        A shared forward that raises is run again one task at a time, so that one request's bad
+        inputs fail only that request; nothing has advanced before the forward's velocities are
+        all computed, so a retried task steps exactly once."""
         start = time.perf_counter()
+        try:
+            velocities = self._velocities(tasks)
+        except Exception as e:
+            if len(tasks) == 1:
+                return DiffusionRunnerOutput(failed={tasks[0].request_id: f"denoising failed: {e}"})
+            result = DiffusionRunnerOutput()
+            for task in tasks:
+                alone = self.step([task])
+                result.stepped += alone.stepped
+                result.next_keys.update(alone.next_keys)
+                result.failed.update(alone.failed)
+            return result
+        fam = self.family
+        result = DiffusionRunnerOutput()
+        for task, v in zip(tasks, velocities):
+            task.latents, task.solver_state = solver_step(task.latents, v, task.schedule, task.step_index,
+                                                          task.solver_state)
+            task.step_index += 1
+            result.stepped.append(task.request_id)
+            if not task.finished:
+                result.next_keys[task.request_id] = fam.key(task)
+        elapsed = time.perf_counter() - start
+        rows = sum(task.num_rows for task in tasks)
+        for task in tasks:
+            task.add_time("denoise", elapsed)
+        self.last_step_time = elapsed
+        self.last_batch_rows, self.last_batch_tasks = rows, len(tasks)
+        self.max_batch_rows = max(self.max_batch_rows, rows)
+        self.max_batch_tasks = max(self.max_batch_tasks, len(tasks))
+        self.num_forwards += 1
+        return result
+
+    def _velocities(self, tasks: list[DiffusionTask]) -> list[torch.Tensor]:
+        """ONE denoiser call over every task's rows -> each task's guided velocity (changes no task)."""
+        fam = self.family
         xs, ts, conds, row_tasks = [], [], [], []
         for task in tasks:
             x = fam.model_input(task)
@@ -45,27 +85,11 @@ class DiffusionRunner:
         key = fam.key(tasks[0])
         x = torch.cat(xs)
         out = fam.denoise(key, x, torch.cat(ts).to(x.device), conds, row_tasks)
-
-        result = DiffusionRunnerOutput()
-        row = 0
+        velocities, row = [], 0
         for task in tasks:
             n = task.num_images
             cond_out = out[row: row + n]
             uncond_out = out[row + n: row + 2 * n] if task.do_cfg else None
             row += task.num_rows
-            v = fam.guide(task, cond_out, uncond_out)
-            task.latents, task.solver_state = solver_step(task.latents, v, task.schedule, task.step_index,
-                                                          task.solver_state)
-            task.step_index += 1
-            result.stepped.append(task.request_id)
-            if not task.finished:
-                result.next_keys[task.request_id] = fam.key(task)
-        elapsed = time.perf_counter() - start
-        for task in tasks:
-            task.add_time("denoise", elapsed)
-        self.last_step_time = elapsed
-        self.last_batch_rows, self.last_batch_tasks = row, len(tasks)
-        self.max_batch_rows = max(self.max_batch_rows, row)
-        self.max_batch_tasks = max(self.max_batch_tasks, len(tasks))
-        self.num_forwards += 1
-        return result
+            velocities.append(fam.guide(task, cond_out, uncond_out))
+        return velocities

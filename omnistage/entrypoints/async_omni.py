@@ -4,7 +4,9 @@ The engine loop runs in a background thread (model forwards block), taking comma
 between steps (`AddRequest`, `AbortRequest`, `StopEngine`: the event loop's messages to that
 thread) and pushing each request's partial outputs to that request's asyncio queue through
 `loop.call_soon_threadsafe`. `generate` is an async generator of cumulative `RequestOutput`s;
-leaving it early (client gone, task cancelled) aborts the request in the engine.
+leaving it early (client gone, task cancelled) aborts the request in the engine. A request that
+fails raises its own typed error (`request_error`): refused input, a run-time failure of that
+request, or `EngineDeadError` when the engine or a stage holding it is down.
 """
 
 from __future__ import annotations
@@ -20,12 +22,23 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from omnistage.entrypoints.common import ChatRenderer, build_orchestrator, default_params_for
 from omnistage.outputs import RequestOutput
+from omnistage.stage import StageDeadError
 
 logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine, or a stage holding the request, is down (the server's 503)."""
+
+
+def request_error(error: Exception) -> Exception:
+    """What `generate` raises for a request the orchestrator failed (`Orchestrator.pop_errors`):
+    `EngineDeadError` when a stage holding it went down; its own `ValueError` / `ParamError` when its
+    input was refused (a 400); its own `RequestFailedError` when it failed at run time (a 500 with
+    that message: the engine is fine, the request is not)."""
+    if isinstance(error, StageDeadError):
+        return EngineDeadError(str(error))
+    return error
 
 
 @dataclass
@@ -250,10 +263,10 @@ class AsyncOmni:
                 self._step_failed(e)
                 outputs = []                                    # requests it failed before still hear why
             self._stats = self.orchestrator.stats()
-            for rid, error in self.orchestrator.pop_errors():   # a stage went down: only its requests fail
+            for rid, error in self.orchestrator.pop_errors():   # failed requests: each with its own error
                 stream = self._streams.get(rid)
                 if stream is not None:
-                    stream.put(EngineDeadError(str(error)))
+                    stream.put(request_error(error))
             now = time.time()
             for out in outputs:
                 for hook in self.output_hooks:

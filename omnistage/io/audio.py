@@ -5,7 +5,8 @@ In: mono float32 samples in [-1, 1] and their sample rate. Out: bytes of a whole
 16-bit little-endian samples; a streamed WAV is a header whose sizes say "unknown length"
 (0xFFFFFFFF, as streaming servers write it; libsndfile, ffmpeg and browsers read to the end) followed
 by PCM; FLAC needs the whole signal for its header, so a FLAC stream is sent as one piece at the end.
-`decode_audio` reads an uploaded file (chat audio input) back into mono float32 samples.
+`decode_audio` reads an uploaded file (chat audio input) back into mono float32 samples, refusing
+files whose header says they are too long or too fast-sampled before decoding any sample.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import struct
 from typing import Optional
 
 import numpy as np
+
+from omnistage.io.media import MediaError
 
 AUDIO_FORMATS = ("wav", "pcm", "flac")
 MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
@@ -82,23 +85,54 @@ class AudioStreamEncoder:
 
 
 DEFAULT_MAX_AUDIO_BYTES = 25 * 1024 * 1024      # OpenAI's audio upload limit
+DEFAULT_MAX_AUDIO_SECONDS = 600.0               # 10 minutes
+DEFAULT_MAX_SAMPLE_RATE = 96000                 # Hz: with 10 minutes, at most 230 MB of decoded mono float32
+_BLOCK_VALUES = 1 << 20                         # samples (frames x channels) read per block: 4 MB of float32
 
 
-def decode_audio(data: bytes, max_bytes: int = DEFAULT_MAX_AUDIO_BYTES, field: str = "audio") -> tuple[np.ndarray, int]:
+def decode_audio(data: bytes, max_bytes: int = DEFAULT_MAX_AUDIO_BYTES,
+                 max_seconds: float = DEFAULT_MAX_AUDIO_SECONDS, max_sample_rate: int = DEFAULT_MAX_SAMPLE_RATE,
+                 field: str = "audio") -> tuple[np.ndarray, int]:
     """Untrusted audio file bytes (WAV, FLAC, OGG, MP3: what libsndfile reads) -> (float32 mono, rate).
 
-    Raises ValueError with a message fit for a 4xx when the payload is empty, too large or unreadable.
+    The header's length and sample rate are checked before any sample is decoded; the file is then
+    read in blocks, mixed down to mono block by block, and reading stops past `max_seconds` whatever
+    the header said. Raises `MediaError` (a ValueError) with a message fit for a 4xx, naming `field`,
+    when the payload is empty, too large, too long, sampled too fast or unreadable.
     """
     import soundfile as sf
 
     if not isinstance(data, (bytes, bytearray)) or len(data) == 0:
-        raise ValueError(f"{field} is empty or not bytes")
+        raise MediaError(f"{field} is empty or not bytes")
     if len(data) > max_bytes:
-        raise ValueError(f"{field} is {len(data)} bytes; the limit is {max_bytes} bytes")
+        raise MediaError(f"{field} is {len(data)} bytes; the limit is {max_bytes} bytes")
     try:
-        samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+        with sf.SoundFile(io.BytesIO(data)) as f:
+            rate = int(f.samplerate)
+            blocks = _read_mono(f, max_seconds, max_sample_rate, field)
+    except MediaError:
+        raise
     except Exception as e:                      # libsndfile raises several types for bad input
-        raise ValueError(f"{field} could not be decoded as audio ({type(e).__name__}: {e})") from None
-    if samples.shape[0] == 0:
-        raise ValueError(f"{field} has no samples")
-    return np.ascontiguousarray(samples.mean(axis=1), dtype=np.float32), int(rate)
+        raise MediaError(f"{field} could not be decoded as audio ({type(e).__name__}: {e})") from None
+    if not blocks:
+        raise MediaError(f"{field} has no samples")
+    return np.concatenate(blocks), rate
+
+
+def _read_mono(f, max_seconds: float, max_sample_rate: int, field: str) -> list[np.ndarray]:
+    """An open SoundFile -> its samples as mono float32 blocks; MediaError past the limits."""
+    rate, channels = int(f.samplerate), max(1, int(f.channels))
+    if not 0 < rate <= max_sample_rate:
+        raise MediaError(f"{field} has a sample rate of {rate} Hz; the limit is {max_sample_rate} Hz")
+    limit = int(max_seconds * rate)             # samples per channel
+    if f.frames > limit:                        # from the header: nothing is decoded yet
+        raise MediaError(f"{field} is {f.frames / rate:g} seconds long; the limit is {max_seconds:g} seconds")
+    blocks, total = [], 0
+    while True:
+        block = f.read(max(1, _BLOCK_VALUES // channels), dtype="float32", always_2d=True)
+        if len(block) == 0:
+            return blocks
+        total += len(block)
+        if total > limit:                       # the header under-stated the length
+            raise MediaError(f"{field} is longer than its header says; the limit is {max_seconds:g} seconds")
+        blocks.append(block.mean(axis=1) if channels > 1 else block[:, 0].copy())

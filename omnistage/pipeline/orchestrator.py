@@ -10,8 +10,9 @@ units (sentences, tokens) as soon as a piece of the edge's chunk size is complet
 stage starts before its upstream finishes; a whole-output edge forwards once at the end. Each
 edge has one adapter, built at start-up (`pipeline.build.edge_adapter`); it is called with an
 `EdgeContext` held per request and edge (the request's fields and entry inputs, the adapter's
-memory). An adapter or downstream stage that raises fails only that request (`pop_errors`), and a
-stage whose step raises fails only the requests it holds (the other stages step on). The
+memory). An adapter or downstream stage that raises fails only that request (`pop_errors`, with a
+typed error: a dead stage, refused input, or that request's own run-time failure), and a stage
+whose step raises fails only the requests it holds (the other stages step on). The
 request's outputs of its final stages are merged into one `RequestOutput`: the entry stage's
 prompt, token ids and metrics; text from the stage that produces text, audio / images / video from
 the stages that produce them. Completion finish reasons are held back until every stage of the
@@ -32,12 +33,14 @@ from omnistage.outputs import RequestOutput
 from omnistage.adapters import EdgeContext
 from omnistage.pipeline.build import build_engine, edge_adapter, params_type
 from omnistage.spec import EdgeSpec, PipelineSpec, StageSpec
-from omnistage.stage import ARPrompt, StageDeadError, StageError, StageOutput, Streamable
+from omnistage.stage import ARPrompt, RequestFailedError, StageDeadError, StageError, StageOutput, Streamable
 
 logger = logging.getLogger(__name__)
 
 # Request-level fields of a dict prompt that the orchestrator reads (and no stage sees).
 REQUEST_FIELDS = ("modalities", "voice")
+# What a failed request's error may be (`pop_errors`): a dead stage, refused input, a run-time failure.
+FAILURE_TYPES = (StageDeadError, ValueError, RequestFailedError)
 
 
 def payload_bytes(obj: Any) -> int:
@@ -181,8 +184,8 @@ class Orchestrator:
                 route = self.routes.get(out.request_id)
                 if route is None or spec.name not in route.started:
                     continue                    # aborted, or a stage that does not serve this request
-                if out.error is not None:      # e.g. a stage went down, or refused input handed on to it
-                    self._fail(out.request_id, (StageDeadError if out.error.fatal else ValueError)(out.error.message))
+                if out.error is not None:      # the stage died, refused input handed on, or failed the request
+                    self._fail(out.request_id, out.error.exception())
                     changed.pop(out.request_id, None)
                     continue
                 if len(route.stages) == 1:      # one-stage request: pass through untouched
@@ -227,12 +230,20 @@ class Orchestrator:
             return [StageOutput.failed(rid, why) for rid in held]
 
     def _fail(self, request_id: str, error: Exception) -> None:
-        """Drops a request from every stage and reports it (to `pop_errors`) instead of an output."""
+        """Drops a request from every stage and reports it (to `pop_errors`) instead of an output.
+        Errors keep their type when it says what happened (`FAILURE_TYPES`); anything else (an
+        adapter's bug, say) is that request's run-time failure, a `RequestFailedError`."""
+        if not isinstance(error, FAILURE_TYPES):
+            error = RequestFailedError(f"{type(error).__name__}: {error}")
+        logger.warning("request %s failed (%s): %s", request_id, type(error).__name__, error)
         self.abort(request_id)
         self._errors.append((request_id, error))
 
     def pop_errors(self) -> list[tuple[str, Exception]]:
-        """(request id, error) of requests that failed without a final output since the last call."""
+        """(request id, error) of requests that failed without a final output since the last call;
+        the error is one of `FAILURE_TYPES`: `StageDeadError` (a stage holding it went down),
+        `ValueError` / `ParamError` (its input was refused) or `RequestFailedError` (it failed at run
+        time, alone)."""
         errors, self._errors = self._errors, []
         return errors
 

@@ -6,12 +6,14 @@ is the stage's process. Control messages (`pipeline.stage_messages`) go over two
 The stage process steps its engine whenever it has work, so it runs concurrently with the other
 stages; `step()` here only collects what it has produced. `add_request` and the optional
 `check_params` are round trips, so a bad request raises here as it would in-process, a
-`ParamError` with its field (check verdicts are remembered per params value); `submit`
+`ParamError` with its field (check verdicts and results are remembered per params value; checks go
+over their own channel, answered by a thread of the stage process even mid-step, so any thread may
+check: the HTTP routes do it on the event loop); `submit`
 (add_request for requests handed on by an upstream stage), `add_input` and `abort` are one-way, so
 the orchestrator never waits for a busy downstream stage; `voices` is read once at start, as are
 what entry points read of a main stage (`max_model_len`, and the `tokenizer`, loaded here from the
-folder the stage's tokenizer came from). The client's sockets are used from the orchestrator's
-thread only.
+folder the stage's tokenizer came from) and the engine's plain `_ATTRIBUTES` (a diffusion stage's
+`output_kind`, `takes_image`, ...). The client's sockets are used from the orchestrator's thread only.
 
 When the stage process dies, every request it held gets a finished `StageOutput` whose
 `error` is fatal (the orchestrator fails just those requests, and the server answers 503),
@@ -22,6 +24,7 @@ an output that cannot be encoded fails only its request; the process serves on.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import logging
 import os
@@ -29,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Optional
 
@@ -45,6 +49,8 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 100                             # stage process: wait for commands when it has no work
 _WAIT_MS = 5                                    # orchestrator: wait at most this long for any stage process
 _OPTIONAL = ("add_input", "check_params", "voices")
+# plain attributes of an engine that entry points read (a diffusion stage: what it makes and takes)
+_ATTRIBUTES = ("output_kind", "takes_image", "takes_mask", "default_fps")
 
 
 class StageClient:
@@ -58,9 +64,11 @@ class StageClient:
         self._held: set[str] = set()            # requests the stage process holds
         self._ready: list[StageOutput] = []     # outputs received while waiting for a reply
         self._stats: dict[str, float] = {}
-        self._checked: dict[bytes, Optional[CallError]] = {}   # check_params verdict by encoded params; None = ok
+        self._checked: dict[bytes, tuple] = {}  # encoded params -> check_params (error or None, result)
         self.restarts = 0                       # how many times the stage process was replaced
         self.proc: Optional[subprocess.Popen] = None
+        self._chk: Optional[zmq.Socket] = None  # check_params channel, usable from any thread (under the lock)
+        self._check_lock = threading.Lock()
         ready = self._start()
         self._voice_list = ready.voices or []   # read once: other threads may ask for it
         self.params_type = _import(ready.params_type) if ready.params_type else None
@@ -70,6 +78,8 @@ class StageClient:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(ready.tokenizer)
+        for name, value in ready.attributes.items():
+            setattr(self, name, value)
         for name in _OPTIONAL:                  # offer only the optional verbs the engine has
             if name in ready.methods:
                 setattr(self, name, getattr(self, "_" + name))
@@ -84,8 +94,16 @@ class StageClient:
         self._out = self._ctx.socket(zmq.PULL)
         self._out.setsockopt(zmq.LINGER, 0)
         self._out.bind(f"ipc://{base}.out")
+        with self._check_lock:                  # a check in another thread may still hold the old socket
+            if self._chk is not None:
+                self._chk.close()
+            self._chk = self._ctx.socket(zmq.REQ)
+            self._chk.setsockopt(zmq.LINGER, 0)
+            self._chk.setsockopt(zmq.REQ_RELAXED, 1)    # a request left unanswered by a dead process
+            self._chk.setsockopt(zmq.REQ_CORRELATE, 1)  # does not block the next one
+            self._chk.bind(f"ipc://{base}.chk")
         self.proc = subprocess.Popen([sys.executable, "-m", "omnistage.pipeline.stage_client",
-                                      f"ipc://{base}.cmd", f"ipc://{base}.out"])
+                                      f"ipc://{base}.cmd", f"ipc://{base}.out", f"ipc://{base}.chk"])
         self._cmd.send(wire.encode(InitStage(self.spec)))
         deadline = time.monotonic() + self.start_timeout_s
         while True:
@@ -172,22 +190,39 @@ class StageClient:
         if request_id in self._held:
             self._cmd.send(wire.encode(CallStage(0, "add_input", [request_id, piece])))
 
-    def _check_params(self, params: Any) -> None:
-        """A round trip the first time a params value is seen; its verdict is remembered (checks are
-        pure functions of the params: a voice name, ODE settings)."""
+    def _check_params(self, params: Any) -> Any:
+        """A round trip the first time a params value is seen; its verdict and result (a diffusion
+        stage's resolved params) are remembered (checks are pure functions of the params: a voice
+        name, ODE settings, sizes)."""
         key = wire.encode(params)
         if key in self._checked:
-            verdict = self._checked[key]
+            verdict, result = self._checked[key]
         else:
+            verdict, result = None, None
             try:
-                self._call("check_params", params)
-                verdict = None
+                result = self._check_call(params)
             except ValueError as e:
                 verdict = CallError.of(e)
             if len(self._checked) < 1024:
-                self._checked[key] = verdict
+                self._checked[key] = (verdict, result)
         if verdict is not None:
             raise verdict.exception()
+        return copy.copy(result)                # a copy per caller: the remembered one stays as it was
+
+    def _check_call(self, params: Any) -> Any:
+        """`check_params` over the check channel, answered by a thread of the stage process at once
+        (mid-step too), so that any thread may ask: the server's event loop does, for the image and
+        video routes. The stage's engine's check is a pure function of the params."""
+        with self._check_lock:
+            proc, sock = self.proc, self._chk
+            sock.send(wire.encode(CallStage(1, "check_params", [params])))
+            while not sock.poll(50):
+                if proc.poll() is not None:     # the engine thread restarts it
+                    raise RuntimeError(f"stage {self.spec.name!r} process died; try again")
+            reply = wire.decode(sock.recv())
+        if reply.error is not None:
+            raise reply.error.exception()
+        return reply.result
 
     def _voices(self) -> list:
         return list(self._voice_list)
@@ -230,7 +265,21 @@ def _import(path: str):
 
 
 # ---- the stage's process --------------------------------------------------------------------------
-def _serve(cmd_addr: str, out_addr: str) -> None:
+def _answer_checks(ctx: zmq.Context, addr: str, engine: Any) -> None:
+    """The stage process's check thread: `engine.check_params` for every request on the check channel."""
+    sock = ctx.socket(zmq.REP)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(addr)
+    while True:
+        msg = wire.decode(sock.recv())
+        try:
+            reply = CallReply(msg.seq, engine.check_params(*msg.args))
+        except Exception as e:                  # a refusal (ParamError keeps its field) or a bug: both answered
+            reply = CallReply(msg.seq, error=CallError.of(e))
+        sock.send(wire.encode(reply))
+
+
+def _serve(cmd_addr: str, out_addr: str, chk_addr: Optional[str] = None) -> None:
     ctx = zmq.Context()
     cmd, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     cmd.connect(cmd_addr)
@@ -244,13 +293,17 @@ def _serve(cmd_addr: str, out_addr: str) -> None:
     except Exception as e:
         out.send(wire.encode(StageFatal(repr(e))))
         return
+    if chk_addr is not None and hasattr(engine, "check_params"):
+        threading.Thread(target=_answer_checks, args=(ctx, chk_addr, engine), name="stage-checks",
+                         daemon=True).start()
     ptype = getattr(engine, "params_type", None)
     out.send(wire.encode(StageReady(
         params_type=f"{ptype.__module__}:{ptype.__qualname__}" if ptype else None,
         methods=[m for m in _OPTIONAL if hasattr(engine, m)],
         voices=engine.voices() if hasattr(engine, "voices") else None,
         max_model_len=getattr(engine, "max_model_len", None),
-        tokenizer=getattr(getattr(engine, "tokenizer", None), "name_or_path", None))))
+        tokenizer=getattr(getattr(engine, "tokenizer", None), "name_or_path", None),
+        attributes={name: getattr(engine, name) for name in _ATTRIBUTES if hasattr(engine, name)})))
     sent = 0
     held: set[str] = set()                      # requests the engine holds (added, not finished or aborted)
     while os.getppid() == parent:               # the orchestrator's process is gone: stop too
@@ -273,7 +326,8 @@ def _serve(cmd_addr: str, out_addr: str) -> None:
                         rid = msg.args[0]
                         engine.abort(rid)
                         lost = StageOutput(rid, RequestOutput(rid, finished=True), True,
-                                           error=StageError(f"stage {spec.name!r}: {e}"))
+                                           error=StageError(f"stage {spec.name!r}: {e}", refused=error.bad_request,
+                                                            field=error.field))
                         out.send(wire.encode(StageOutputs([lost], engine.stats())))
             if msg.seq:
                 out.send(wire.encode(CallReply(msg.seq, result, error)))
@@ -325,4 +379,4 @@ def _send_outputs(out: Any, engine: Any, outs: list[StageOutput], held: set[str]
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s stage %(levelname)s %(message)s")
-    _serve(sys.argv[1], sys.argv[2])
+    _serve(*sys.argv[1:4])

@@ -13,7 +13,7 @@ an in-process engine would have raised: a `ParamError` keeps its field, so the H
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from omnistage.params import ParamError
@@ -53,6 +53,7 @@ class StageReady:
     voices: Optional[list]                      # `engine.voices()` ([{id, name, ...}]); None = no voices
     max_model_len: Optional[int]                # AR engines: the context length in tokens
     tokenizer: Optional[str]                    # folder the engine's tokenizer came from (`name_or_path`)
+    attributes: dict = field(default_factory=dict)   # plain attributes entry points read (output_kind, ...)
 
 
 @dataclass

@@ -3,8 +3,9 @@
 `encode(obj) -> bytes` / `decode(bytes) -> obj` carry plain data (str, int, float, bool, None, bytes,
 lists, tuples as lists, str-keyed dicts), omnistage dataclasses (`SamplingParams`, `TTSInput`,
 `RequestOutput`, `StageOutput`, the messages of `pipeline.stage_messages`, ...; rebuilt by class
-path, only from the `omnistage` package), numpy arrays and torch tensors. Runs in both the
-orchestrator's and the stage's process.
+path, only from the `omnistage` package), numpy arrays, torch tensors and PIL images (a diffusion
+stage's input and output images; video frames are arrays). Runs in both the orchestrator's and the
+stage's process.
 
 * An array (or CPU tensor) of at least `SHM_MIN_BYTES` goes through a POSIX shared-memory segment:
   the sender creates it and hands over ownership, the receiver copies it out and unlinks it;
@@ -15,6 +16,9 @@ orchestrator's and the stage's process.
 * A smaller CUDA tensor (a hidden-state row per token: kilobytes, where opening an IPC handle costs
   more than the copy) is staged through pinned host memory -- all of a message's with one
   synchronisation -- and put back on its device by the receiver.
+
+* A PIL image travels as its mode, size, raw pixel bytes (an array, so shared memory when large)
+  and palette, and is rebuilt with `Image.frombytes`: the same pixels in the same mode.
 
 A tensor arrives with the dtype, shape and device it left with (bfloat16 included).
 """
@@ -32,6 +36,7 @@ import numpy as np
 SHM_MIN_BYTES = 64 * 1024                       # arrays this large go through shared memory
 CUDA_IPC_MIN_BYTES = 1 << 20                    # CUDA tensors this large go by CUDA IPC
 _TYPE, _ARRAY, _SHM, _TENSOR, _CUDA_IPC = "__os_type__", "__os_array__", "__os_shm__", "__os_tensor__", "__os_ipc__"
+_IMAGE = "__os_image__"
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
@@ -81,6 +86,31 @@ def _tensor_to_wire(t, pending: list) -> dict:
     return {**meta, "data": _array_to_wire(_host_bytes(t.cpu()))}
 
 
+def _image_to_wire(image) -> dict:
+    """A PIL image as its mode, size, raw pixel bytes (a uint8 array: shared memory when large),
+    palette and transparency; `Image.frombytes` rebuilds it exactly in every mode."""
+    palette = None
+    if image.mode in ("P", "PA") and image.palette is not None:
+        palette = [image.palette.mode, bytes(image.getpalette(rawmode=image.palette.mode) or b"")]
+    transparency = image.info.get("transparency")
+    return {_IMAGE: image.mode, "size": list(image.size), "palette": palette,
+            "transparency": transparency if isinstance(transparency, (int, bytes, tuple)) else None,
+            "data": _array_to_wire(np.frombuffer(image.tobytes(), dtype=np.uint8))}
+
+
+def _image_from_wire(obj: dict):
+    from PIL import Image
+
+    image = Image.frombytes(obj[_IMAGE], tuple(obj["size"]), _from_wire(obj["data"]).tobytes())
+    if obj.get("palette"):
+        mode, palette = obj["palette"]
+        image.putpalette(palette, rawmode=mode)
+    if obj.get("transparency") is not None:
+        value = obj["transparency"]
+        image.info["transparency"] = tuple(value) if isinstance(value, list) else value
+    return image
+
+
 def _to_wire(obj: Any, pending: list) -> Any:
     if obj is None or isinstance(obj, (str, int, float, bool, bytes)):
         return obj
@@ -91,6 +121,9 @@ def _to_wire(obj: Any, pending: list) -> Any:
     torch = sys.modules.get("torch")            # a tensor exists only once torch is imported
     if torch is not None and isinstance(obj, torch.Tensor):
         return _tensor_to_wire(obj, pending)
+    pil = sys.modules.get("PIL.Image")          # likewise a PIL image
+    if pil is not None and isinstance(obj, pil.Image):
+        return _image_to_wire(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         cls = type(obj)
         fields = {f.name: _to_wire(getattr(obj, f.name), pending) for f in dataclasses.fields(obj)}
@@ -128,6 +161,8 @@ def _from_wire(obj: Any) -> Any:
         return obj
     if _TENSOR in obj:
         return _tensor_from_wire(obj)
+    if _IMAGE in obj:
+        return _image_from_wire(obj)
     if _ARRAY in obj:
         return np.frombuffer(obj[_ARRAY], dtype=np.dtype(obj["dtype"])).reshape(obj["shape"]).copy()
     if _SHM in obj:

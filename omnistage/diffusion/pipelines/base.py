@@ -5,7 +5,10 @@ engine drives: `new_task` (resolve params, schedule, CFG layout), `encode` (text
 across requests), `prepare` (seeded latents exactly as diffusers draws them), `denoise` (ONE call of
 the denoiser over rows stacked by the runner) with `guide` (combine CFG rows into the solver's input),
 and `decode` (VAE -> PIL images or uint8 frames). Shared here: loading the components listed in
-`model_index.json`, seeded noise, post-processing, and size validation. Runs in the stage's process.
+`model_index.json`, seeded noise, post-processing, and size validation. `resolve` checks a request
+against the model's limits (sizes, and frames for video, from the checkpoint's config) and raises
+`ParamError` naming the field before any work; what fails later is that request's run-time error.
+Runs in the stage's process.
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ class DiffusionFamily:
     output_kind = "image"                       # "image" or "video"
     takes_image = False                         # True: every request brings an input image (edit, I2V)
     default_steps = 50
-    max_pixels = 4096                           # largest accepted height / width
+    max_pixels = 4096                           # largest accepted height / width (see also `max_size`)
 
     def __init__(self, model_dir: str, index: dict, components: dict[str, Any], device: torch.device,
                  dtype: torch.dtype):
@@ -151,9 +154,16 @@ class DiffusionFamily:
                          num_inference_steps=params.num_inference_steps or self.default_steps,
                          guidance_scale=params.guidance_scale if params.guidance_scale is not None
                          else default_guidance, **more)
-        check_multiple("height", p.height, multiples[0], self.max_pixels)
-        check_multiple("width", p.width, multiples[1], self.max_pixels)
+        top_h, top_w = self.max_size()
+        check_multiple("height", p.height, multiples[0], min(self.max_pixels, top_h) // multiples[0] * multiples[0])
+        check_multiple("width", p.width, multiples[1], min(self.max_pixels, top_w) // multiples[1] * multiples[1])
         return p
+
+    def max_size(self) -> tuple[int, int]:
+        """Largest (height, width) in pixels the model's denoiser takes: families whose position
+        tables have a fixed length (rope or learnt embeddings) derive it from the checkpoint's
+        config, so that a request over it is refused up front rather than failing mid-denoising."""
+        return self.max_pixels, self.max_pixels
 
     def schedule(self, num_steps: int, image_seq_len: int, base_sigmas: Optional[list] = None) -> Schedule:
         mu = mu_for(self.scheduler_config, image_seq_len) if self.scheduler_config.get("use_dynamic_shifting") else None

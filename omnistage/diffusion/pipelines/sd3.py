@@ -35,6 +35,14 @@ class SD3Family(ImageFamily):
         size = self.transformer.config.sample_size * self.vae_scale
         return size, size
 
+    def max_size(self) -> tuple[int, int]:
+        """The learnt position table covers `pos_embed_max_size` patches per side (None: any)."""
+        cells = self.transformer.config.get("pos_embed_max_size")
+        if cells is None:
+            return super().max_size()
+        side = cells * self.patch * self.vae_scale
+        return side, side
+
     def new_task(self, request_id: str, inputs: dict, params: DiffusionParams) -> DiffusionTask:
         p = self.resolve(params, inputs)
         do_cfg = p.guidance_scale > 1

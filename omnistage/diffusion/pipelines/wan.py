@@ -66,8 +66,21 @@ class WanFamily(DiffusionFamily):
         if frames % self.t_scale != 1:  # diffusers rounds to the nearest valid count the same way
             frames = max(frames // self.t_scale * self.t_scale + 1, 1)
         multiples = (self.s_scale * self.patch[1], self.s_scale * self.patch[2])
-        return self.fill_defaults(params, self.default_size, multiples, self.default_guidance, num_frames=frames,
-                                  fps=params.fps or self.default_fps)
+        p = self.fill_defaults(params, self.default_size, multiples, self.default_guidance, num_frames=frames,
+                               fps=params.fps or self.default_fps)
+        top = (self.rope_len * self.patch[0] - 1) * self.t_scale + 1    # latent frames the rope table holds
+        if frames > top:
+            given = "" if params.num_frames else " (the model's default)"
+            raise ParamError("num_frames", f"num_frames must be at most {top} for this model, got {frames}{given}")
+        return p
+
+    @property
+    def rope_len(self) -> int:
+        """Positions per axis (latent frames, rows, columns in patches) of the denoiser's rope table."""
+        return self.experts[0].config.get("rope_max_seq_len", 1024)
+
+    def max_size(self) -> tuple[int, int]:
+        return self.rope_len * self.patch[1] * self.s_scale, self.rope_len * self.patch[2] * self.s_scale
 
     def new_task(self, request_id: str, inputs: dict, params: DiffusionParams) -> DiffusionTask:
         p = self.resolve(params, inputs)
@@ -156,7 +169,7 @@ class WanI2VFamily(WanFamily):
             image = inputs["images"][0]
         if image is None or not hasattr(image, "convert"):
             raise ParamError("image", "image is required for image-to-video and must be a PIL image")
-        task.images = [image]
+        task.images = [image.convert("RGB")]   # the VAE and CLIP take 3 channels, whatever the image's mode
 
     def latent_channels(self) -> int:
         return self.vae.config.z_dim

@@ -26,6 +26,13 @@ class ZImageFamily(ImageFamily):
     def default_size(self) -> tuple[int, int]:
         return 1024, 1024
 
+    def max_size(self) -> tuple[int, int]:
+        """The rope tables hold `axes_lens` positions per axis (frame, height, width); image tokens
+        count from 0 on the height and width axes."""
+        _, rows, cols = self.transformer.config.axes_lens
+        cell = self.latent_patch() * self.vae_scale
+        return rows * cell, cols * cell
+
     def new_task(self, request_id: str, inputs: dict, params: DiffusionParams) -> DiffusionTask:
         p = self.resolve(params, inputs)
         n = p.num_inference_steps                # diffusers builds these base sigmas with torch, not numpy

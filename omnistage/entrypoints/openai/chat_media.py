@@ -10,13 +10,20 @@ Out: `{"type": "image", "image": PIL image}` / `{"type": "audio", "audio": (floa
 with PyAV, `omnistage.io.media.decode_video`: at most 64 frames, i.e. 32 s, of at most 1920x1080, from
 at most 32 MiB), what a pipeline's chat renderer reads (`AsyncOmni.media_types` says which kinds it
 takes). Only base64 payloads are accepted: remote URLs are never fetched. Bad payloads are 400s
-naming the part.
+naming the part; audio longer than 10 minutes and videos over their limits are refused from the
+file's header, before anything is decoded (`omnistage.io`).
+
+`decode_part` is CPU-bound and runs where it is called; `off_loop(fn)` runs such work (a message's
+parts) in this module's small pool of decoder threads, so the event loop keeps answering (`/health`)
+and at most `DECODE_THREADS` payloads are decoded at once, which bounds their memory too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterable, TypeVar
 
 from omnistage.entrypoints.openai.errors import OpenAIError
 from omnistage.entrypoints.openai.serving_images import MediaLimits, decode_data_url
@@ -26,6 +33,21 @@ from omnistage.io.media import DEFAULT_MAX_VIDEO_BYTES, decode_video
 IMAGE_PARTS = ("image_url", "input_image")
 AUDIO_PARTS = ("input_audio", "audio_url")
 VIDEO_PARTS = ("video_url",)
+DECODE_THREADS = 2                              # media payloads decoded at once (API-server process)
+
+_T = TypeVar("_T")
+_decoders = ThreadPoolExecutor(max_workers=DECODE_THREADS, thread_name_prefix="omnistage-media")
+
+
+async def off_loop(fn: Callable[[], _T]) -> _T:
+    """`fn()` in a decoder thread (its exceptions raised here)."""
+    return await asyncio.get_running_loop().run_in_executor(_decoders, fn)
+
+
+def has_media(parts_lists: Iterable[Any]) -> bool:
+    """Whether any content (a string or a list of parts) holds a part `decode_part` decodes."""
+    return any(isinstance(parts, list) and any(kind(getattr(p, "type", "")) for p in parts)
+               for parts in parts_lists)
 
 
 def _b64(encoded: Any, field: str, what: str, max_bytes: int) -> bytes:
@@ -56,9 +78,9 @@ def _audio(part: Any, field: str) -> tuple:
         encoded, name = _data_url(part, field, "data:audio/wav;base64,..."), f"{field}.audio_url.url"
     data = _b64(encoded, name, "audio", DEFAULT_MAX_AUDIO_BYTES)
     try:
-        return decode_audio(data, field=field)
+        return decode_audio(data, field=name)
     except ValueError as e:
-        raise OpenAIError(400, str(e), param=field) from None
+        raise OpenAIError(400, str(e), param=name) from None
 
 
 def _video(part: Any, field: str) -> dict:

@@ -130,7 +130,13 @@ class ServingChat(OpenAIServing):
         self.check_prompt_chars(sum(_text_chars(m) for m in req.messages), "messages")
         _check_template_kwargs(req.chat_template_kwargs, self.engine.tokenizer)
         media = tuple(getattr(self.engine, "media_types", ()))
-        messages = [self._message(m, media, f"messages[{i}]") for i, m in enumerate(req.messages)]
+
+        def convert() -> list[dict]:
+            return [self._message(m, media, f"messages[{i}]") for i, m in enumerate(req.messages)]
+
+        # media parts are decoded in a decoder thread: the event loop keeps serving meanwhile
+        messages = await chat_media.off_loop(convert) if chat_media.has_media(
+            m.content for m in req.messages) else convert()
         try:
             params = req.to_sampling_params()
         except ValueError as e:

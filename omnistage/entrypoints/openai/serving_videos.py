@@ -9,7 +9,9 @@
     model, size, seconds, prompt}`; more than `limits.max_video_jobs` unfinished jobs is a 429.
   * `GET /v1/videos/{id}`: the job; `status` goes queued -> in_progress -> completed | failed,
     `progress` 0..100 follows the denoising steps (100 once the MP4 is ready). Its `prompt` is the
-    first `PROMPT_ECHO_CHARS` characters of the prompt (a job and a page of jobs stay small).
+    first `PROMPT_ECHO_CHARS` characters of the prompt (a job and a page of jobs stay small). A job
+    that fails at run time has `error: {"code": "generation_failed", "message": its own error}`; `engine_dead`
+    only when the engine or its stage went down.
   * `GET /v1/videos/{id}/content[?variant=video|thumbnail]`: the MP4 (video/mp4), or the first
     frame as WEBP; a 400 until the job completed.
   * `GET /v1/videos[?after=&limit=&order=]`: a cursor page `{object: "list", data, has_more,
@@ -42,6 +44,7 @@ from omnistage.entrypoints.openai.serving_images import (DiffusionFields, Diffus
 from omnistage.io.media import encode_image, encode_mp4
 from omnistage.metrics import PREFIX
 from omnistage.params import DiffusionParams
+from omnistage.stage import RequestFailedError
 
 STATUSES = ("queued", "in_progress", "completed", "failed")
 PROMPT_ECHO_CHARS = 1000                        # characters of a job's prompt kept and echoed
@@ -102,7 +105,7 @@ class _JobsCollector:
 
 def _fps(req: VideoRequest, stage: Any) -> int:
     """The request's fps, or the model's default."""
-    return req.fps or stage.check_params(DiffusionParams()).fps
+    return req.fps or stage.default_fps
 
 
 class ServingVideos(DiffusionServing):
@@ -204,8 +207,9 @@ class ServingVideos(DiffusionServing):
             job.status, job.progress, job.completed_at = "completed", 100, int(time.time())
         except asyncio.CancelledError:                          # deleted: the engine request is aborted
             raise
-        except OpenAIError as e:
-            self._fail(job, e.code or e.type, e.message)
+        except OpenAIError as e:                               # a run-time failure of this job: its own error
+            code = "generation_failed" if isinstance(e.__cause__, RequestFailedError) else e.code or e.type
+            self._fail(job, code, e.message)
         except Exception as e:                                  # an encoder error must not go unreported
             self._fail(job, "internal_error", f"{type(e).__name__}: {e}")
         finally:

@@ -16,7 +16,10 @@ prompt, token ids and metrics; text from the stage that produces text, audio / i
 the stages that produce them. Completion finish reasons are held back until every stage of the
 request is done, so the last output a caller sees is the one with `finished=True`. An abort reaches
 every stage that holds the request. Stages run in-process here; `stage_client` puts one in its own
-process behind the same `StageEngine` interface.
+process behind the same `StageEngine` interface. A stage whose process died fails the requests it
+held (`StageDeadError`) and restarts in the background while the other stages keep stepping; until
+it is back, a new request whose route needs it is refused with `StageDeadError` naming it
+(`stage_states` says which stages are down).
 """
 
 from __future__ import annotations
@@ -118,6 +121,10 @@ class Orchestrator:
         if stage_params is not None and len(stage_params) != len(self.spec.stages):
             raise ValueError(f"sampling_params_list must have {len(self.spec.stages)} entries "
                              f"(one per stage: {[s.name for s in self.spec.stages]}), got {len(stage_params)}")
+        for name in names:                      # a stage process that is restarting takes nothing new
+            down = getattr(self.stages[name], "unavailable", None)
+            if down is not None:
+                raise StageDeadError(down)
         chosen = {}
         for i, s in enumerate(self.spec.stages):
             if s.name not in names:
@@ -316,6 +323,11 @@ class Orchestrator:
             stats[f"edge:{src}->{dst}:bytes"] = nbytes
             stats[f"edge:{src}->{dst}:pieces"] = pieces
         return stats
+
+    def stage_states(self) -> dict[str, str]:
+        """Stage name -> "ready", "restarting" or "failed" (`StageClient.state`; in-process stages are
+        always ready). Safe to read from any thread."""
+        return {name: getattr(stage, "state", "ready") for name, stage in self.stages.items()}
 
     def stage_for(self, modality: str) -> Optional[tuple[str, Any]]:
         """(name, engine) of the stage that delivers `modality`, or None."""

@@ -6,9 +6,11 @@
 `GET /v1/audio/voices`), the image routes of `serving_images` (`POST /v1/images/generations`,
 `POST /v1/images/edits`) and the video-jobs routes of `serving_videos` (`/v1/videos`), capped by
 `MediaLimits`. With an API key, every `/v1` route needs `Authorization: Bearer KEY`
-(checked before the body is read). `run_server(args)` builds the engine from the CLI arguments,
-prints how to talk to it, and runs uvicorn in this process; the engine's model forwards run in
-its own thread, so the event loop stays free for I/O.
+(checked before the body is read). `GET /health` is 503 with every stage's state while one is down
+(its process restarting). `run_server(args)` builds the engine from the CLI arguments, prints how
+to talk to it, and runs uvicorn in this process until SIGTERM / SIGINT, which drain the requests in
+flight first (`drain.py`); the engine's model forwards run in its own thread, so the event loop
+stays free for I/O.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from contextlib import asynccontextmanager
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 
 from omnistage import __version__
@@ -37,6 +39,7 @@ from omnistage.metrics import CONTENT_TYPE, EngineMetrics
 logger = logging.getLogger(__name__)
 
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"   # what `omnistage serve` with no model calls the embedded default
+DEFAULT_DRAIN_TIMEOUT_S = 30.0                  # `--drain-timeout`: how long SIGTERM waits for requests in flight
 
 
 class ApiKeyMiddleware:
@@ -80,9 +83,17 @@ def build_app(engine: Any, served_model_name: str, api_key: Optional[str] = None
 
     @app.get("/health")
     async def health() -> Response:
+        """200 `{"status": "ok", "stages": {name: "ready"}}`; 503 when the engine is down, or when a
+        stage is (its process "restarting" or "failed"): an error naming it, plus every stage's state."""
         if not engine.is_running:
             return OpenAIError(503, "the engine is not running", code="engine_dead").response()
-        return Response(status_code=200)
+        states = engine.stage_states()
+        down = {name: state for name, state in states.items() if state != "ready"}
+        if not down:
+            return JSONResponse({"status": "ok", "stages": states})
+        message = "degraded: " + ", ".join(f"stage {name!r} is {state}" for name, state in down.items())
+        return JSONResponse({**OpenAIError(503, message, code="stage_unavailable").body(), "status": "degraded",
+                             "stages": states}, status_code=503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -126,9 +137,10 @@ def usage_banner(host: str, port: int, name: str, api_key: Optional[str]) -> str
 
 def run_server(args) -> None:
     """`omnistage serve`: build the engine from the parsed CLI arguments and serve until interrupted."""
-    import uvicorn
+    from uvicorn.config import STARTUP_FAILURE
 
     from omnistage.entrypoints.async_omni import AsyncOmni
+    from omnistage.entrypoints.openai.drain import draining_server
 
     from omnistage.entrypoints.common import engine_kwargs_from_args
 
@@ -138,7 +150,12 @@ def run_server(args) -> None:
         limits = MediaLimits(**{k: getattr(args, k) for k in ("max_image_pixels", "max_video_jobs")
                                 if getattr(args, k, None) is not None})
         app = build_app(engine, name, args.api_key, limits)
+        drain_timeout = getattr(args, "drain_timeout", None)
+        server = draining_server(app, engine, DEFAULT_DRAIN_TIMEOUT_S if drain_timeout is None else drain_timeout,
+                                 host=args.host, port=args.port, log_level=args.log_level.lower())
         print(usage_banner(args.host, args.port, name, args.api_key), flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+        server.run()                            # until SIGTERM / SIGINT and the drain (entrypoints/openai/drain.py)
+        if not server.started:
+            raise SystemExit(STARTUP_FAILURE)   # e.g. the port is taken: uvicorn logged why
     finally:
         engine.close()

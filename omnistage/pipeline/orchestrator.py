@@ -91,7 +91,15 @@ class Orchestrator:
         # (src, dst) -> [seconds spent adapting + handing over, payload bytes, pieces], for metrics
         self.edge_totals = {key: [0.0, 0, 0] for key in self.adapters}
         given = stages or {}
-        self.stages = {s.name: given[s.name] if s.name in given else _build_stage(s) for s in spec.stages}
+        self.stages = {}
+        try:
+            for s in spec.stages:
+                self.stages[s.name] = given[s.name] if s.name in given else _build_stage(s)
+        except BaseException:                   # e.g. one stage failed to start: stop the processes started
+            for name, stage in self.stages.items():
+                if name not in given and hasattr(stage, "close"):
+                    stage.close()
+            raise
         for e in spec.edges:
             if e.streaming and not hasattr(self.stages[e.dst], "add_input"):
                 raise ValueError(f"edge {e.src}->{e.dst} streams, but stage {e.dst!r} takes no streamed input; "

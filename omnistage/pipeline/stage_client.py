@@ -240,12 +240,10 @@ class StageClient:
 
     def _call(self, method: str, *args) -> Any:
         """A round trip: the stage runs `method(*args)` between two steps and answers."""
-        if self.unavailable is not None:
-            raise StageDeadError(self.unavailable)
         self._seq += 1
         seq = self._seq
-        if not self._send(CallStage(seq, method, list(args))):
-            raise StageDeadError(self.unavailable or f"stage {self.spec.name!r} process died")
+        if self.unavailable is not None or not self._send(CallStage(seq, method, list(args))):
+            raise StageDeadError(self.unavailable)
         while True:
             if self._out.poll(50):
                 msg = wire.decode(self._out.recv())
@@ -256,7 +254,7 @@ class StageClient:
                 self._receive(msg)
             elif self.proc.poll() is not None:
                 self._on_death()
-                raise StageDeadError(self.unavailable or f"stage {self.spec.name!r} process died")
+                raise StageDeadError(self.unavailable)
 
     # ---- StageEngine ----------------------------------------------------------------------------
     def add_request(self, request_id: str, inputs: Any, params: Any, arrival_time: Optional[float] = None) -> None:
@@ -267,11 +265,9 @@ class StageClient:
         """`add_request` without waiting for the stage process (it may be mid-step): for requests
         handed on by an upstream stage. A refusal comes back as a finished output whose
         `error` says why (the orchestrator fails the request with it), as does a stage that is down."""
-        if self.unavailable is not None:
+        command = CallStage(0, "add_request", [request_id, inputs, params, arrival_time])
+        if self.unavailable is not None or not self._send(command):
             self._ready.append(_failed(request_id, self.unavailable))
-            return
-        if not self._send(CallStage(0, "add_request", [request_id, inputs, params, arrival_time])):
-            self._ready.append(_failed(request_id, self.unavailable or f"stage {self.spec.name!r} is down"))
             return
         self._held.add(request_id)
 

@@ -19,6 +19,7 @@ import hmac
 import json
 import logging
 import shlex
+import signal
 from contextlib import asynccontextmanager
 from typing import Any, Optional
 
@@ -135,6 +136,10 @@ def usage_banner(host: str, port: int, name: str, api_key: Optional[str]) -> str
             f"  python - <<'EOF'\n{client}\nEOF\n")
 
 
+def _exit_on_sigterm(sig, frame) -> None:
+    raise SystemExit(128 + sig)
+
+
 def run_server(args) -> None:
     """`omnistage serve`: build the engine from the parsed CLI arguments and serve until interrupted."""
     from uvicorn.config import STARTUP_FAILURE
@@ -144,8 +149,12 @@ def run_server(args) -> None:
 
     from omnistage.entrypoints.common import engine_kwargs_from_args
 
-    engine = AsyncOmni(model=args.model, device=args.device, dtype=args.dtype, **engine_kwargs_from_args(args))
+    # outside the server's own drain (while the model loads): SIGTERM unwinds like Ctrl-C, so stage
+    # processes and their folders are cleaned up
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    engine = None
     try:
+        engine = AsyncOmni(model=args.model, device=args.device, dtype=args.dtype, **engine_kwargs_from_args(args))
         name = args.served_model_name or args.model or DEFAULT_SERVED_NAME
         limits = MediaLimits(**{k: getattr(args, k) for k in ("max_image_pixels", "max_video_jobs")
                                 if getattr(args, k, None) is not None})
@@ -158,4 +167,9 @@ def run_server(args) -> None:
         if not server.started:
             raise SystemExit(STARTUP_FAILURE)   # e.g. the port is taken: uvicorn logged why
     finally:
-        engine.close()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # another SIGTERM must not cut the clean-up short
+        try:
+            if engine is not None:
+                engine.close()
+        finally:
+            signal.signal(signal.SIGTERM, previous)

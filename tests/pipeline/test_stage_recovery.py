@@ -141,3 +141,41 @@ def test_killed_stage_fails_only_its_requests_while_others_stream(served, name, 
         record_property(f"text_max_gap_s_{name}", round(worst, 3))
         assert worst < _gap_bound(recovery)
     assert all(c[-1]["choices"][0]["finish_reason"] == "length" for c, _ in done if c[-1]["choices"])
+
+
+def test_a_stage_that_cannot_restart_is_failed_and_refuses_work():
+    """After `max_restart_attempts` failed starts in a row the stage is "failed": it refuses calls and
+    hands back requests passed on to it, naming itself, instead of trying for ever."""
+    pytest.importorskip("piper")
+    import dataclasses
+
+    from omnistage.codec.speech import TTSParams
+    from omnistage.config import EngineConfig
+    from omnistage.pipeline.stage_client import StageClient
+    from omnistage.spec import StageSpec
+    from omnistage.stage import StageDeadError
+
+    spec = StageSpec("tts", "codec", "", EngineConfig(device="cpu"), final_output="audio", backend="piper",
+                     runner="process")
+    client = StageClient(spec, max_restart_attempts=2)
+    try:
+        assert client.state == "ready" and client.unavailable is None
+        client.spec = dataclasses.replace(spec, backend="no-such-backend")   # every restart now fails
+        client.proc.kill()
+        client.proc.wait()
+        assert client.state == "restarting" and client.has_unfinished()
+        deadline = time.monotonic() + 120
+        while client.state == "restarting":
+            assert time.monotonic() < deadline
+            assert client.step() == []
+            time.sleep(0.05)
+        assert client.state == "failed" and not client.has_unfinished()
+        assert "stage 'tts' is down" in client.unavailable and "no-such-backend" in client.unavailable
+        with pytest.raises(StageDeadError, match="stage 'tts' is down"):
+            client.add_request("a", {"text": "Hi."}, TTSParams())
+        client.submit("b", {"text": "Hi."}, TTSParams())
+        [lost] = client.step()
+        assert lost.request_id == "b" and lost.finished and lost.error.fatal and "stage 'tts'" in lost.error.message
+    finally:
+        client.close()
+    assert not os.path.exists(client._dir)

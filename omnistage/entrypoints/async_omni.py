@@ -7,6 +7,10 @@ thread) and pushing each request's partial outputs to that request's asyncio que
 leaving it early (client gone, task cancelled) aborts the request in the engine. A request that
 fails raises its own typed error (`request_error`): refused input, a run-time failure of that
 request, or `EngineDeadError` when the engine or a stage holding it is down.
+`close` stops the engine thread and ends every request still open with `EngineDeadError`, then
+closes the stages (and their processes); a server drains first (`num_requests` says how many are
+open). A stage that is down (its process restarting) refuses the requests that need it with
+`EngineDeadError` naming it; `stage_states` says which.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ class AbortRequest:
 class StopEngine:
     """Close the orchestrator and end the engine thread (sent once, by `close`)."""
 
+    reason: str                                 # the error message requests still open end with
+
 
 Command = Union[AddRequest, AbortRequest, StopEngine]
 
@@ -75,7 +81,10 @@ class _Stream:
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:                                    # the loop is closed: nobody is left to read it
+            pass
 
 
 class AsyncOmni:
@@ -87,6 +96,7 @@ class AsyncOmni:
         self._ids = itertools.count()
         self._stats = self.orchestrator.stats()
         self._closed = False
+        self._stop_reason = ""                                  # StopEngine.reason, once received
         self.errored: Optional[BaseException] = None
         self.output_hooks: list[Callable[[RequestOutput, float], None]] = []  # e.g. metrics, called per output
         self._thread = threading.Thread(target=self._loop, name="omnistage-engine", daemon=True)
@@ -142,6 +152,16 @@ class AsyncOmni:
         """Engine gauges as of the last step (running, waiting, kv_cache_usage, ...)."""
         return dict(self._stats)
 
+    @property
+    def num_requests(self) -> int:
+        """Requests a caller is still reading (`generate` not finished), queued or running."""
+        return len(self._streams)
+
+    def stage_states(self) -> dict[str, str]:
+        """Stage name -> "ready" | "restarting" | "failed" (empty once closed)."""
+        orch = self.orchestrator
+        return orch.stage_states() if orch is not None else {}
+
     async def generate(self, prompt: Any, params: Any = None, request_id: Optional[str] = None, *,
                        sampling_params_list: Optional[list] = None,
                        entry_stage: Optional[str] = None) -> AsyncIterator[RequestOutput]:
@@ -178,22 +198,29 @@ class AsyncOmni:
     async def abort(self, request_id: str) -> None:
         self._commands.put(AbortRequest(request_id))
 
-    def close(self) -> None:
+    def close(self, reason: str = "the engine was closed before this request finished") -> None:
+        """Stops the engine: requests still open end with `EngineDeadError(reason)`; stage processes stop."""
         if not self._closed:
             self._closed = True
-            self._commands.put(StopEngine())
+            self._commands.put(StopEngine(reason))
             self._thread.join(timeout=30)
+            if not self._thread.is_alive():
+                self._fail_open_requests("the engine is closed")    # callers that raced the close
 
     # ---- engine thread -------------------------------------------------------------------------
     def _resolve(self, fut: asyncio.Future, exc: Optional[BaseException]) -> None:
         def done():
             if not fut.done():
                 fut.set_exception(exc) if exc else fut.set_result(None)
-        fut.get_loop().call_soon_threadsafe(done)
+        try:
+            fut.get_loop().call_soon_threadsafe(done)
+        except RuntimeError:                                    # the loop is closed: nobody waits any more
+            pass
 
     def _handle(self, cmd: Command) -> bool:
         """Runs one command; False once told to stop."""
         if isinstance(cmd, StopEngine):
+            self._stop_reason = cmd.reason
             return False
         if isinstance(cmd, AbortRequest):
             self.orchestrator.abort(cmd.request_id)
@@ -204,6 +231,8 @@ class AsyncOmni:
         try:
             self.orchestrator.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.stage_params,
                                           cmd.arrival_time, cmd.entry_stage)
+        except StageDeadError as e:                             # a stage it needs is restarting: 503
+            self._resolve(cmd.accepted, EngineDeadError(str(e)))
         except Exception as e:                                  # bad request: tell only that caller
             self._resolve(cmd.accepted, e)
         else:
@@ -221,15 +250,19 @@ class AsyncOmni:
         except BaseException as e:                              # the engine is dead: say so to everyone
             logger.exception("engine thread died")
             self.errored = e
-            for stream in list(self._streams.values()):
-                stream.put(EngineDeadError(f"the engine stopped: {e!r}"))
-            while True:                                         # callers that were about to be accepted
-                try:
-                    cmd = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(cmd, AddRequest):
-                    self._resolve(cmd.accepted, EngineDeadError(f"the engine stopped: {e!r}"))
+            self._fail_open_requests(f"the engine stopped: {e!r}")
+
+    def _fail_open_requests(self, reason: str) -> None:
+        """Ends every open request, and every one about to be accepted, with EngineDeadError(reason)."""
+        for stream in list(self._streams.values()):
+            stream.put(EngineDeadError(reason))
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, AddRequest):
+                self._resolve(cmd.accepted, EngineDeadError(reason))
 
     def _step_failed(self, error: Exception) -> None:
         """An engine-level failure: the orchestrator's step raised outside any one stage (a stage
@@ -277,5 +310,6 @@ class AsyncOmni:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.put(out)
-        self.orchestrator.close()
-        self.orchestrator = None
+        self._fail_open_requests(self._stop_reason)
+        orch, self.orchestrator = self.orchestrator, None
+        orch.close()

@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest width * height of a generated image or video frame (default: 2048*2048)")
     serve.add_argument("--max-video-jobs", type=int, default=None,
                        help="queued + running /v1/videos jobs at most; more get 429 (default: 16)")
+    serve.add_argument("--drain-timeout", type=float, default=None, metavar="S",
+                       help="on SIGTERM / SIGINT, wait this long for requests in flight, then cut them (default: 30)")
     _add_engine_args(serve)
 
     gen = sub.add_parser("generate", help="run one prompt offline and print the result")

@@ -18,7 +18,10 @@ prompt, token ids and metrics; text from the stage that produces text, audio / i
 the stages that produce them. Completion finish reasons are held back until every stage of the
 request is done, so the last output a caller sees is the one with `finished=True`. An abort reaches
 every stage that holds the request. Stages run in-process here; `stage_client` puts one in its own
-process behind the same `StageEngine` interface.
+process behind the same `StageEngine` interface. A stage whose process died fails the requests it
+held (`StageDeadError`) and restarts in the background while the other stages keep stepping; until
+it is back, a new request whose route needs it is refused with `StageDeadError` naming it
+(`stage_states` says which stages are down).
 """
 
 from __future__ import annotations
@@ -95,7 +98,15 @@ class Orchestrator:
         # (src, dst) -> [seconds spent adapting + handing over, payload bytes, pieces], for metrics
         self.edge_totals = {key: [0.0, 0, 0] for key in self.adapters}
         given = stages or {}
-        self.stages = {s.name: given[s.name] if s.name in given else _build_stage(s) for s in spec.stages}
+        self.stages = {}
+        try:
+            for s in spec.stages:
+                self.stages[s.name] = given[s.name] if s.name in given else _build_stage(s)
+        except BaseException:                   # e.g. one stage failed to start: stop the processes started
+            for name, stage in self.stages.items():
+                if name not in given and hasattr(stage, "close"):
+                    stage.close()
+            raise
         for e in spec.edges:
             if e.streaming and not hasattr(self.stages[e.dst], "add_input"):
                 raise ValueError(f"edge {e.src}->{e.dst} streams, but stage {e.dst!r} takes no streamed input; "
@@ -125,6 +136,10 @@ class Orchestrator:
         if stage_params is not None and len(stage_params) != len(self.spec.stages):
             raise ValueError(f"sampling_params_list must have {len(self.spec.stages)} entries "
                              f"(one per stage: {[s.name for s in self.spec.stages]}), got {len(stage_params)}")
+        for name in names:                      # a stage process that is restarting takes nothing new
+            down = getattr(self.stages[name], "unavailable", None)
+            if down is not None:
+                raise StageDeadError(down)
         chosen = {}
         for i, s in enumerate(self.spec.stages):
             if s.name not in names:
@@ -342,6 +357,11 @@ class Orchestrator:
             stats[f"edge:{src}->{dst}:bytes"] = nbytes
             stats[f"edge:{src}->{dst}:pieces"] = pieces
         return stats
+
+    def stage_states(self) -> dict[str, str]:
+        """Stage name -> "ready", "restarting" or "failed" (`StageClient.state`; in-process stages are
+        always ready). Safe to read from any thread."""
+        return {name: getattr(stage, "state", "ready") for name, stage in self.stages.items()}
 
     def stage_for(self, modality: str) -> Optional[tuple[str, Any]]:
         """(name, engine) of the stage that delivers `modality`, or None."""

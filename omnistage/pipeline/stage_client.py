@@ -15,11 +15,18 @@ what entry points read of a main stage (`max_model_len`, and the `tokenizer`, lo
 folder the stage's tokenizer came from) and the engine's plain `_ATTRIBUTES` (a diffusion stage's
 `output_kind`, `takes_image`, ...). The client's sockets are used from the orchestrator's thread only.
 
-When the stage process dies, every request it held gets a finished `StageOutput` whose
-`error` is fatal (the orchestrator fails just those requests, and the server answers 503),
-and a fresh process is started for the next requests. A step that raises in the stage process
-fails only the requests the engine holds (finished `StageOutput`s with a non-fatal `error`), and
-an output that cannot be encoded fails only its request; the process serves on.
+When the stage process dies, every request it held gets a finished `StageOutput` whose `error`
+is fatal at once (the orchestrator fails just those requests, and the server answers 503), and a
+fresh process starts in the background: `step()` polls it, never waits for it, so the other stages
+keep stepping. While it loads, `state` is "restarting" and the client refuses work (`add_request`
+raises `StageDeadError` naming the stage; a request handed on by `submit` comes back failed); once
+it is ready `state` is "ready" again (`last_recovery_s` says how long that took), and after
+`max_restart_attempts` failed starts in a row it is "failed". The stage process ignores SIGINT and
+SIGTERM: a signal to the whole process group (Ctrl-C, systemd) must not cut the requests the server
+is draining; it exits on `StopStage` or when the orchestrator's process is gone. A step
+that raises in the stage process fails only the requests the engine holds (finished
+`StageOutput`s with a non-fatal `error`), and an output that cannot be encoded fails only its
+request; the process serves on.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import importlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,7 +50,7 @@ from omnistage.outputs import RequestOutput
 from omnistage.pipeline import wire
 from omnistage.pipeline.stage_messages import (CallError, CallReply, CallStage, InitStage, StageFatal, StageOutputs,
                                                StageReady, StopStage)
-from omnistage.stage import StageError, StageOutput
+from omnistage.stage import StageDeadError, StageError, StageOutput
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +59,14 @@ _WAIT_MS = 5                                    # orchestrator: wait at most thi
 _OPTIONAL = ("add_input", "check_params", "voices")
 # plain attributes of an engine that entry points read (a diffusion stage: what it makes and takes)
 _ATTRIBUTES = ("output_kind", "takes_image", "takes_mask", "default_fps")
+STATES = ("ready", "restarting", "failed")      # what `StageClient.state` may say
 
 
 class StageClient:
-    def __init__(self, spec, start_timeout_s: float = 180.0):
+    def __init__(self, spec, start_timeout_s: float = 180.0, max_restart_attempts: int = 3):
         self.spec = spec
         self.start_timeout_s = start_timeout_s
+        self.max_restart_attempts = max_restart_attempts
         self._ctx = zmq.Context()
         self._dir = tempfile.mkdtemp(prefix="omnistage-stage-")
         self._seq = 0
@@ -65,11 +75,23 @@ class StageClient:
         self._ready: list[StageOutput] = []     # outputs received while waiting for a reply
         self._stats: dict[str, float] = {}
         self._checked: dict[bytes, tuple] = {}  # encoded params -> check_params (error or None, result)
+        self._state = "ready"                   # one of STATES; see `state`
+        self._down_since = 0.0                  # time.monotonic() the process was found dead
+        self._attempts = 0                      # starts tried since it died
+        self._failure: Optional[str] = None     # why the last start failed
         self.restarts = 0                       # how many times the stage process was replaced
+        self.last_recovery_s: Optional[float] = None   # seconds from the last death to ready again
         self.proc: Optional[subprocess.Popen] = None
         self._chk: Optional[zmq.Socket] = None  # check_params channel, usable from any thread (under the lock)
         self._check_lock = threading.Lock()
-        ready = self._start()
+        try:
+            self._spawn()
+            ready = None
+            while ready is None:
+                ready = self._poll_start(100)
+        except BaseException:
+            self.close()
+            raise
         self._voice_list = ready.voices or []   # read once: other threads may ask for it
         self.params_type = _import(ready.params_type) if ready.params_type else None
         self.max_model_len = ready.max_model_len
@@ -85,7 +107,8 @@ class StageClient:
                 setattr(self, name, getattr(self, "_" + name))
 
     # ---- process management ---------------------------------------------------------------------
-    def _start(self) -> StageReady:
+    def _spawn(self) -> None:
+        """Starts a stage process and sends it the stage to build; `_poll_start` says when it is ready."""
         self._generation += 1
         base = os.path.join(self._dir, f"{self.spec.name}-{self._generation}")
         self._cmd = self._ctx.socket(zmq.PUSH)
@@ -104,43 +127,108 @@ class StageClient:
             self._chk.bind(f"ipc://{base}.chk")
         self.proc = subprocess.Popen([sys.executable, "-m", "omnistage.pipeline.stage_client",
                                       f"ipc://{base}.cmd", f"ipc://{base}.out", f"ipc://{base}.chk"])
-        self._cmd.send(wire.encode(InitStage(self.spec)))
-        deadline = time.monotonic() + self.start_timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"stage {self.spec.name!r} process exited with {self.proc.returncode} at start")
-            if time.monotonic() > deadline:
-                self.proc.kill()
-                raise RuntimeError(f"stage {self.spec.name!r} did not start in {self.start_timeout_s:.0f} s")
-            if self._out.poll(100):
-                msg = wire.decode(self._out.recv())
-                if isinstance(msg, StageFatal):
-                    raise RuntimeError(f"stage {self.spec.name!r} failed to start: {msg.message}")
-                if isinstance(msg, StageReady):
-                    return msg
+        self._init: Optional[bytes] = wire.encode(InitStage(self.spec))   # sent by `_poll_start`
+        self._deadline = time.monotonic() + self.start_timeout_s
 
-    def _restart_after_death(self) -> list[StageOutput]:
-        code = self.proc.returncode if self.proc is not None else None
-        reason = f"stage {self.spec.name!r} process died (exit code {code}); it is being restarted"
+    def _poll_start(self, timeout_ms: int) -> Optional[StageReady]:
+        """The starting process's `StageReady`, or None while it still loads (waits up to `timeout_ms`);
+        RuntimeError when it cannot start (it said why, exited, or took longer than `start_timeout_s`)."""
+        if self._init is not None:              # a PUSH socket blocks until the process has connected
+            try:
+                self._cmd.send(self._init, zmq.NOBLOCK)
+                self._init = None
+            except zmq.Again:
+                pass
+        if self._out.poll(timeout_ms):
+            msg = wire.decode(self._out.recv())
+            if isinstance(msg, StageFatal):
+                raise RuntimeError(f"stage {self.spec.name!r} failed to start: {msg.message}")
+            return msg if isinstance(msg, StageReady) else None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"stage {self.spec.name!r} process exited with {self.proc.returncode} at start")
+        if time.monotonic() > self._deadline:
+            self._stop_process(0)
+            raise RuntimeError(f"stage {self.spec.name!r} did not start in {self.start_timeout_s:.0f} s")
+        return None
+
+    @property
+    def state(self) -> str:
+        """"ready", "restarting" (its process died; a new one loads) or "failed" (it could not be
+        restarted). Safe to read from any thread; a death not yet noticed by `step` reads "restarting"."""
+        if self._state == "ready" and self.proc is not None and self.proc.poll() is not None:
+            return "restarting"
+        return self._state
+
+    @property
+    def unavailable(self) -> Optional[str]:
+        """Why the stage takes no requests now (names it, says what to do), or None when it does."""
+        state = self.state
+        if state == "restarting":
+            return f"stage {self.spec.name!r} is restarting after its process died; try again in a few seconds"
+        if state == "failed":
+            return f"stage {self.spec.name!r} is down: {self._failure}; restart the server"
+        return None
+
+    def _on_death(self) -> None:
+        """The stage process is gone: fail every request it held now and start a new one in the background."""
+        reason = f"stage {self.spec.name!r} process died (exit code {self.proc.returncode}); it is being restarted"
         logger.error(reason)
-        lost = [StageOutput(rid, RequestOutput(rid, finished=True), True, error=StageError(reason, fatal=True))
-                for rid in sorted(self._held)]
+        self._ready.extend(_failed(rid, reason) for rid in sorted(self._held))
         self._held.clear()
+        self._down_since = time.monotonic()
+        self._attempts = 0
+        self._respawn()
+
+    def _respawn(self) -> None:
+        self._stop_process(0)
         self._cmd.close()
         self._out.close()
-        self._start()
-        self.restarts += 1
-        return lost
+        self._attempts += 1
+        self._state = "restarting"
+        try:
+            self._spawn()
+        except Exception as e:                  # e.g. no memory left for a process
+            self._give_up(f"it could not be started: {e!r}")
+
+    def _advance_restart(self) -> None:
+        """One look at the process being started (never waits): ready, retry, or give up."""
+        try:
+            ready = self._poll_start(0)
+        except RuntimeError as e:
+            logger.error("%s (attempt %d of %d)", e, self._attempts, self.max_restart_attempts)
+            if self._attempts >= self.max_restart_attempts:
+                self._give_up(str(e))
+            else:
+                self._respawn()
+            return
+        if ready is not None:
+            self._state = "ready"
+            self.restarts += 1
+            self.last_recovery_s = time.monotonic() - self._down_since
+            logger.warning("stage %r is back after %.1f s (restart %d)", self.spec.name, self.last_recovery_s,
+                           self.restarts)
+
+    def _give_up(self, why: str) -> None:
+        self._state, self._failure = "failed", why
+        logger.error("stage %r is down for good: %s", self.spec.name, why)
+
+    def _stop_process(self, grace_s: float) -> None:
+        """Stops the stage process: `StopStage` and up to `grace_s` to exit, then SIGKILL."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            self._cmd.send(wire.encode(StopStage()), zmq.NOBLOCK)
+            self.proc.wait(timeout=grace_s)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                self._cmd.send(wire.encode(StopStage()), zmq.NOBLOCK)
-                self.proc.wait(timeout=5)
-            except Exception:
-                self.proc.kill()
-        self._ctx.destroy(linger=0)
-        shutil.rmtree(self._dir, ignore_errors=True)
+        try:
+            self._stop_process(5)
+        finally:
+            self._ctx.destroy(linger=0)
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     def __del__(self):
         try:
@@ -149,6 +237,20 @@ class StageClient:
             pass
 
     # ---- messages -------------------------------------------------------------------------------
+    def _send(self, command: Any) -> bool:
+        """Sends a command; False when the process turned out dead (its requests are failed and a
+        new one starts). A PUSH socket whose peer died blocks a plain send for ever: never wait on it."""
+        data = wire.encode(command)
+        while True:
+            try:
+                self._cmd.send(data, zmq.NOBLOCK)
+                return True
+            except zmq.Again:                   # no peer, or its queue is full
+                if self.proc.poll() is not None:
+                    self._on_death()
+                    return False
+                self._cmd.poll(10, zmq.POLLOUT)
+
     def _receive(self, msg: Any) -> None:
         if isinstance(msg, StageOutputs):
             self._stats = msg.stats
@@ -161,7 +263,8 @@ class StageClient:
         """A round trip: the stage runs `method(*args)` between two steps and answers."""
         self._seq += 1
         seq = self._seq
-        self._cmd.send(wire.encode(CallStage(seq, method, list(args))))
+        if self.unavailable is not None or not self._send(CallStage(seq, method, list(args))):
+            raise StageDeadError(self.unavailable)
         while True:
             if self._out.poll(50):
                 msg = wire.decode(self._out.recv())
@@ -171,8 +274,8 @@ class StageClient:
                     return msg.result
                 self._receive(msg)
             elif self.proc.poll() is not None:
-                self._ready.extend(self._restart_after_death())
-                raise RuntimeError(f"stage {self.spec.name!r} process died; try again")
+                self._on_death()
+                raise StageDeadError(self.unavailable)
 
     # ---- StageEngine ----------------------------------------------------------------------------
     def add_request(self, request_id: str, inputs: Any, params: Any, arrival_time: Optional[float] = None) -> None:
@@ -182,13 +285,16 @@ class StageClient:
     def submit(self, request_id: str, inputs: Any, params: Any, arrival_time: Optional[float] = None) -> None:
         """`add_request` without waiting for the stage process (it may be mid-step): for requests
         handed on by an upstream stage. A refusal comes back as a finished output whose
-        `error` says why (the orchestrator fails the request with it)."""
-        self._cmd.send(wire.encode(CallStage(0, "add_request", [request_id, inputs, params, arrival_time])))
+        `error` says why (the orchestrator fails the request with it), as does a stage that is down."""
+        command = CallStage(0, "add_request", [request_id, inputs, params, arrival_time])
+        if self.unavailable is not None or not self._send(command):
+            self._ready.append(_failed(request_id, self.unavailable))
+            return
         self._held.add(request_id)
 
     def _add_input(self, request_id: str, piece: Any) -> None:
         if request_id in self._held:
-            self._cmd.send(wire.encode(CallStage(0, "add_input", [request_id, piece])))
+            self._send(CallStage(0, "add_input", [request_id, piece]))
 
     def _check_params(self, params: Any) -> Any:
         """A round trip the first time a params value is seen; its verdict and result (a diffusion
@@ -230,22 +336,33 @@ class StageClient:
     def abort(self, request_id: str) -> None:
         if request_id in self._held:
             self._held.discard(request_id)
-            self._cmd.send(wire.encode(CallStage(0, "abort", [request_id])))
+            self._send(CallStage(0, "abort", [request_id]))
 
     def has_unfinished(self) -> bool:
-        return bool(self._held) or bool(self._ready)
+        """Requests held or outputs to collect, or a process to (re)start: `step` has something to do."""
+        return bool(self._held) or bool(self._ready) or self.state == "restarting"
 
     def stats(self) -> dict[str, float]:
         return dict(self._stats)
 
     def step(self) -> list[StageOutput]:
-        """What the stage process has sent since the last call (never waits: see `wait_any`)."""
-        while self._out.poll(0):
-            self._receive(wire.decode(self._out.recv()))
-        if self._held and self.proc.poll() is not None:
-            self._ready.extend(self._restart_after_death())
+        """What the stage process has sent since the last call (never waits: see `wait_any`); notices
+        a dead process and moves a restart along."""
+        if self._state == "ready":
+            while self._out.poll(0):
+                self._receive(wire.decode(self._out.recv()))
+            if self.proc.poll() is not None:
+                self._on_death()
+        elif self._state == "restarting":
+            self._advance_restart()
         outs, self._ready = self._ready, []
         return outs
+
+
+def _failed(request_id: str, reason: str) -> StageOutput:
+    """The last output of a request that a stage process lost or could not take: a fatal error."""
+    return StageOutput(request_id, RequestOutput(request_id, finished=True), True,
+                       error=StageError(reason, fatal=True))
 
 
 def wait_any(clients: list["StageClient"], timeout_ms: int = _WAIT_MS) -> None:
@@ -285,10 +402,14 @@ def _serve(cmd_addr: str, out_addr: str, chk_addr: Optional[str] = None) -> None
     cmd.connect(cmd_addr)
     out.connect(out_addr)
     parent = os.getppid()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the orchestrator's process decides when to stop
+        signal.signal(sig, signal.SIG_IGN)
     spec = wire.decode(cmd.recv()).spec     # an InitStage
     try:
         from omnistage.pipeline.build import build_engine
 
+        if spec.engine.device == "cpu":         # leave a core to the other processes, as in-process stages do
+            spec.engine.apply_cpu_threads()
         engine = build_engine(spec)             # the engine itself, here
     except Exception as e:
         out.send(wire.encode(StageFatal(repr(e))))

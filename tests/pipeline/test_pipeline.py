@@ -254,7 +254,12 @@ def test_stage_process_death_fails_only_its_requests_and_restarts(tiny_models):
                 pass
         with pytest.raises(EngineDeadError, match="stage 'tts' process died"):
             await speak("a", "This sentence is spoken again and again. " * 30, kill_after_first=True)
-        return await speak("b", "Back again.")
+        while True:                             # the new process loads in the background; until then: 503
+            try:
+                return await speak("b", "Back again.")
+            except EngineDeadError as e:
+                assert "stage 'tts' is restarting" in str(e)
+                await asyncio.sleep(0.1)
 
     try:
         outs = asyncio.run(scenario())
@@ -293,6 +298,10 @@ def test_killed_stage_process_gives_503_over_http_and_the_next_request_succeeds(
             thread.join(timeout=60)
             assert result["r"].status_code == 503, result["r"].text
             assert "error" in result["r"].json()
+            deadline = time.time() + 60
+            while (health := httpx.get(url + "/health")).status_code == 503:   # restarting in the background
+                assert health.json()["stages"]["tts"] == "restarting" and time.time() < deadline
+                time.sleep(0.1)
             again = httpx.post(url + "/v1/audio/speech", json={**body, "input": "Back again."}, timeout=60)
             assert again.status_code == 200 and again.content[:4] == b"RIFF"
             assert httpx.get(url + "/health").status_code == 200

@@ -8,11 +8,13 @@
 `MediaLimits`. A body over `max_body_bytes` is a 413 before a route reads it (`body_limit`). With an
 API key, every `/v1` route needs `Authorization: Bearer KEY` (checked before the body is read); the
 key comes from `--api-key-file`, `--api-key` or `$OMNISTAGE_API_KEY` (`resolve_api_key`).
+`GET /health` is 503 with every stage's state while one is down (its process restarting).
 `run_server(args)` builds the engine from the CLI arguments, prints how to talk to it (never the
-key: the snippets read `$OMNISTAGE_API_KEY`), and runs uvicorn in this process; the engine's model
-forwards run in its own thread, so the event loop stays free for I/O. Served without
-`--served-model-name`, a model folder is called by its folder name (`default_served_name`), so its
-path shows in no answer and no /metrics label.
+key: the snippets read `$OMNISTAGE_API_KEY`), and runs uvicorn in this process until SIGTERM /
+SIGINT, which drain the requests in flight first (`drain.py`); the engine's model forwards run in
+its own thread, so the event loop stays free for I/O. Served without `--served-model-name`, a
+model folder is called by its folder name (`default_served_name`), so its path shows in no answer
+and no /metrics label.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ import json
 import logging
 import os
 import shlex
+import signal
 from contextlib import asynccontextmanager
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 
 from omnistage import __version__
@@ -54,6 +57,9 @@ def default_served_name(model: Optional[str]) -> str:
     if os.path.isdir(model):
         return os.path.basename(os.path.normpath(os.path.abspath(model)))
     return model
+
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0                  # `--drain-timeout`: how long SIGTERM waits for requests in flight
 
 
 class ApiKeyMiddleware:
@@ -100,9 +106,17 @@ def build_app(engine: Any, served_model_name: str, api_key: Optional[str] = None
 
     @app.get("/health")
     async def health() -> Response:
+        """200 `{"status": "ok", "stages": {name: "ready"}}`; 503 when the engine is down, or when a
+        stage is (its process "restarting" or "failed"): an error naming it, plus every stage's state."""
         if not engine.is_running:
             return OpenAIError(503, "the engine is not running", code="engine_dead").response()
-        return Response(status_code=200)
+        states = engine.stage_states()
+        down = {name: state for name, state in states.items() if state != "ready"}
+        if not down:
+            return JSONResponse({"status": "ok", "stages": states})
+        message = "degraded: " + ", ".join(f"stage {name!r} is {state}" for name, state in down.items())
+        return JSONResponse({**OpenAIError(503, message, code="stage_unavailable").body(), "status": "degraded",
+                             "stages": states}, status_code=503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -164,23 +178,41 @@ def resolve_api_key(args, environ=os.environ) -> Optional[str]:
     return args.api_key or environ.get(API_KEY_ENV) or None
 
 
+def _exit_on_sigterm(sig, frame) -> None:
+    raise SystemExit(128 + sig)
+
+
 def run_server(args) -> None:
     """`omnistage serve`: build the engine from the parsed CLI arguments and serve until interrupted."""
-    import uvicorn
+    from uvicorn.config import STARTUP_FAILURE
 
     from omnistage.entrypoints.async_omni import AsyncOmni
-
     from omnistage.entrypoints.common import engine_kwargs_from_args
+    from omnistage.entrypoints.openai.drain import draining_server
 
     api_key = resolve_api_key(args)
-    engine = AsyncOmni(model=args.model, device=args.device, dtype=args.dtype, **engine_kwargs_from_args(args))
+    # outside the server's own drain (while the model loads): SIGTERM unwinds like Ctrl-C, so stage
+    # processes and their folders are cleaned up
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    engine = None
     try:
+        engine = AsyncOmni(model=args.model, device=args.device, dtype=args.dtype, **engine_kwargs_from_args(args))
         name = args.served_model_name or default_served_name(args.model)
         limits = MediaLimits(**{k: getattr(args, k) for k in ("max_image_pixels", "max_video_jobs")
                                 if getattr(args, k, None) is not None})
         app = build_app(engine, name, api_key, limits,
                         max_body_bytes=getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES)
+        drain_timeout = getattr(args, "drain_timeout", None)
+        server = draining_server(app, engine, DEFAULT_DRAIN_TIMEOUT_S if drain_timeout is None else drain_timeout,
+                                 host=args.host, port=args.port, log_level=args.log_level.lower())
         print(usage_banner(args.host, args.port, name, api_key is not None), flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+        server.run()                            # until SIGTERM / SIGINT and the drain (entrypoints/openai/drain.py)
+        if not server.started:
+            raise SystemExit(STARTUP_FAILURE)   # e.g. the port is taken: uvicorn logged why
     finally:
-        engine.close()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # another SIGTERM must not cut the clean-up short
+        try:
+            if engine is not None:
+                engine.close()
+        finally:
+            signal.signal(signal.SIGTERM, previous)

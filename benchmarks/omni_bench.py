@@ -69,7 +69,7 @@ def build_checkpoint(path: str) -> str:
     """The random 7B-shape folder (kept across runs)."""
     from transformers import GenerationConfig, Qwen2_5OmniForConditionalGeneration
 
-    from omnistage.models.qwen2_5_omni import tiny
+    from omnistage.testing import qwen2_5_omni as tiny
 
     if os.path.exists(os.path.join(path, "spk_dict.pt")):
         return path

@@ -1,5 +1,6 @@
 """Seeded and penalised sampling pinned to the tokens the engine gave before the host-side rewrite of the
-runner and sampler (ar/inputs.py, ar/sampling_state.py): the same seeds must keep giving the same tokens.
+runner and sampler (ar/step_inputs.py, ar/penalties.py, ar/sampler.py): the same seeds must keep giving
+the same tokens.
 
 Every config runs in one mixed batch (chunked prefill, greedy and unseeded rows beside seeded ones, so
 the default generator's draws are pinned too); the seeded ones also alone, where they must not change.

@@ -170,6 +170,11 @@ class ModelRunner:
             st.add("hidden_rows", (ends - 1)[samples])
         plan = self._plan_sampling(sampling, seq_rows[samples], eos_ids) if sampling else None
         v = st.send()
+        if plan is not None:                    # the sampling rows' device tensors: views of the upload
+            sp = plan[0]
+            sp.params, sp.top_k, sp.unseeded = v["sp"], v.get("top_k"), v.get("unseeded")
+            if "bans" in v:
+                sp.banned = (v["bans"][0], v["bans"][1])
 
         if diffs is not None and rows.cuda:
             rows.apply_diffs(v["diff_idx"], v["diff_val"])
@@ -189,12 +194,12 @@ class ModelRunner:
                 meta.prefills.append(PrefillChunk(int(offsets[i]), s.num_new_tokens, ctx, table))
         step = _Step(order, ids_t, pos_t, meta, offsets, conds, sampling, v.get("hidden_rows"), views=v)
         if plan is not None:
-            step.sampling_inputs, step.penalized, step.num_logprobs = plan(v)
+            step.sampling_inputs, step.penalized, step.num_logprobs = plan
         return step
 
     def _plan_sampling(self, seqs: list[Sequence], seq_rows: np.ndarray, eos_ids: frozenset[int]):
-        """Adds the sampling rows' parts to the upload; returns a function of the uploaded views that
-        gives (SamplingInputs, penalized rows or None, num_logprobs)."""
+        """Adds the sampling rows' parts to the upload; returns (their SamplingInputs, whose tensors are
+        set once uploaded; which rows have penalties, or None; the largest logprobs asked for, or -1)."""
         fp, ip = self.rows.fparams[seq_rows], self.rows.iparams[seq_rows]
         st = self.staging
         st.add("sp", fp)
@@ -230,14 +235,7 @@ class ModelRunner:
                 st.add("unseeded", unseeded)
             # A seeded greedy row draws nothing: its generator is never read.
             s.seeded = [(i, self._generator_for(seqs[i])) for i in np.flatnonzero(seeded & ~greedy).tolist()]
-        num_logprobs = int(ip[:, I_LOGPROBS].max())
-
-        def finish(v: dict) -> tuple[SamplingInputs, Optional[np.ndarray], int]:
-            s.params, s.top_k, s.unseeded = v["sp"], v.get("top_k"), v.get("unseeded")
-            if "bans" in v:
-                s.banned = (v["bans"][0], v["bans"][1])
-            return s, penalized, num_logprobs
-        return finish
+        return s, penalized, int(ip[:, I_LOGPROBS].max())
 
     # ---- the step ------------------------------------------------------------------------------
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,

@@ -1,18 +1,13 @@
-"""CUDA-graph capture and replay of decode steps (stage process, CUDA only; `pack_inputs` is plain numpy).
+"""CUDA-graph capture and replay of decode steps (stage process, CUDA only).
 
 Decode-only steps have static shapes once the batch is padded to a captured size, so the model
-forward from the input rows on (every layer, the paged attention included) replays as one graph: the
-per-kernel launch cost that dominates small-batch decoding disappears. The embedding lookup (and any
-conditioning added to its rows) runs before the graph. Static inputs: `inputs` [4, n] (token ids,
-positions, slots, context lengths), filled by one device copy from the step's upload (packed on the
-host by `pack_inputs`), and `tables` [n, max_blocks], gathered on the device from the runner's
-persistent block tables. Padded rows write their KV to the scratch slot past the pool, attend to one
-token and read table row 0 (all zeros).
+forward from the input rows on (every layer, the paged attention included) replays as one graph: the per-kernel
+launch cost that dominates small-batch decoding disappears. The embedding lookup (and any conditioning added to its rows) runs before the graph; inputs are copied into static buffers;
+padded rows write their KV to the scratch slot past the pool and attend to one token.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from omnistage.layers.attention import AttentionMetadata
@@ -26,17 +21,6 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
-def pack_inputs(n: int, ids: np.ndarray, pos: np.ndarray, slots: np.ndarray, ctx: np.ndarray,
-                scratch_slot: int) -> np.ndarray:
-    """The static inputs [4, n] for len(ids) real rows; the rest padded (id 0, position 0, scratch slot,
-    context 1)."""
-    d = len(ids)
-    out = np.empty((4, n), np.int64)
-    out[:, d:] = np.array([[0], [0], [scratch_slot], [1]], np.int64)
-    out[0, :d], out[1, :d], out[2, :d], out[3, :d] = ids, pos, slots, ctx
-    return out
-
-
 class CudaGraphs:
     def __init__(self, model, device: torch.device, block_size: int, scratch_slot: int, max_batch: int,
                  max_blocks: int):
@@ -45,12 +29,12 @@ class CudaGraphs:
         self.scratch_slot = scratch_slot
         self.sizes = capture_sizes(max_batch)
         self.max_blocks = max_blocks
-        n = self.n = self.sizes[-1]
-        self.inputs = torch.zeros(4, n, dtype=torch.long, device=device)
-        self.ids, self.pos, self.slots, self.ctx = self.inputs             # views: one row each
-        self.slots.fill_(scratch_slot)
-        self.ctx.fill_(1)
+        n = self.sizes[-1]
+        self.ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.pos = torch.zeros(n, dtype=torch.long, device=device)
+        self.slots = torch.full((n,), scratch_slot, dtype=torch.long, device=device)
         self.tables = torch.zeros(n, max_blocks, dtype=torch.long, device=device)
+        self.ctx = torch.ones(n, dtype=torch.long, device=device)
         embed = model.embed_tokens.weight
         self.x = torch.zeros(n, embed.shape[1], dtype=embed.dtype, device=device)   # the graphs' input rows
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -73,17 +57,23 @@ class CudaGraphs:
                                  decode_ctx_lens=self.ctx[:b], graph_batch=b)
 
     def fits(self, n: int) -> bool:
-        return 0 < n <= self.n
+        return 0 < n <= self.sizes[-1]
 
-    def size_for(self, n: int) -> int:
-        return next(s for s in self.sizes if s >= n)
-
-    def load(self, packed: torch.Tensor, table_rows: torch.Tensor, tables: torch.Tensor):
-        """packed: `pack_inputs`' [4, n] on the device; table_rows [b]: the rows of `tables` [R, >= max_blocks]
-        for the padded batch (0 for padding). Returns (ids, pos, meta) of the batch."""
-        b = table_rows.shape[0]
-        self.inputs.copy_(packed)
-        torch.index_select(tables[:, :self.max_blocks], 0, table_rows, out=self.tables[:b])
+    def load(self, ids: list[int], pos: list[int], slots: list[int], tables: list[list[int]]):
+        """Fill the static buffers for n real rows; returns (ids, pos, meta) of the padded batch."""
+        n = len(ids)
+        b = next(s for s in self.sizes if s >= n)
+        pad = b - n
+        host = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [self.scratch_slot] * pad,
+                             [p + 1 for p in pos] + [1] * pad], dtype=torch.long)
+        # Table entries past a row's context are never read, so only the used width is refreshed.
+        w = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (w - len(t)) for t in tables] + [[0] * w] * pad, dtype=torch.long)
+        self.ids[:b].copy_(host[0], non_blocking=True)
+        self.pos[:b].copy_(host[1], non_blocking=True)
+        self.slots[:b].copy_(host[2], non_blocking=True)
+        self.ctx[:b].copy_(host[3], non_blocking=True)
+        self.tables[:b, :w].copy_(table, non_blocking=True)
         return self.ids[:b], self.pos[:b], self._meta(b)
 
     def replay(self, meta: AttentionMetadata, x: torch.Tensor) -> torch.Tensor:

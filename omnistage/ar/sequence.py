@@ -37,9 +37,7 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.num_computed_tokens = 0            # tokens with KV in the cache
         self.num_cached_tokens = 0              # prompt tokens served by the prefix cache at admission
-        # physical block ids, in order; only ever appended to, or replaced by a new list when the blocks
-        # are released (the runner's per-sequence tables update by diffs and rely on that)
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []        # physical block ids, in order
         self.block_hashes: list[int] = []       # content hash of each full block, in order
         self.finish_reason: Optional[str] = None
         self.stop_reason: Any = None

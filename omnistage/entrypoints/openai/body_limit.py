@@ -5,8 +5,9 @@ body over `max_body_bytes` (`omnistage serve --max-body-bytes`, `build_app(max_b
 the request passed on unchanged. A declared `Content-Length` over the cap is answered at once,
 without reading a byte of the body; a body without one (chunked) is counted as it streams in, and
 the read that crosses the cap raises `BodyTooLarge`, which FastAPI and the serving code let through
-to the 413 handler. Either way the 413 says `Connection: close`: the rest of the body is never read,
-so the connection cannot carry another request.
+to the 413 handler. Either way the 413 says `Connection: close`, and the rest of the body is then
+read and dropped (never kept; at most `DRAIN_BYTES` or `DRAIN_SECONDS`), as web servers linger before
+closing: a client still sending when the connection closed would get a reset instead of the 413.
 """
 
 from __future__ import annotations
@@ -17,6 +18,29 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from omnistage.entrypoints.openai.errors import OpenAIError
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024       # a 20 MB upload fits, base64 included; a 50 MB prompt does not
+DRAIN_BYTES = 1 << 30                           # after a 413: unread body dropped at most, before the close
+DRAIN_SECONDS = 10.0                            # ... and for at most this long
+
+
+async def drain_body(receive) -> None:
+    """Reads and drops what is left of a refused request's body (bounded; see the module docstring)."""
+    import asyncio
+    import time
+
+    dropped, deadline = 0, time.monotonic() + DRAIN_SECONDS
+    while dropped < DRAIN_BYTES:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            message = await asyncio.wait_for(receive(), left)
+        except (asyncio.TimeoutError, OSError):
+            return
+        if message["type"] != "http.request":
+            return                              # the client went away
+        dropped += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 class BodyTooLarge(StarletteHTTPException):
@@ -65,9 +89,13 @@ class BodySizeLimitMiddleware:
             if started:
                 raise
             await self._refuse(scope, receive, send, str(e.detail))
+            return
+        if received > self.limit:               # the 413 went out: drop the rest before the close
+            await drain_body(receive)
 
     @staticmethod
     async def _refuse(scope, receive, send, message: str) -> None:
         response = OpenAIError(413, message).response()
         response.headers["connection"] = "close"
         await response(scope, receive, send)
+        await drain_body(receive)

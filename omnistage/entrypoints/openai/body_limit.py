@@ -95,7 +95,13 @@ class BodySizeLimitMiddleware:
 
     @staticmethod
     async def _refuse(scope, receive, send, message: str) -> None:
-        response = OpenAIError(413, message).response()
-        response.headers["connection"] = "close"
-        await response(scope, receive, send)
-        await drain_body(receive)
+        await refuse_and_close(OpenAIError(413, message), scope, receive, send)
+
+
+async def refuse_and_close(error: OpenAIError, scope, receive, send) -> None:
+    """Answers `error` with `Connection: close` before the route runs, then drops the unread body
+    (`drain_body`), so the client reads the answer instead of a reset."""
+    response = error.response()
+    response.headers["connection"] = "close"
+    await response(scope, receive, send)
+    await drain_body(receive)

@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 import uvicorn
 
+from omnistage.entrypoints.openai.body_limit import refuse_and_close
 from omnistage.entrypoints.openai.errors import OpenAIError
 
 logger = logging.getLogger(__name__)
@@ -56,10 +57,9 @@ class DrainMiddleware:
             await self.app(scope, receive, send)
             return
         if self.state.draining:
-            response = OpenAIError(503, "the server is shutting down and takes no new requests; retry on "
-                                        "another replica or once it is back", code="shutting_down").response()
-            response.headers["Connection"] = "close"
-            await response(scope, receive, send)
+            await refuse_and_close(OpenAIError(503, "the server is shutting down and takes no new requests; retry "
+                                                   "on another replica or once it is back", code="shutting_down"),
+                                   scope, receive, send)
             return
         self.state.in_flight += 1
         try:

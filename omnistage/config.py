@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 # torch is imported only where a device or dtype is resolved, so that control-plane processes
 # (stage clients, the API server's argument parsing) start without paying for it.
 _DTYPES = ("float32", "bfloat16", "float16")
-_STAGE_KINDS = ("ar", "diffusion", "codec")     # as spec.STAGE_KINDS (spec.py sits above this module)
+STAGE_KINDS = ("ar", "diffusion", "codec")      # what a stage is (spec.StageSpec.kind; its rules resolve here)
 CUDA_CONTEXT_BYTES = 2**29                      # CUDA context + torch kernels of one process on one GPU (estimate)
 
 
@@ -85,8 +85,8 @@ class EngineConfig:
         `kind` (the pipeline-wide config, before its stages are known) only the device is resolved.
         `checkpoint_dtype`: the dtype name an AR checkpoint stores its weights in (`checkpoint_dtype`
         below); the other kinds ignore it. Resolving a resolved config gives an equal one."""
-        if kind is not None and kind not in _STAGE_KINDS:
-            raise ValueError(f"kind must be one of {', '.join(_STAGE_KINDS)}; got {kind!r}")
+        if kind is not None and kind not in STAGE_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(STAGE_KINDS)}; got {kind!r}")
         device, dtype = concrete_device(self.device), self.dtype
         if kind is not None and dtype == "auto":
             dtype = _auto_dtype(kind, device, checkpoint_dtype)
@@ -97,9 +97,6 @@ class EngineConfig:
         import torch
 
         return torch.device(concrete_device(self.device))
-
-    # the name the codec engines' `from_stage_spec` use
-    resolve_device = torch_device
 
     def torch_dtype(self) -> "torch.dtype":
         """`dtype` as a torch.dtype; the config must be resolved for its stage (`resolved(kind, ...)`)."""

@@ -16,9 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from omnistage.config import EngineConfig
+from omnistage.config import STAGE_KINDS, EngineConfig
 
-STAGE_KINDS = ("ar", "diffusion", "codec")
 MODALITIES = ("text", "audio", "image", "video")
 # Keys of `StageSpec.memory`, the hints only the GPU memory planner reads (pipeline/memory.py):
 #   weights_prefix: str or list of tensor-name prefixes the stage loads (absent: every tensor)

@@ -81,7 +81,7 @@ class PiperTTS:
     def from_stage_spec(cls, spec) -> CodecEngine:
         """The TTS stage's engine; options are `voices`, `default_voice`, `max_batch_sentences`,
         `max_phonemes_per_step`."""
-        return CodecEngine(cls(device=spec.engine.resolve_device(), **spec.options))
+        return CodecEngine(cls(device=spec.engine.torch_device(), **spec.options))
 
     # ---- voices ---------------------------------------------------------------------------------
     def voices(self) -> list[dict[str, Any]]:

@@ -229,7 +229,7 @@ class Code2Wav:
         default true; see the module docstring)."""
         options = {"cuda_graphs": spec.engine.cuda_graphs, **spec.options}
         tf32 = bool(options.pop("tf32", True))
-        device = spec.engine.resolve_device()
+        device = spec.engine.torch_device()
         if device.type == "cuda":
             if spec.runner == "process":        # before the graphs are captured: they keep the setting
                 torch.backends.cuda.matmul.allow_tf32 = tf32

@@ -72,7 +72,7 @@ def omni_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
     # On a GPU every stage runs in its own process (the default of the issue): the thinker, talker and
     # code2wav steps overlap instead of taking turns in one Python thread; the hidden states they
     # pass cross as tensors (`pipeline.wire`).
-    runner = "process" if engine.resolve_device().type == "cuda" else "inline"
+    runner = "process" if engine.torch_device().type == "cuda" else "inline"
     # Requests that feed the talker report hidden states and so skip the prefix cache (see
     # `ar/conditioning.Conditioning.cacheable`); text-only requests keep it.
     thinker = StageSpec("thinker", "ar", model_dir, engine, final_output="text", runner=runner,

@@ -1,8 +1,9 @@
 """Every Triton kernel of `omnistage.layers` against its PyTorch reference (any process, CPU or CUDA).
 
 `kernel_errors(device)` -> {check name: [max abs error, largest |reference| value]}, on random inputs: the fused
-elementwise kernels (`triton_fused`) and the varlen prefill attention (`triton_prefill`, three
-chunks with and without cached context after two decode rows, GQA). benchmarks/check_cuda.py runs
+elementwise kernels (`triton_fused`), the varlen prefill attention (`triton_prefill`, three
+chunks with and without cached context after two decode rows, GQA) and the paged decode attention
+(`triton_attention`, a batch and a lone row). benchmarks/check_cuda.py runs
 it on CUDA; tests/layers runs it on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`
 set before triton is imported: `python -m omnistage.layers.kernel_check`), which cannot do
 bfloat16 dots, so there the attention check takes float16.
@@ -16,7 +17,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from omnistage.layers import fused, triton_fused, triton_prefill
+from omnistage.layers import fused, triton_attention, triton_fused, triton_prefill
 from omnistage.layers.attention import AttentionMetadata, PrefillChunk, attend
 
 
@@ -62,6 +63,9 @@ def kernel_errors(device: str, dtypes=(torch.float32, torch.bfloat16), attn_dtyp
         for h, kvh, d, bs in heads:
             key = f"prefill attention {str(dtype).split('.')[-1]} H{h}/{kvh} D{d} bs{bs}"
             errs[key] = _prefill_error(h, kvh, d, bs, dtype, device, rnd, g)
+            if bs >= 16:                                  # the decode kernel's tensor-core dots need it
+                key = f"decode attention {str(dtype).split('.')[-1]} H{h}/{kvh} D{d} bs{bs}"
+                errs[key] = _decode_error(h, kvh, d, bs, dtype, device, rnd, g)
     return errs
 
 
@@ -86,6 +90,30 @@ def _rotary_errors(h, kvh, d, bs, dtype, device, rnd, g) -> dict[str, list[float
         key = f"rotary_and_cache{'+qk_norm' if norm else ''} {tag} H{h}/{kvh} D{d}"
         errs[key] = _worst(_err(got[0], qr), _err(got[1], kr), _err(caches[0], caches[1]))
     return errs
+
+
+def _decode_error(h, kvh, d, bs, dtype, device, rnd, g) -> list[float]:
+    """Paged decode attention of a 5-row batch and of one row alone (the split counts differ: a lone
+    row spreads its context over more programs, leaving some splits empty) vs the SDPA path."""
+    nb = 40
+    cache = rnd(2, nb, bs, kvh, d, dtype=dtype)
+    ctx = torch.tensor([1, 7, bs, 2 * bs + 1, 13 * bs - 3], device=device)
+    tables = torch.stack([torch.randperm(nb, generator=g)[:13] for _ in range(5)]).to(device)
+    q = rnd(5, h, d, dtype=dtype)
+    worst = []
+    for rows in (slice(0, 5), slice(4, 5)):
+        meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long, device=device),
+                                 num_decodes=q[rows].shape[0], decode_block_tables=tables[rows],
+                                 decode_ctx_lens=ctx[rows])
+        saved, fused.ENABLED = fused.ENABLED, False
+        saved_triton, triton_attention.triton = triton_attention.triton, None
+        try:
+            ref = attend(q[rows], q[rows], q[rows], cache, meta, d ** -0.5)
+        finally:
+            fused.ENABLED, triton_attention.triton = saved, saved_triton
+        got = triton_attention.paged_decode_attention(q[rows], cache, tables[rows], ctx[rows], d ** -0.5)
+        worst.append(_err(got, ref))
+    return _worst(*worst)
 
 
 def _prefill_error(h, kvh, d, bs, dtype, device, rnd, g) -> list[float]:

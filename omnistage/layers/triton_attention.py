@@ -1,10 +1,13 @@
 """Triton paged-decode attention for CUDA (one new token per sequence, GQA-aware, split context).
 
-Grid: (sequence, KV head, context partition). Each program walks its partition of the sequence's
+Grid: (sequence, KV head, split). A sequence's context is cut into NSPLIT equal runs of KV blocks
+(the run length follows the real context, read on the device); each program walks its run of the
 block table with an online softmax, serving all query heads of its KV head with tensor-core dots
-(the head group is padded to 16 rows), and writes a partial (max, sum, weighted values) triple;
-a small combine step merges the partitions. Partitions past a sequence's context exit at once,
-so the grid is static (CUDA graphs) while the work follows the real context length.
+(the head group is padded to 16 rows), and writes a partial (max, sum, weighted values) triple; a
+small combine step merges the runs that exist. NSPLIT depends only on the batch size (enough
+programs to fill the GPU: a batch-1 decode spreads its context over up to 64 programs, a 256-row
+batch uses 1-2 per sequence), so the grid is static under CUDA graphs while the work per program
+follows the context.
 Must give the same result as the SDPA reference path in attention.py.
 """
 
@@ -18,15 +21,16 @@ try:
 except ImportError:                                  # CPU-only installs
     triton = None
 
-PARTITION_BLOCKS = 16                                # KV blocks per program (256 tokens at block size 16)
+MAX_SPLITS = 64                                      # context splits per (sequence, KV head) at most
+PROGRAMS_PER_SM = 4                                  # programs the split count aims for, per multiprocessor
+_SM_COUNT: dict = {}
 
 
 if triton is not None:
     @triton.jit(do_not_specialize=["stride_bt"])      # the table width changes from step to step
     def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, scale, stride_bt,
                              H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                             D: tl.constexpr, BS: tl.constexpr, PART: tl.constexpr, NSPLIT: tl.constexpr,
-                             IEEE: tl.constexpr):
+                             D: tl.constexpr, BS: tl.constexpr, NSPLIT: tl.constexpr, IEEE: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -35,8 +39,10 @@ if triton is not None:
         t = tl.arange(0, BS)
         gmask = g < G
         ctx = tl.load(ctx_ptr + b)
-        first = sp * PART
-        last = tl.minimum(first + PART, tl.cdiv(ctx, BS))
+        nblocks = tl.cdiv(ctx, BS)
+        run = tl.cdiv(nblocks, NSPLIT)                   # blocks per split; splits past the context are empty
+        first = sp * run
+        last = tl.minimum(first + run, nblocks)
         part_off = ((b * KVH + kh) * NSPLIT + sp) * G_PAD + g
         q = tl.load(q_ptr + b * H * D + (kh * G + g)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
         m = tl.full([G_PAD], float("-inf"), tl.float32)
@@ -67,19 +73,22 @@ if triton is not None:
         tl.store(acc_ptr + part_off[:, None] * D + d[None, :], acc)
 
     @triton.jit
-    def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
-                        G_PAD: tl.constexpr, D: tl.constexpr, NSPLIT: tl.constexpr):
+    def _combine_kernel(m_ptr, l_ptr, acc_ptr, ctx_ptr, out_ptr, H: tl.constexpr, KVH: tl.constexpr,
+                        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                        NSPLIT: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
         base = (b * KVH + kh) * NSPLIT
+        nblocks = tl.cdiv(tl.load(ctx_ptr + b), BS)
+        used = tl.cdiv(nblocks, tl.cdiv(nblocks, NSPLIT))   # splits that got blocks
         mx = tl.full([G_PAD], float("-inf"), tl.float32)
-        for sp in range(NSPLIT):
+        for sp in range(used):
             mx = tl.maximum(mx, tl.load(m_ptr + (base + sp) * G_PAD + g))
         total = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
-        for sp in range(NSPLIT):                     # empty partitions have m = -inf: weight 0
+        for sp in range(used):
             off = (base + sp) * G_PAD + g
             w = tl.exp(tl.load(m_ptr + off) - mx)
             total += w * tl.load(l_ptr + off)
@@ -96,6 +105,16 @@ def available(q: torch.Tensor, cache: torch.Tensor) -> bool:
             and bs & (bs - 1) == 0)
 
 
+def num_splits(batch: int, kv_heads: int, width: int, device: torch.device) -> int:
+    """Context splits per (sequence, KV head): a power of two giving about PROGRAMS_PER_SM programs
+    per multiprocessor, at most MAX_SPLITS and at most the block-table width."""
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = (torch.cuda.get_device_properties(device).multi_processor_count
+                             if device.type == "cuda" else 8)
+    want = -(-PROGRAMS_PER_SM * _SM_COUNT[device] // (batch * kv_heads))
+    return max(1, min(MAX_SPLITS, triton.next_power_of_2(want), triton.next_power_of_2(width)))
+
+
 def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                            ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, H, D]; cache [2, blocks, BS, KVH, D]; block_tables [B, W]; ctx_lens [B] -> [B, H, D]."""
@@ -103,14 +122,14 @@ def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: t
     kvh, bs = cache.shape[3], cache.shape[2]
     g = h // kvh
     g_pad = max(16, triton.next_power_of_2(g))
-    nsplit = -(-block_tables.shape[1] // PARTITION_BLOCKS)
+    nsplit = num_splits(bsz, kvh, block_tables.shape[1], q.device)
     m = torch.empty(bsz, kvh, nsplit, g_pad, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(bsz, kvh, nsplit, g_pad, d, dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(bsz, kvh, nsplit)](
         q.contiguous(), cache[0], cache[1], block_tables, ctx_lens, m, l, acc, scale, block_tables.stride(0),
-        H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs, PART=PARTITION_BLOCKS, NSPLIT=nsplit,
-        IEEE=q.dtype == torch.float32, num_warps=4)
+        H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs, NSPLIT=nsplit, IEEE=q.dtype == torch.float32, num_warps=4)
     out = torch.empty_like(q)
-    _combine_kernel[(bsz, kvh)](m, l, acc, out, H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, NSPLIT=nsplit, num_warps=4)
+    _combine_kernel[(bsz, kvh)](m, l, acc, ctx_lens, out, H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs, NSPLIT=nsplit,
+                                num_warps=4)
     return out

@@ -238,6 +238,8 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/arbench")
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip-hf-256", action="store_true")
+    ap.add_argument("--only-ours", action="store_true",
+                    help="only the fused engine's rows (for an A/B of two trees in one device call)")
     args = ap.parse_args()
     os.makedirs(args.work, exist_ok=True)
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -248,6 +250,9 @@ def main() -> None:
     res["floor"] = floors(res["copy_bw_GBs"] * 1e9, res["matmul_TFLOPs"] * 1e12, QWEN25_15B)
     res["launch_us"] = launch_us()
     res["ours"] = bench_ours(path, fused_on=True)
+    if args.only_ours:
+        print(json.dumps(res, indent=1))
+        return
     res["ours_unfused"] = bench_ours(path, fused_on=False)
     res["ours_eager"] = bench_ours(path, fused_on=True, cuda_graphs=False, batches=(1,))
     res["hf"] = bench_hf(path, (1, 64) if args.skip_hf_256 else (1, 64, 256))

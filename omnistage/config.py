@@ -42,6 +42,7 @@ class EngineConfig:
     seed: int = 0                               # seed of the generator used by unseeded requests
     cpu_threads: Optional[int] = None           # torch intra-op threads on CPU; None = cores - 1 (>= 1)
     cuda_graphs: bool = True                    # capture decode steps on CUDA
+    async_scheduling: bool = True               # AR: queue step N+1 before reading step N's ids (ar/engine.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):

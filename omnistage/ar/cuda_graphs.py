@@ -65,10 +65,11 @@ class CudaGraphs:
         b = next(s for s in self.sizes if s >= n)
         pad = b - n
         host = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [self.scratch_slot] * pad,
-                             [p + 1 for p in pos] + [1] * pad], dtype=torch.long)
+                             [p + 1 for p in pos] + [1] * pad], dtype=torch.long, pin_memory=True)
         # Table entries past a row's context are never read, so only the used width is refreshed.
         w = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (w - len(t)) for t in tables] + [[0] * w] * pad, dtype=torch.long)
+        table = torch.tensor([t + [0] * (w - len(t)) for t in tables] + [[0] * w] * pad, dtype=torch.long,
+                             pin_memory=True)          # pinned: the copies below do not wait for queued steps
         self.ids[:b].copy_(host[0], non_blocking=True)
         self.pos[:b].copy_(host[1], non_blocking=True)
         self.slots[:b].copy_(host[2], non_blocking=True)

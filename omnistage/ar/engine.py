@@ -22,9 +22,9 @@ import torch
 from omnistage.ar.conditioning import Conditioning
 from omnistage.ar.detokenizer import IncrementalDetokenizer
 from omnistage.ar.kv_cache import BlockManager
-from omnistage.ar.runner import ModelRunner, kv_block_bytes
-from omnistage.ar.scheduler import Scheduler
-from omnistage.ar.sequence import Sequence
+from omnistage.ar.runner import PLACEHOLDER, Launched, ModelRunner, RunnerOutput, kv_block_bytes
+from omnistage.ar.scheduler import Scheduler, SchedulerOutput
+from omnistage.ar.sequence import SeqStatus, Sequence
 from omnistage.config import CUDA_CONTEXT_BYTES, EngineConfig, checkpoint_dtype
 from omnistage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from omnistage.params import ParamError, SamplingParams
@@ -75,6 +75,9 @@ class AREngine:
                                    max(config.max_num_batched_tokens, 1))
         self.requests: dict[str, _Request] = {}
         self._steps, self._step_seconds = 0, 0.0   # model steps run, and their time (schedule excluded)
+        # The step queued on the device whose ids the host has not read yet (async scheduling):
+        # (its schedule, its launch, seq_id -> where its placeholder token sits in token_ids)
+        self._pending: Optional[tuple[SchedulerOutput, Launched, dict[str, int]]] = None
         logger.info("AR engine: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
                     type(self.model).__name__, self.device, self.dtype, num_blocks, config.block_size,
                     self.max_model_len)
@@ -220,18 +223,52 @@ class AREngine:
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[StageOutput]:
+        """Schedule and run one step; returns the outputs of the requests it changed. With async
+        scheduling a step whose sequences allow it (`_overlappable`) is queued on the device and
+        the step before it is read while it runs, so its outputs come with the next call."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            return self._collect_pending()
         now = time.time()
         for s in sched.scheduled:
             m = self.requests[s.seq.request_id].metrics
             m.first_scheduled_time = m.first_scheduled_time or now
         started = time.perf_counter()
-        result = self.runner.execute(sched, self.eos_ids)
+        if self.config.async_scheduling and all(_overlappable(s.seq) for s in sched.scheduled):
+            launched = self.runner.launch(sched, self.eos_ids, self._pending[1] if self._pending else None)
+            outputs = self._collect_pending()       # step N-1's ids, read while step N runs
+            self.scheduler.update(sched, {q.seq_id: PLACEHOLDER for q in launched.seqs})
+            where = {q.seq_id: len(q.token_ids) - 1 for q in launched.seqs if q.status == SeqStatus.RUNNING}
+            self._pending = (sched, launched, where)
+        else:
+            outputs = self._collect_pending()
+            live = [s for s in sched.scheduled if not s.seq.is_finished]   # finished by the step just read
+            sched = dataclasses.replace(sched, scheduled=live)
+            if not live:
+                return outputs
+            result = self.runner.execute(sched, self.eos_ids)
+            self.scheduler.update(sched, result.sampled)
+            outputs += self._step_outputs(sched, result)
         self._steps += 1
         self._step_seconds += time.perf_counter() - started
-        self.scheduler.update(sched, result.sampled)
+        return outputs
+
+    def _collect_pending(self) -> list[StageOutput]:
+        """Read the queued step's ids into its sequences' placeholders and build its outputs."""
+        if self._pending is None:
+            return []
+        sched, launched, where = self._pending
+        self._pending = None
+        result = self.runner.collect(launched)
+        # A sequence finished or aborted before its placeholder was appended has none: its id is dropped.
+        sampled = {seq_id: result.sampled[seq_id] for seq_id in where}
+        by_id = {q.seq_id: q for q in launched.seqs}
+        for seq_id, pos in where.items():
+            by_id[seq_id].token_ids[pos] = sampled[seq_id]
+        return self._step_outputs(sched, RunnerOutput(sampled, {}, result.hidden))
+
+    def _step_outputs(self, sched: SchedulerOutput, result: RunnerOutput) -> list[StageOutput]:
+        """Stop checks and outputs for a step whose sampled ids are in `result` (and in the sequences)."""
         now = time.time()
         # Requests that report hidden states emit an output every step they compute, sampled or not.
         changed: dict[str, _Request] = {s.seq.request_id: self.requests[s.seq.request_id]
@@ -240,8 +277,8 @@ class AREngine:
         failed: dict[str, Exception] = {}       # request id -> what its host work raised
         for seq_id, token in result.sampled.items():
             seq = by_id[seq_id]
-            req = self.requests[seq.request_id]
-            if req.request_id in failed:
+            req = self.requests.get(seq.request_id)
+            if req is None or req.request_id in failed:     # aborted while its step was queued
                 continue
             req.metrics.first_token_time = req.metrics.first_token_time or now
             try:
@@ -320,3 +357,10 @@ class AREngine:
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
                              outputs=outs, finished=finished, metrics=req.metrics,
                              num_cached_tokens=req.seqs[0].num_cached_tokens)
+
+
+def _overlappable(seq: Sequence) -> bool:
+    """A sequence whose next step may be queued before its last sampled id is on the host: its
+    inputs are token ids only and its sampling reads no earlier ids or host-side results."""
+    p = seq.params
+    return seq.cond is None and p.logprobs is None and not p.needs_penalties

@@ -5,12 +5,18 @@ positions, meta)` and `compute_logits(hidden)`. It owns the KV-cache tensors, bu
 flattened inputs (decodes first, then prefill chunks), runs one forward over all of them,
 computes logits only for rows that sample, and moves the sampled ids (plus logprobs when asked
 for) to the host in one transfer.
+
+A step is `launch`ed (queued on the device, nothing waits) and later `collect`ed (waits for its ids
+only), so the engine can queue step N+1 before it reads step N's ids (async scheduling). Step N+1's
+rows for tokens step N sampled hold `PLACEHOLDER` in `Sequence.token_ids`; the runner takes their ids
+from step N's device tensor. Every host-to-device copy goes through pinned memory without a wait, so
+queueing a step never waits for the one before it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -21,12 +27,32 @@ from omnistage.layers.attention import AttentionMetadata, PrefillChunk
 from omnistage.stage import HiddenStates
 
 
+PLACEHOLDER = -1                                # a token id that a queued step sampled and the host has not read yet
+
+
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int]                     # seq_id -> new token id, for rows that sampled
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]]  # seq_id -> (chosen, [(id, logprob)])
     # seq_id -> the rows computed this step, for sequences that asked for them (device tensors)
     hidden: dict[str, HiddenStates] = field(default_factory=dict)
+
+
+@dataclass
+class Launched:
+    """A step queued on the device; `ModelRunner.collect` waits for it and reads its sampled ids."""
+    seqs: list[Sequence]                        # the sequences that sampled, in row order
+    tokens: Optional[torch.Tensor] = None       # [S] long on the device: the sampled ids
+    host: Optional[torch.Tensor] = None         # [S] long, pinned: their copy, valid once `event` is done
+    event: Any = None                           # CUDA event recorded after the copy (None on CPU)
+    result: Optional[RunnerOutput] = None       # already on the host (steps with logprobs or no sampling)
+    hidden: dict[str, HiddenStates] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.rows = {q.seq_id: i for i, q in enumerate(self.seqs)}   # seq_id -> its row in `tokens`
+
+    def row_of(self, seq_id: str) -> int:
+        return self.rows[seq_id]
 
 
 def kv_block_bytes(model, block_size: int, dtype: torch.dtype) -> int:
@@ -63,22 +89,30 @@ class ModelRunner:
             self.kv_caches.append(cache)
 
     def _to_device(self, data, dtype=torch.long) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+        return to_device(data, self.device, dtype)
 
-    def prepare(self, sched: SchedulerOutput) -> tuple[list[ScheduledSeq], torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(self, sched: SchedulerOutput, prev: Optional[Launched] = None
+                ) -> tuple[list[ScheduledSeq], torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's inputs on the device. `prev`: the queued step whose ids fill this step's placeholders."""
         decodes = [s for s in sched.scheduled if s.num_new_tokens == 1 and s.start > 0]
         prefills = [s for s in sched.scheduled if not (s.num_new_tokens == 1 and s.start > 0)]
         order = decodes + prefills
         bs = self.block_size
-        ids, slots = [], []
+        ids, slots, fill = [], [], []           # fill: (row, row of prev's ids) for placeholder tokens
         for s in order:
             seq = s.seq
             for p in range(s.start, s.start + s.num_new_tokens):
-                ids.append(seq.token_ids[p])
+                t = seq.token_ids[p]
+                if t == PLACEHOLDER:
+                    fill.append((len(ids), prev.row_of(seq.seq_id)))
+                    t = 0
+                ids.append(t)
                 slots.append(seq.block_table[p // bs] * bs + p % bs)
         pos, mrope_rows = _positions(order)
         if not prefills and self.graphs is not None and self.graphs.fits(len(decodes)):
-            return order, *self.graphs.load(ids, pos, slots, [s.seq.block_table for s in decodes])
+            ids_dev, pos_dev, meta = self.graphs.load(ids, pos, slots, [s.seq.block_table for s in decodes])
+            self._fill(ids_dev, fill, prev)
+            return order, ids_dev, pos_dev, meta
         meta = AttentionMetadata(slot_mapping=self._to_device(slots), num_decodes=len(decodes))
         if decodes:
             width = max(len(s.seq.block_table) for s in decodes)
@@ -91,7 +125,19 @@ class ModelRunner:
             table = s.seq.block_table[: -(-ctx // bs)]
             meta.prefills.append(PrefillChunk(row, s.num_new_tokens, ctx, self._to_device(table)))
             row += s.num_new_tokens
-        return order, self._to_device(ids), self._to_device(mrope_rows if mrope_rows else pos), meta
+        ids_dev = self._to_device(ids)
+        self._fill(ids_dev, fill, prev)
+        return order, ids_dev, self._to_device(mrope_rows if mrope_rows else pos), meta
+
+    def _fill(self, ids: torch.Tensor, fill: list[tuple[int, int]], prev: Optional[Launched]) -> None:
+        """Placeholder rows take the ids the queued step sampled, device to device."""
+        if not fill:
+            return
+        dst, src = zip(*fill)
+        if list(dst) == list(src) == list(range(len(fill))):          # the same batch as before, in order
+            ids[:len(fill)].copy_(prev.tokens[:len(fill)])
+        else:
+            ids[self._to_device(dst)] = prev.tokens[self._to_device(src)]
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
                 x: Optional[torch.Tensor]) -> torch.Tensor:
@@ -111,9 +157,15 @@ class ModelRunner:
     def release(self, seq_id: str) -> None:
         self.seq_generators.pop(seq_id, None)
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, eos_ids: frozenset[int]) -> RunnerOutput:
-        order, ids, pos, meta = self.prepare(sched)
+        """One step, waited for."""
+        return self.collect(self.launch(sched, eos_ids))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, eos_ids: frozenset[int], prev: Optional[Launched] = None) -> Launched:
+        """Queue one step on the device. `prev`: the step before, still queued, whose sampled ids
+        this step's placeholder tokens are."""
+        order, ids, pos, meta = self.prepare(sched, prev)
         x = None
         if meta.graph_batch or any(s.seq.cond is not None and s.seq.cond.needs_embeds for s in order):
             x = self.model.embed_tokens(ids)
@@ -135,8 +187,9 @@ class ModelRunner:
                 rows.append(row - 1)
                 sampling.append(s.seq)
         if not sampling:
-            return RunnerOutput({}, {}, reports)
-        logits = self.model.compute_logits(hidden[self._to_device(rows)])
+            return Launched([], result=RunnerOutput({}, {}), hidden=reports)
+        picked = hidden[:len(rows)] if rows == list(range(len(rows))) else hidden[self._to_device(rows)]
+        logits = self.model.compute_logits(picked)
         batch = SamplingBatch(
             params=[q.params for q in sampling],
             generators=[self._generator_for(q) for q in sampling],
@@ -145,9 +198,26 @@ class ModelRunner:
             banned=[_banned(q, eos_ids) for q in sampling])
         num_logprobs = max((q.params.logprobs for q in sampling if q.params.logprobs is not None), default=-1)
         out = sample(logits, batch, self.generator, num_logprobs)
-        res = self._to_host(sampling, out, num_logprobs)
-        res.hidden = reports
-        return res
+        done = Launched(sampling, tokens=out.token_ids, hidden=reports)
+        if num_logprobs >= 0:
+            done.result = self._to_host(sampling, out, num_logprobs)
+        elif out.token_ids.is_cuda:
+            done.host = torch.empty(out.token_ids.shape, dtype=out.token_ids.dtype, pin_memory=True)
+            done.host.copy_(out.token_ids, non_blocking=True)
+            done.event = torch.cuda.Event()
+            done.event.record()
+        else:
+            done.host = out.token_ids
+        return done
+
+    def collect(self, step: Launched) -> RunnerOutput:
+        """Wait for a launched step's ids (only its own work, not steps queued after it)."""
+        if step.result is None:
+            if step.event is not None:
+                step.event.synchronize()
+            step.result = RunnerOutput(dict(zip((q.seq_id for q in step.seqs), step.host.tolist())), {})
+        step.result.hidden = step.hidden
+        return step.result
 
     def _to_host(self, seqs: list[Sequence], out: SamplerOutput, num_logprobs: int) -> RunnerOutput:
         if num_logprobs < 0:
@@ -164,6 +234,12 @@ class ModelRunner:
                 top = [(int(host[i, 2 + j]), float(host[i, 2 + num_logprobs + j])) for j in range(k)]
                 res.logprobs[q.seq_id] = (float(host[i, 1]), top)
         return res
+
+
+def to_device(data, device: torch.device, dtype=torch.long) -> torch.Tensor:
+    """A host list as a device tensor, copied from pinned memory so the host does not wait for the
+    device's queued work (a copy from pageable memory would)."""
+    return torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
 def _positions(order: list[ScheduledSeq]) -> tuple[list[int], Optional[list[list[int]]]]:

@@ -7,7 +7,9 @@ moves the result to the host once per step.
 
 Random choice uses the exponential race (argmax of p / E with E ~ Exp(1)), which samples from p
 exactly. A seeded sequence draws its E from its own generator, so its tokens do not depend on
-what else is in the batch.
+what else is in the batch. Per-row parameters go to the device from pinned memory and every branch
+is decided on the host, so sampling never waits for the device (the engine may have queued the
+next step already).
 """
 
 from __future__ import annotations
@@ -41,25 +43,29 @@ class SamplerOutput:
     top_logprobs: Optional[torch.Tensor] = None  # [S, K] float32
 
 
+def _on(values: list, device: torch.device, dtype=None) -> torch.Tensor:
+    """Per-row values as a device tensor, copied from pinned memory without waiting."""
+    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+
+
 def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     s, v = logits.shape
     dev = logits.device
-    rep = torch.tensor([p.repetition_penalty for p in b.params], device=dev)
-    if (rep != 1).any():
+    if any(p.repetition_penalty != 1 for p in b.params):
+        rep = _on([p.repetition_penalty for p in b.params], dev)
         seen = torch.zeros(s, v, dtype=torch.bool, device=dev)
         for i, p in enumerate(b.params):
             if p.repetition_penalty != 1:
-                ids = torch.tensor(b.prompt_ids[i] + b.output_ids[i], dtype=torch.long, device=dev)
-                seen[i, ids] = True
+                seen[i, _on(b.prompt_ids[i] + b.output_ids[i], dev, torch.long)] = True
         r = rep[:, None]
         logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
-    pres = torch.tensor([p.presence_penalty for p in b.params], device=dev)
-    freq = torch.tensor([p.frequency_penalty for p in b.params], device=dev)
-    if (pres != 0).any() or (freq != 0).any():
+    if any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in b.params):
+        pres = _on([p.presence_penalty for p in b.params], dev)
+        freq = _on([p.frequency_penalty for p in b.params], dev)
         counts = torch.zeros(s, v, device=dev)
         for i, out in enumerate(b.output_ids):
             if out:
-                ids = torch.tensor(out, dtype=torch.long, device=dev)
+                ids = _on(out, dev, torch.long)
                 counts[i].scatter_add_(0, ids, torch.ones_like(ids, dtype=counts.dtype))
         logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).float()
     return logits
@@ -68,7 +74,7 @@ def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 def _filter(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks (-inf for dropped tokens)."""
     dev = logits.device
-    temp = torch.tensor([1.0 if p.greedy else p.temperature for p in b.params], device=dev)
+    temp = _on([1.0 if p.greedy else p.temperature for p in b.params], dev)
     logits = logits / temp[:, None]
     top_k = [p.top_k for p in b.params]
     top_p = [p.top_p for p in b.params]
@@ -76,15 +82,15 @@ def _filter(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         v = logits.shape[-1]
         ranks = torch.arange(v, device=dev)[None, :]
-        k = torch.tensor([k if k > 0 else v for k in top_k], device=dev)
+        k = _on([k if k > 0 else v for k in top_k], dev)
         drop = ranks >= k[:, None]
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
         mass_before = probs.cumsum(-1) - probs                         # probability above each token
-        drop |= mass_before >= torch.tensor(top_p, device=dev)[:, None]
+        drop |= mass_before >= _on(top_p, dev)[:, None]
         drop[:, 0] = False                                             # always keep the best token
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    min_p = torch.tensor([p.min_p for p in b.params], device=dev)
-    if (min_p > 0).any():
+    if any(p.min_p > 0 for p in b.params):
+        min_p = _on([p.min_p for p in b.params], dev)
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
     return logits
@@ -101,8 +107,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch, default_generator: Optional[t
     if any(b.banned):
         rows = [i for i, ids in enumerate(b.banned) for _ in ids]
         cols = [t for ids in b.banned for t in ids]
-        logits = logits.index_put((torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)),
-                                  torch.tensor(float("-inf"), device=logits.device))
+        logits = logits.index_put((_on(rows, logits.device), _on(cols, logits.device)),
+                                  logits.new_full((), float("-inf")))
     if any(p.needs_penalties for p in b.params):
         logits = _apply_penalties(logits, b)
     greedy_ids = logits.argmax(-1)
@@ -112,14 +118,16 @@ def sample(logits: torch.Tensor, b: SamplingBatch, default_generator: Optional[t
         probs = _filter(logits, b).softmax(-1)
         noise = torch.empty_like(probs)
         unseeded = [i for i, g in enumerate(b.generators) if g is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-                generator=default_generator)
+        if len(unseeded) == len(b.generators):
+            noise.exponential_(generator=default_generator)
+        elif unseeded:
+            draws = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
+            noise[_on(unseeded, probs.device)] = draws.exponential_(generator=default_generator)
         for i, g in enumerate(b.generators):
             if g is not None:
                 noise[i].exponential_(generator=g)
         sampled = (probs / noise).argmax(-1)
-        greedy = torch.tensor([p.greedy for p in b.params], device=logits.device)
+        greedy = _on([p.greedy for p in b.params], logits.device)
         out.token_ids = torch.where(greedy, greedy_ids, sampled)
     if num_logprobs >= 0:
         out.chosen_logprobs = raw.gather(-1, out.token_ids[:, None])[:, 0]

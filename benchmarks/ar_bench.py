@@ -89,10 +89,12 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(100, vocab - 100, (n, length), generator=g).tolist()
 
 
-def _timed_generate(omni, n: int, in_len: int, out_len: int, seed: int) -> tuple[float, int]:
+def _timed_generate(omni, n: int, in_len: int, out_len: int, seed: int, temperature: float = 0.0
+                    ) -> tuple[float, int]:
     from omnistage import SamplingParams
 
-    sp = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=out_len, temperature=temperature, top_p=0.95 if temperature else 1.0,
+                        ignore_eos=True)
     ps = [{"prompt_token_ids": p} for p in prompts(n, in_len, 151936, seed)]
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -101,14 +103,16 @@ def _timed_generate(omni, n: int, in_len: int, out_len: int, seed: int) -> tuple
     return time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def bench_ours(path: str, fused_on: bool, cuda_graphs: bool = True, batches=(1, 64, 256)) -> dict:
+def bench_ours(path: str, fused_on: bool, cuda_graphs: bool = True, batches=(1, 64, 256),
+               async_scheduling: bool = True) -> dict:
     """Every workload in one engine (fresh prompts each time: the prefix cache never hits)."""
     from omnistage import Omni
     from omnistage.layers import fused
 
     fused.ENABLED = fused_on                 # read at capture and at every call: set before the engine
-    res: dict = {"fused": fused_on, "cuda_graphs": cuda_graphs}
-    with Omni(path, device="cuda", dtype="bfloat16", max_num_seqs=256, cuda_graphs=cuda_graphs) as omni:
+    res: dict = {"fused": fused_on, "cuda_graphs": cuda_graphs, "async_scheduling": async_scheduling}
+    with Omni(path, device="cuda", dtype="bfloat16", max_num_seqs=256, cuda_graphs=cuda_graphs,
+              async_scheduling=async_scheduling) as omni:
         for n, new in ((4, 128), (64, 2), (1, 2)):                     # warm-up: compiles, autotuning
             _timed_generate(omni, n, 128, new, 1)
         res["decode"] = []
@@ -116,6 +120,8 @@ def bench_ours(path: str, fused_on: bool, cuda_graphs: bool = True, batches=(1, 
             dt, n_out = _timed_generate(omni, b, 128, 128, 10 + i)
             res["decode"].append({"batch": b, "seconds": dt, "output_tokens": n_out, "tok_s": n_out / dt})
         if len(batches) > 1:
+            dt, n_out = _timed_generate(omni, 64, 128, 128, 40, temperature=0.8)
+            res["sampled_64_tok_s"] = n_out / dt
             runs = [_timed_generate(omni, 256, 128, 1, 20 + i)[0] for i in range(2)]
             res["prefill"] = {"tokens": 256 * 128, "seconds": runs, "tok_s": 256 * 128 / min(runs)}
             runs = [_timed_generate(omni, 1, 2048, 1, 30 + i)[0] for i in range(3)]
@@ -250,6 +256,7 @@ def main() -> None:
     res["floor"] = floors(res["copy_bw_GBs"] * 1e9, res["matmul_TFLOPs"] * 1e12, QWEN25_15B)
     res["launch_us"] = launch_us()
     res["ours"] = bench_ours(path, fused_on=True)
+    res["ours_sync"] = bench_ours(path, fused_on=True, async_scheduling=False)
     if args.only_ours:
         print(json.dumps(res, indent=1))
         return
@@ -265,24 +272,27 @@ def main() -> None:
 
 def print_table(res: dict) -> None:
     on, off, hf, fl = res["ours"], res["ours_unfused"], res["hf"], res["floor"]
+    sync = res["ours_sync"]
     hf_dec = {r["batch"]: r["tok_s"] for r in hf["decode"]}
-    print(f"\n| Qwen2.5-1.5B shape, bf16, {res['gpu']} | omnistage, fused kernels | omnistage, unfused "
-          "(before) | transformers | floor |")
-    print("|---|---|---|---|---|")
-    for a, b in zip(on["decode"], off["decode"]):
+    print(f"\n| Qwen2.5-1.5B shape, bf16, {res['gpu']} | omnistage (fused, async) | async scheduling off "
+          "| unfused (before) | transformers | floor |")
+    print("|---|---|---|---|---|---|")
+    for a, s, b in zip(on["decode"], sync["decode"], off["decode"]):
         n = a["batch"]
         ref = f"{hf_dec[n]:.0f}" if n in hf_dec else "not run"
-        print(f"| decode {n} x (128 in, 128 out), output tok/s | {a['tok_s']:.0f} | {b['tok_s']:.0f} | {ref} "
-              f"| {fl[f'decode_{n}_tok_s']:.0f} |")
-    print(f"| prefill 256 x 128 tokens, tok/s | {on['prefill']['tok_s']:.0f} | {off['prefill']['tok_s']:.0f} "
-          f"| {hf['prefill']['tok_s']:.0f} | {fl['prefill_tok_s']:.0f} |")
-    print(f"| TTFT, one 2048-token prompt, ms | {1e3 * on['ttft_2048_s']:.1f} | {1e3 * off['ttft_2048_s']:.1f} "
-          f"| {1e3 * hf['ttft_2048_s']:.1f} | {1e3 * fl['ttft_2048_s']:.1f} |")
+        print(f"| decode {n} x (128 in, 128 out), output tok/s | {a['tok_s']:.0f} | {s['tok_s']:.0f} "
+              f"| {b['tok_s']:.0f} | {ref} | {fl[f'decode_{n}_tok_s']:.0f} |")
+    print(f"| decode 64 x (128, 128) sampled (T 0.8, top-p 0.95), tok/s | {on['sampled_64_tok_s']:.0f} "
+          f"| {sync['sampled_64_tok_s']:.0f} | {off['sampled_64_tok_s']:.0f} | - | - |")
+    print(f"| prefill 256 x 128 tokens, tok/s | {on['prefill']['tok_s']:.0f} | {sync['prefill']['tok_s']:.0f} "
+          f"| {off['prefill']['tok_s']:.0f} | {hf['prefill']['tok_s']:.0f} | {fl['prefill_tok_s']:.0f} |")
+    print(f"| TTFT, one 2048-token prompt, ms | {1e3 * on['ttft_2048_s']:.1f} | {1e3 * sync['ttft_2048_s']:.1f} "
+          f"| {1e3 * off['ttft_2048_s']:.1f} | {1e3 * hf['ttft_2048_s']:.1f} | {1e3 * fl['ttft_2048_s']:.1f} |")
     print(f"| decode 1 x (128 in, 128 out), CUDA graphs off | {res['ours_eager']['decode'][0]['tok_s']:.0f} | - "
-          f"| {hf_dec[1]:.0f} | - |")
+          f"| - | {hf_dec[1]:.0f} | - |")
     for b, ms in on["graph_step_ms"].items():
         floor = fl["weight_bytes"] / (res["copy_bw_GBs"] * 1e9) * 1e3
-        print(f"| one decode step's GPU time (graph replay), batch {b}, context 192, ms | {ms:.2f} "
+        print(f"| one decode step's GPU time (graph replay), batch {b}, context 192, ms | {ms:.2f} | - "
               f"| {off['graph_step_ms'][b]:.2f} | - | {floor:.2f} (weights / bw) |")
     print("\nhost us per call: " + ", ".join(f"{k} {v:.1f}" for k, v in res["launch_us"].items()))
     print(f"\ncopy bandwidth {res['copy_bw_GBs']:.0f} GB/s, bf16 matmul {res['matmul_TFLOPs']:.0f} TFLOP/s, "

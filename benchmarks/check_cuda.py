@@ -146,6 +146,15 @@ def check_greedy() -> bool:
         same = res[0] == res[1] == res[2]
         print(f"{arch}: greedy cpu == cuda eager == cuda graphs: {same}")
         ok &= same
+        # Async scheduling on the device: seeded sampling and stop strings equal the synchronous loop.
+        sampled = [SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=i, stop=["e"] if i % 3 else None)
+                   for i in range(len(texts))]
+        runs = []
+        for async_on in (True, False):
+            with Omni(path, device="cuda", dtype="float32", async_scheduling=async_on, max_num_seqs=16) as omni:
+                runs.append([o.outputs[0].token_ids for o in omni.generate(texts, sampled, use_tqdm=False)])
+        print(f"{arch}: seeded sampling, async scheduling == synchronous (cuda graphs): {runs[0] == runs[1]}")
+        ok &= runs[0] == runs[1]
     return ok
 
 

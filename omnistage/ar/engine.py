@@ -22,9 +22,9 @@ import torch
 from omnistage.ar.conditioning import Conditioning
 from omnistage.ar.detokenizer import IncrementalDetokenizer
 from omnistage.ar.kv_cache import BlockManager
-from omnistage.ar.runner import PLACEHOLDER, Launched, ModelRunner, RunnerOutput, kv_block_bytes
+from omnistage.ar.runner import Launched, ModelRunner, RunnerOutput, kv_block_bytes
 from omnistage.ar.scheduler import Scheduler, SchedulerOutput
-from omnistage.ar.sequence import SeqStatus, Sequence
+from omnistage.ar.sequence import PLACEHOLDER, SeqStatus, Sequence
 from omnistage.config import CUDA_CONTEXT_BYTES, EngineConfig, checkpoint_dtype
 from omnistage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from omnistage.params import ParamError, SamplingParams

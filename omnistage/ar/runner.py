@@ -7,9 +7,9 @@ computes logits only for rows that sample, and moves the sampled ids (plus logpr
 for) to the host in one transfer.
 
 A step is `launch`ed (queued on the device, nothing waits) and later `collect`ed (waits for its ids
-only), so the engine can queue step N+1 before it reads step N's ids (async scheduling). Step N+1's
-rows for tokens step N sampled hold `PLACEHOLDER` in `Sequence.token_ids`; the runner takes their ids
-from step N's device tensor. Every host-to-device copy goes through pinned memory without a wait, so
+only), so the engine can queue step N+1 before it reads step N's ids (async scheduling). Step
+N+1's rows for tokens step N sampled hold `sequence.PLACEHOLDER` in `Sequence.token_ids`; the
+runner takes their ids from step N's device tensor. Every host-to-device copy goes through pinned memory without a wait, so
 queueing a step never waits for the one before it.
 """
 
@@ -22,12 +22,9 @@ import torch
 
 from omnistage.ar.sampler import SamplerOutput, SamplingBatch, sample
 from omnistage.ar.scheduler import ScheduledSeq, SchedulerOutput
-from omnistage.ar.sequence import Sequence
+from omnistage.ar.sequence import PLACEHOLDER, Sequence
 from omnistage.layers.attention import AttentionMetadata, PrefillChunk
 from omnistage.stage import HiddenStates
-
-
-PLACEHOLDER = -1                                # a token id that a queued step sampled and the host has not read yet
 
 
 @dataclass

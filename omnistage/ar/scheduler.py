@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from omnistage.ar.kv_cache import BlockManager
-from omnistage.ar.sequence import SeqStatus, Sequence
+from omnistage.ar.sequence import PLACEHOLDER, SeqStatus, Sequence
 
 
 @dataclass
@@ -142,6 +142,10 @@ class Scheduler:
 
 def _computable(seq: Sequence, budget: int) -> int:
     """Tokens of the sequence that may run now: what is left to compute, within the budget, as far
-    as its streamed inputs have arrived (`Conditioning.max_computable`)."""
+    as its streamed inputs have arrived (`Conditioning.max_computable`). None when its last token is
+    a queued step's (`PLACEHOLDER`) and that token is its last by `max_tokens` whatever its value."""
+    last = seq.params.max_tokens
+    if seq.token_ids[-1] == PLACEHOLDER and last is not None and seq.num_output_tokens >= last:
+        return 0
     n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
     return n if seq.cond is None else seq.cond.max_computable(seq.num_computed_tokens, n)

@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     from omnistage.ar.conditioning import Conditioning
 
 
+PLACEHOLDER = -1        # in `token_ids`: a token a queued step sampled that the host has not read yet
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -52,3 +52,17 @@ def test_async_scheduling_with_preemption(tiny_models):
     sync, _, _ = _run(tiny_models["llama"], False, num_kv_blocks=24)
     got, overlapped, preempted = _run(tiny_models["llama"], True, num_kv_blocks=24)
     assert overlapped > 0 and preempted > 0 and got == sync
+
+
+def test_a_last_token_by_max_tokens_gets_no_extra_step(tiny_models):
+    """A sequence whose queued token is its last by max_tokens is not scheduled again: a
+    one-token request costs one model step (its time to first token is not one step longer)."""
+    for async_on in (False, True):
+        cfg = EngineConfig(device="cpu", dtype="float32", async_scheduling=async_on)
+        engine = AREngine(tiny_models["llama"], cfg, loader=load_causal_lm)
+        engine.add_request("one", "The harbour town", SamplingParams(max_tokens=1, temperature=0))
+        engine.add_request("three", "A quiet morning", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o.output for o in engine.step() if o.finished})
+        assert engine._steps == 3 and len(done["three"].outputs[0].token_ids) == 3

@@ -139,6 +139,14 @@ def check_speech_params(params: Optional[TTSParams], caps: SpeechCapabilities, p
     if params is None:
         return
     tasks = list(caps.task_types)
+    if not caps.clones:                         # cloning first: an uploaded voice sets task_type Base itself
+        if params.ref_audio is not None and params.voice is not None and params.voice not in presets:
+            raise ParamError("voice", f"voice {params.voice[:40]!r} is an uploaded voice, and this model does not "
+                                      f"clone voices; use one of {sorted(presets)}")
+        for name in _CLONING_FIELDS:
+            if getattr(params, name) not in (None, False):
+                raise ParamError(name, f"{name} needs a model that clones voices (task_type Base); this model "
+                                       f"serves task types {tasks}")
     if params.task_type is not None and params.task_type not in tasks:
         raise ParamError("task_type", f"task_type must be one of {tasks} for this model, got {params.task_type!r}")
     if params.language is not None and params.language not in caps.languages:
@@ -149,14 +157,6 @@ def check_speech_params(params: Optional[TTSParams], caps: SpeechCapabilities, p
             raise ParamError(name, f"{name} is not supported by this model (it honours "
                                    f"{sorted(caps.fields) or 'none of ' + str(list(_GENERATION_FIELDS))})")
     task = params.task_type or tasks[0]
-    if not caps.clones:
-        if params.ref_audio is not None and params.voice is not None and params.voice not in presets:
-            raise ParamError("voice", f"voice {params.voice[:40]!r} is an uploaded voice, and this model does not "
-                                      f"clone voices; use one of {sorted(presets)}")
-        for name in _CLONING_FIELDS:
-            if getattr(params, name) not in (None, False):
-                raise ParamError(name, f"{name} needs a model that clones voices (task_type Base); this model "
-                                       f"serves task types {tasks}")
     if task == "Base":
         if params.ref_audio is None:
             raise ParamError("ref_audio", "ref_audio is required for task_type Base (the voice to clone)")

@@ -74,7 +74,7 @@ class StageClient:
         self._held: set[str] = set()            # requests the stage process holds
         self._ready: list[StageOutput] = []     # outputs received while waiting for a reply
         self._stats: dict[str, float] = {}
-        self._checked: dict[bytes, tuple] = {}  # encoded params -> check_params (error or None, result)
+        self._checked: dict[bytes, tuple] = {}  # wire.fingerprint(params) -> check_params (error or None, result)
         self._state = "ready"                   # one of STATES; see `state`
         self._down_since = 0.0                  # time.monotonic() the process was found dead
         self._attempts = 0                      # starts tried since it died
@@ -300,7 +300,7 @@ class StageClient:
         """A round trip the first time a params value is seen; its verdict and result (a diffusion
         stage's resolved params) are remembered (checks are pure functions of the params: a voice
         name, ODE settings, sizes)."""
-        key = wire.encode(params)
+        key = wire.fingerprint(params)          # e.g. a TTSParams' reference audio: no shared memory for a key
         if key in self._checked:
             verdict, result = self._checked[key]
         else:

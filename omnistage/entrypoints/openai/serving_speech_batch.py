@@ -18,11 +18,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from omnistage.entrypoints.openai.chat_media import off_loop
 from omnistage.entrypoints.openai.errors import OpenAIError, validation_error
-from omnistage.entrypoints.openai.serving_images import MediaLimits, read_body
+from omnistage.entrypoints.openai.serving_images import MediaLimits, body_schema, read_body
 from omnistage.entrypoints.openai.serving_speech import (
     SpeechRequest, ServingSpeech, final_audio, speech_usage,
 )
@@ -31,6 +31,13 @@ from omnistage.io.audio import MEDIA_TYPES, encode_audio
 MAX_BATCH_ITEMS = 32
 _STREAM_FIELDS = ("stream", "stream_format")
 _BODY_LIMITS = MediaLimits()
+
+
+class SpeechBatchRequest(SpeechRequest):
+    """The batch body's OpenAPI schema: items plus defaults (any speech field; `input` per item)."""
+
+    input: str = ""                             # a default `input` is allowed, items usually give their own
+    items: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_BATCH_ITEMS)  # one speech request each
 
 
 async def _one(speech: ServingSpeech, index: int, fields: dict[str, Any]) -> dict[str, Any]:
@@ -80,6 +87,6 @@ async def create_batch(speech: ServingSpeech, raw: Request) -> JSONResponse:
 
 
 def register_batch_route(app: FastAPI, speech: ServingSpeech) -> None:
-    @app.post("/v1/audio/speech/batch")
+    @app.post("/v1/audio/speech/batch", openapi_extra=body_schema(SpeechBatchRequest))
     async def speech_batch(raw: Request) -> JSONResponse:
         return await create_batch(speech, raw)

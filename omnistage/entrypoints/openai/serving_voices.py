@@ -16,19 +16,31 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from omnistage.codec.speech import MAX_REF_TEXT_CHARS
 from omnistage.entrypoints.openai.chat_media import off_loop
 from omnistage.entrypoints.openai.errors import OpenAIError
 from omnistage.entrypoints.openai.ref_audio import MAX_REF_AUDIO_BYTES, decode_reference
-from omnistage.entrypoints.openai.serving_images import MediaLimits, read_form
+from omnistage.entrypoints.openai.serving_images import MediaLimits, body_schema, read_form
 from omnistage.entrypoints.openai.voice_store import NAME_RE, StoredVoice
 
 _FORM_LIMITS = MediaLimits(max_upload_bytes=MAX_REF_AUDIO_BYTES, max_upload_files=1)
+
+
+class VoiceUpload(BaseModel):
+    """The text fields of `POST /v1/audio/voices` (its OpenAPI schema; `audio_sample` is the file)."""
+
+    name: str                                   # what speech requests will put in `voice`
+    consent: str                                # the speaker's consent statement or record id
+    ref_text: Optional[str] = None              # transcript of the sample
+    speaker_description: Optional[str] = None   # free text about the speaker
+
+
 _TEXT_FIELDS = {"consent": 1000, "ref_text": MAX_REF_TEXT_CHARS, "speaker_description": 1000}
 
 
@@ -82,7 +94,7 @@ def register_voice_routes(app: FastAPI, speech: Any) -> None:
             body["capabilities"] = caps
         return JSONResponse(body)
 
-    @app.post("/v1/audio/voices", status_code=201)
+    @app.post("/v1/audio/voices", status_code=201, openapi_extra=body_schema(VoiceUpload, ("audio_sample",)))
     async def upload_voice(raw: Request) -> JSONResponse:
         voice = await _upload(speech, raw)
         try:

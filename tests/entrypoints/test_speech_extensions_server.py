@@ -158,7 +158,7 @@ def _session(url: str, messages: list, headers=None) -> tuple[list, list]:
     with websockets_sync.connect(url.replace("http", "ws") + "/v1/audio/speech/stream",
                                  additional_headers=headers, open_timeout=60) as ws:
         for m in messages:
-            ws.send(json.dumps(m))
+            ws.send(m if isinstance(m, (bytes, str)) else json.dumps(m))
         for msg in ws:
             if isinstance(msg, bytes):
                 frames.append((events[-1]["sentence_index"], msg))
@@ -191,12 +191,20 @@ def test_websocket_errors_keep_the_session_and_the_api_key_guards_the_handshake(
         {"type": "session.config", "task_type": "Base"},
         {"type": "dance"},
         {"type": "input.text", "text": 5},
+        b"\x00\x01 binary",
+        "not json",
         {"type": "session.config", "voice": "joe-flat", "speed": 2.0},
         {"type": "input.text", "text": "Short one."},
         {"type": "session.close"}])
     errors = [e["error"]["param"] for e in events if e["type"] == "error"]
-    assert errors == ["voice", "response_format", "task_type", "type", "text"], events
-    assert [e["type"] for e in events[5:]] == ["audio.start", "audio.done", "session.done"] and frames
+    assert errors == ["voice", "response_format", "task_type", "type", "text", None, None], events
+    assert [e["type"] for e in events[7:]] == ["audio.start", "audio.done", "session.done"] and frames
+    assert events[7]["sentence_index"] == 0 and events[7]["format"] == "pcm"
+
+    events, frames = _session(server.url, [{"type": "session.config", "voice": "joe", "format": "wav"},
+                                           {"type": "input.text", "text": "One. Two."}, {"type": "session.close"}])
+    starts = [i for i, (sentence, _) in enumerate(frames) if i == 0 or frames[i - 1][0] != sentence]
+    assert len(starts) == 2 and all(frames[i][1][:4] == b"RIFF" for i in starts)   # a WAV stream per sentence
 
     from websockets.exceptions import InvalidStatus
 

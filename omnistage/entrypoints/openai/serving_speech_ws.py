@@ -153,13 +153,18 @@ class SpeechSession:
     async def read(self) -> None:
         """Client messages until session.close (then the None that ends `speak`)."""
         while True:
-            raw = await self.ws.receive_text()
+            frame = await self.ws.receive()
+            if frame["type"] == "websocket.disconnect":
+                raise WebSocketDisconnect(frame.get("code", 1000))
             try:
-                message = json.loads(raw)
+                if frame.get("text") is None:
+                    raise ValueError("a binary frame")
+                message = json.loads(frame["text"])
                 if not isinstance(message, dict):
                     raise ValueError("not an object")
             except ValueError:
-                await self.send_error(OpenAIError(400, "each message must be a JSON object with a `type`"))
+                await self.send_error(OpenAIError(400, "each message must be a JSON object with a `type`, sent as a "
+                                                       "text frame"))
                 continue
             kind = message.get("type")
             try:

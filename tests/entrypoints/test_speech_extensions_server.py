@@ -236,3 +236,31 @@ def test_batch_fans_out_and_one_bad_item_fails_alone(server, client):
     for bad in ({"items": []}, {"items": [{"input": "x"}] * 33}, {"voice": "joe"}):
         r = httpx.post(server.url + "/v1/audio/speech/batch", json=bad, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "items"
+
+
+def test_a_tts_stage_in_its_own_process_declares_and_enforces_the_same(tiny_models, tmp_path):
+    """`runner: process`: capabilities come over StageReady, checks (reference audio included, through
+    shared memory) over the check channel, before any work; nothing is left in /dev/shm by them."""
+    import os
+
+    from omnistage.entrypoints.async_omni import AsyncOmni
+
+    deploy = {"stages": {"tts": {"runner": "process", **DEPLOY["stages"]["tts"]}}}
+    engine = AsyncOmni(tiny_models["llama"], device="cpu", dtype="float32", deploy_config=deploy)
+    try:
+        with live_server(_app(engine, tmp_path), timeout=120) as url:
+            listed = httpx.get(url + "/v1/audio/voices").json()
+            assert listed["capabilities"] == {"task_types": ["CustomVoice"], "languages": ["Auto", "en_US"],
+                                              "clones": False, "fields": []}
+            assert _upload(url, "alice", _wav(3.0), consent="yes", ref_text="Hi.").status_code == 201
+            shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+            for body, param in (({"voice": "alice"}, "voice"), ({"voice": "joe", "ref_text": "Hi."}, "ref_text")):
+                r = httpx.post(url + "/v1/audio/speech", json={"input": "Hello there.", **body}, timeout=60)
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            if os.path.isdir("/dev/shm"):
+                assert set(os.listdir("/dev/shm")) <= shm
+            r = httpx.post(url + "/v1/audio/speech", json={"input": "Hello there.", "voice": "joe-flat",
+                                                           "response_format": "pcm"}, timeout=120)
+            assert r.status_code == 200 and len(r.content) > 22050
+    finally:
+        engine.close()

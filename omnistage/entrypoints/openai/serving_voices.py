@@ -4,7 +4,8 @@
   * `GET /v1/audio/voices` -> `{"object": "list", "data": [...]}`: the model's preset voices
     (`engine.voices()`: Piper voices, omni speakers; `"uploaded": false`) and then the uploaded ones
     (`"uploaded": true`, with sample rate, length, ref_text, speaker_description, created_at), plus
-    `"capabilities"` of the speech stage when it declares them (task types, languages, cloning).
+    `"capabilities"` of the speech stage when it declares them (task types, languages, cloning;
+    `CodecEngine.speech_capabilities`, read once from a stage process at its start).
   * `POST /v1/audio/voices` (multipart): `audio_sample` (an audio file, at most 10 MB and
     `MAX_REF_AUDIO_SECONDS` long), `name` (`[A-Za-z0-9][A-Za-z0-9_.-]{0,63}`, not a preset's),
     `consent` (required: the speaker's consent statement or record id, stored with the voice),
@@ -45,11 +46,10 @@ _TEXT_FIELDS = {"consent": 1000, "ref_text": MAX_REF_TEXT_CHARS, "speaker_descri
 
 
 def _capabilities(engine: Any) -> Any:
+    """The speech stage's declared capabilities (inline or in its own process); None without any."""
     orch = getattr(engine, "orchestrator", None)
     found = orch.stage_for("audio") if orch is not None else None
-    model = getattr(found[1], "model", None) if found is not None else None
-    caps = getattr(model, "capabilities", None)
-    return caps().describe() if callable(caps) else None
+    return getattr(found[1], "speech_capabilities", None) if found is not None else None
 
 
 async def _upload(speech: Any, raw: Request) -> StoredVoice:

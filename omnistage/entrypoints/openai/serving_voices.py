@@ -11,7 +11,8 @@
     `consent` (required: the speaker's consent statement or record id, stored with the voice),
     optional `ref_text`, `speaker_description` -> 201 with the voice's entry. Stored by `VoiceStore`
     (one file per voice in `--speaker-samples-dir`, restored at restart, `--speaker-max-uploaded`).
-    Any model lists an upload; only a model that clones voices can speak with it (others: 400).
+    Any model with a speech stage takes and lists an upload; only one that clones voices can speak
+    with it (others: 400 naming `voice`).
   * `DELETE /v1/audio/voices/{name}` -> `{"id", "object": "voice", "deleted": true}`; 404 unknown.
 """
 
@@ -53,6 +54,7 @@ def _capabilities(engine: Any) -> Any:
 
 
 async def _upload(speech: Any, raw: Request) -> StoredVoice:
+    speech.check_request(None, "speech")        # a model that speaks; whether it clones is checked at use
     fields, files = await read_form(raw, _FORM_LIMITS)
     name = fields.get("name", "")
     if not NAME_RE.match(name):

@@ -92,7 +92,7 @@ def test_extension_fields_a_piper_voice_cannot_honour_are_400s_naming_them(clien
     assert ok.status_code == 200
 
 
-def test_usage_headers_and_stream_true_gives_sse_with_usage(client):
+def test_usage_headers_and_stream_true_as_sse_or_raw_audio(client):
     raw = client.audio.speech.with_raw_response.create(model=NAME, voice="joe-flat", input=TEXT,
                                                        response_format="pcm")
     h = raw.headers
@@ -111,6 +111,11 @@ def test_usage_headers_and_stream_true_gives_sse_with_usage(client):
     assert pcm == raw.content                   # no noise: the streamed answer is the whole one
     usage = events[-1]["usage"]
     assert usage["output_tokens"] == frames and usage["input_token_details"]["audio_tokens"] == 0
+    with client.audio.speech.with_streaming_response.create(
+            model=NAME, voice="joe-flat", input=TEXT, response_format="pcm", stream_format="audio",
+            extra_body={"stream": True}) as r:
+        assert r.headers["content-type"].startswith("audio/pcm")
+        assert b"".join(r.iter_bytes()) == raw.content
 
 
 def _upload(url: str, name: str, audio: bytes, **fields):

@@ -44,6 +44,9 @@ class CodecModel(Protocol):
 
     def voices(self) -> list[dict[str, Any]]: ...          # one {"id", "name", "sample_rate", "backend", ...} per voice
 
+    # A TTS model also declares `capabilities()`, a `SpeechCapabilities` (codec/speech.py): the task
+    # types, languages and fields it honours, which its `check_params` enforces.
+
     def check_params(self, params: Any) -> None: ...       # raises ValueError naming the field and the allowed values
 
     def new_state(self, params: Any) -> Any: ...           # a new request's state, the stage's defaults filled in
@@ -80,6 +83,13 @@ class CodecEngine:
 
     def voices(self) -> list[dict[str, Any]]:
         return self.model.voices()
+
+    @property
+    def speech_capabilities(self) -> Optional[dict[str, Any]]:
+        """A TTS model's `SpeechCapabilities` (`describe()`d: plain data for any process); None for
+        models that declare none (vocoders)."""
+        caps = getattr(self.model, "capabilities", None)
+        return caps().describe() if callable(caps) else None
 
     def check_params(self, params: Any) -> None:
         """Raises ValueError for params this stage cannot serve (an unknown voice)."""

@@ -56,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="queued + running /v1/videos jobs at most; more get 429 (default: 16)")
     serve.add_argument("--drain-timeout", type=float, default=None, metavar="S",
                        help="on SIGTERM / SIGINT, wait this long for requests in flight, then cut them (default: 30)")
+    serve.add_argument("--speaker-samples-dir", default=None, metavar="DIR",
+                       help="where uploaded voices (POST /v1/audio/voices) are kept, one file each, restored at "
+                            "start (default: $XDG_CACHE_HOME/omnistage/voices, ~/.cache without it)")
+    serve.add_argument("--speaker-max-uploaded", type=int, default=None, metavar="N",
+                       help="uploaded voices kept at most (default: 1000)")
+    serve.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                       help="hosts (and their subdomains) whose http(s) URLs speech `ref_audio` may name; "
+                            "default: none, no URL is fetched")
     _add_engine_args(serve)
 
     gen = sub.add_parser("generate", help="run one prompt offline and print the result")

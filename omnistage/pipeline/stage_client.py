@@ -57,8 +57,9 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 100                             # stage process: wait for commands when it has no work
 _WAIT_MS = 5                                    # orchestrator: wait at most this long for any stage process
 _OPTIONAL = ("add_input", "check_params", "voices")
-# plain attributes of an engine that entry points read (a diffusion stage: what it makes and takes)
-_ATTRIBUTES = ("output_kind", "takes_image", "takes_mask", "default_fps")
+# plain attributes of an engine that entry points read (a diffusion stage: what it makes and takes; a
+# TTS stage: its speech capabilities)
+_ATTRIBUTES = ("output_kind", "takes_image", "takes_mask", "default_fps", "speech_capabilities")
 STATES = ("ready", "restarting", "failed")      # what `StageClient.state` may say
 
 
@@ -74,7 +75,7 @@ class StageClient:
         self._held: set[str] = set()            # requests the stage process holds
         self._ready: list[StageOutput] = []     # outputs received while waiting for a reply
         self._stats: dict[str, float] = {}
-        self._checked: dict[bytes, tuple] = {}  # encoded params -> check_params (error or None, result)
+        self._checked: dict[bytes, tuple] = {}  # wire.fingerprint(params) -> check_params (error or None, result)
         self._state = "ready"                   # one of STATES; see `state`
         self._down_since = 0.0                  # time.monotonic() the process was found dead
         self._attempts = 0                      # starts tried since it died
@@ -300,7 +301,7 @@ class StageClient:
         """A round trip the first time a params value is seen; its verdict and result (a diffusion
         stage's resolved params) are remembered (checks are pure functions of the params: a voice
         name, ODE settings, sizes)."""
-        key = wire.encode(params)
+        key = wire.fingerprint(params)          # e.g. a TTSParams' reference audio: no shared memory for a key
         if key in self._checked:
             verdict, result = self._checked[key]
         else:

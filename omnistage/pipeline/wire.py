@@ -42,10 +42,10 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
 
 
-def _array_to_wire(arr: np.ndarray) -> dict:
+def _array_to_wire(arr: np.ndarray, inline: bool = False) -> dict:
     arr = np.ascontiguousarray(arr)
     meta = {"dtype": arr.dtype.str, "shape": list(arr.shape)}
-    if arr.nbytes < SHM_MIN_BYTES:
+    if arr.nbytes < SHM_MIN_BYTES or inline:
         return {_ARRAY: arr.tobytes(), **meta}
     from multiprocessing import resource_tracker, shared_memory
 
@@ -111,11 +111,11 @@ def _image_from_wire(obj: dict):
     return image
 
 
-def _to_wire(obj: Any, pending: list) -> Any:
+def _to_wire(obj: Any, pending: list, inline: bool = False) -> Any:
     if obj is None or isinstance(obj, (str, int, float, bool, bytes)):
         return obj
     if isinstance(obj, np.ndarray):
-        return _array_to_wire(obj)
+        return _array_to_wire(obj, inline)
     if isinstance(obj, np.generic):
         return obj.item()
     torch = sys.modules.get("torch")            # a tensor exists only once torch is imported
@@ -126,12 +126,12 @@ def _to_wire(obj: Any, pending: list) -> Any:
         return _image_to_wire(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         cls = type(obj)
-        fields = {f.name: _to_wire(getattr(obj, f.name), pending) for f in dataclasses.fields(obj)}
+        fields = {f.name: _to_wire(getattr(obj, f.name), pending, inline) for f in dataclasses.fields(obj)}
         return {_TYPE: f"{cls.__module__}:{cls.__qualname__}", **fields}
     if isinstance(obj, dict):
-        return {str(k): _to_wire(v, pending) for k, v in obj.items()}
+        return {str(k): _to_wire(v, pending, inline) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set, frozenset)):
-        return [_to_wire(v, pending) for v in obj]
+        return [_to_wire(v, pending, inline) for v in obj]
     raise TypeError(f"{type(obj).__name__} cannot cross a stage-process boundary")
 
 
@@ -199,6 +199,14 @@ def encode(obj: Any) -> bytes:
         for meta, host in pending:
             meta["data"] = _array_to_wire(_host_bytes(host))
     return _encoder.encode(wire)
+
+
+def fingerprint(obj: Any) -> bytes:
+    """A digest of `obj`'s encoding with its arrays inline: a cache key that, unlike `encode`,
+    creates no shared-memory segment (one nobody receives would never be unlinked)."""
+    import hashlib
+
+    return hashlib.sha256(_encoder.encode(_to_wire(obj, [], inline=True))).digest()
 
 
 def decode(data: bytes) -> Any:

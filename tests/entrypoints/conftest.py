@@ -2,6 +2,8 @@
 on loopback around a tiny LM with the Piper TTS stage behind it (completions, chat, speech), a tiny
 Qwen-Image (images) and a tiny Wan 2.1 (videos), all on CPU in float32."""
 
+import shutil
+import tempfile
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -15,13 +17,18 @@ def serve(model_dir: str, name: str, **app_kwargs):
     from omnistage.entrypoints.async_omni import AsyncOmni
     from omnistage.entrypoints.openai.api_server import build_app
 
+    from omnistage.entrypoints.openai.serving_speech import SpeechOptions
+
     engine = AsyncOmni(model_dir, device="cpu", dtype="float32")
+    voices = tempfile.mkdtemp(prefix="omnistage-voices-")     # uploaded voices never land in ~/.cache
+    app_kwargs.setdefault("speech_options", SpeechOptions(speaker_samples_dir=voices))
     try:
         app = build_app(engine, name, **app_kwargs)
         with live_server(app) as url:
             yield SimpleNamespace(url=url, engine=engine, app=app, name=name, model=model_dir)
     finally:
         engine.close()
+        shutil.rmtree(voices, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

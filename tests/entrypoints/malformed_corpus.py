@@ -65,7 +65,8 @@ def _raw(server: str, path: str, body: bytes, content_type: str = "application/j
 
 def _every_json_route(body: bytes, content_type: str = "application/json") -> list[Case]:
     routes = [("text", "/v1/completions"), ("text", "/v1/chat/completions"), ("text", "/v1/audio/speech"),
-              ("images", "/v1/images/generations"), ("images", "/v1/images/edits"), ("videos", "/v1/videos")]
+              ("text", "/v1/audio/speech/batch"), ("images", "/v1/images/generations"), ("images", "/v1/images/edits"),
+              ("videos", "/v1/videos")]
     return [_raw(server, path, body, content_type) for server, path in routes]
 
 
@@ -198,6 +199,28 @@ CASES: list[Case] = [
     _raw("text", "/v1/audio/speech", b'{"input": "Hello.", "speed": Infinity}', param="speed"),
     _speech("response_format", response_format="ogg"),
     _speech("stream_format", stream_format="yes"),
+    _speech("stream", stream="yes"),
+    _speech("task_type", task_type="Singing"),
+    _speech("task_type", task_type="Base"),                      # Piper does not clone
+    _speech("language", language=LONE),
+    _speech("language", language="xx"),
+    _speech("ref_audio", ref_audio="%%%"),
+    _speech("ref_audio", ref_audio="file:///etc/passwd"),
+    _speech("ref_audio", ref_audio="https://example.com/a.wav"),  # no --allowed-media-domains
+    _speech("ref_text", ref_text=LONE),
+    _speech("ref_text", ref_text="Hello."),
+    _speech("x_vector_only_mode", x_vector_only_mode="yes"),
+    _speech("max_new_tokens", max_new_tokens=-1),
+    _speech("max_new_tokens", max_new_tokens=DIGITS),
+    _speech("initial_codec_chunk_frames", initial_codec_chunk_frames=4),
+    Case("text", "/v1/audio/speech/batch", {"items": []}, param="items"),
+    Case("text", "/v1/audio/speech/batch", {"items": "Hello."}, param="items"),
+    Case("text", "/v1/audio/speech/batch", {"items": [5]}, param="items"),
+    Case("text", "/v1/audio/speech/batch", {"items": [{"input": "x"}] * 33}, param="items"),
+    Case("text", "/v1/audio/speech/batch", {"model": "nope", "items": [{"input": "x"}]}, status=404, param="model"),
+    Case("text", "/v1/audio/voices", {"name": "x", "consent": "yes"}, param="name"),   # JSON: no form fields
+    _raw("text", "/v1/audio/voices", b"--x\r\nnot a form", "multipart/form-data; boundary=x"),
+    Case("text", "/v1/audio/voices/nobody", method="DELETE", status=404, param="name"),
     Case("text", "/v1/audio/speech", {"model": "nope", "input": "Hello."}, status=404, param="model"),
 
     # ---- other text-server routes -------------------------------------------------------------------------

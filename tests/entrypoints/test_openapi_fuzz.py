@@ -19,6 +19,8 @@ POSITIVE, NEGATIVE = (GenerationMode.POSITIVE,), (GenerationMode.NEGATIVE,)
 BOTH = POSITIVE + NEGATIVE                      # negative data needs a body or query to break
 ROUTES = {                                      # fixture -> "METHOD path" -> generation modes
     "text_server": {"POST /v1/completions": BOTH, "POST /v1/chat/completions": BOTH, "POST /v1/audio/speech": BOTH,
+                    "POST /v1/audio/speech/batch": NEGATIVE, "GET /v1/audio/voices": POSITIVE,
+                    "POST /v1/audio/voices": NEGATIVE, "DELETE /v1/audio/voices/{name}": POSITIVE,
                     "GET /v1/models": POSITIVE, "GET /health": POSITIVE},
     "image_server": {"POST /v1/images/generations": NEGATIVE, "POST /v1/images/edits": NEGATIVE},
     "video_server": {"POST /v1/videos": NEGATIVE, "GET /v1/videos": BOTH, "GET /v1/videos/{video_id}": POSITIVE,

@@ -75,3 +75,19 @@ def test_stage_messages_round_trip_and_refusals_keep_their_field():
     plain = wire.decode(wire.encode(CallError.of(ValueError("no such voice")))).exception()
     assert type(plain) is ValueError and str(plain) == "no such voice"
     assert type(CallError.of(KeyError("x")).exception()) is RuntimeError
+
+
+def test_tts_params_with_reference_audio_round_trip_and_fingerprint_without_shared_memory():
+    from omnistage.codec.speech import TTSParams
+
+    ref = np.linspace(-1, 1, 48000, dtype=np.float32)          # 192 kB: shared memory when sent
+    params = TTSParams(task_type="Base", ref_audio=(ref, 24000), ref_text="hi", max_new_tokens=64)
+    back = wire.decode(wire.encode(params))
+    assert back.ref_audio[1] == 24000 and np.array_equal(back.ref_audio[0], ref) and back == params
+    before = _shm_segments()
+    key = wire.fingerprint(params)
+    assert key == wire.fingerprint(TTSParams(task_type="Base", ref_audio=(ref.copy(), 24000), ref_text="hi",
+                                             max_new_tokens=64))
+    assert key != wire.fingerprint(TTSParams(task_type="Base", ref_audio=(ref * 0.5, 24000), ref_text="hi",
+                                             max_new_tokens=64))
+    assert _shm_segments() <= before                            # no segment left behind by a key

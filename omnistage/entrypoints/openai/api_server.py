@@ -2,8 +2,9 @@
 
 `build_app(engine, served_model_name, api_key)` wires an `AsyncOmni` into a FastAPI app:
 `GET /health`, `GET /v1/models`, `GET /metrics`, `POST /v1/completions`,
-`POST /v1/chat/completions`, the speech routes of `serving_speech` (`POST /v1/audio/speech`,
-`GET /v1/audio/voices`), the image routes of `serving_images` (`POST /v1/images/generations`,
+`POST /v1/chat/completions`, the speech routes (`POST /v1/audio/speech` of `serving_speech`,
+`/v1/audio/voices` of `serving_voices`, `WS /v1/audio/speech/stream` of `serving_speech_ws`,
+`POST /v1/audio/speech/batch` of `serving_speech_batch`, options `SpeechOptions`), the image routes of `serving_images` (`POST /v1/images/generations`,
 `POST /v1/images/edits`) and the video-jobs routes of `serving_videos` (`/v1/videos`), capped by
 `MediaLimits`. A body over `max_body_bytes` is a 413 before a route reads it (`body_limit`). With an
 API key, every `/v1` route needs `Authorization: Bearer KEY` (checked before the body is read); the
@@ -39,7 +40,10 @@ from omnistage.entrypoints.openai.protocol import ChatCompletionRequest, Complet
 from omnistage.entrypoints.openai.serving_chat import ServingChat
 from omnistage.entrypoints.openai.serving_completion import ServingCompletion
 from omnistage.entrypoints.openai.serving_images import MediaLimits, register_image_routes
-from omnistage.entrypoints.openai.serving_speech import register_speech_routes
+from omnistage.entrypoints.openai.serving_speech import SpeechOptions, register_speech_routes
+from omnistage.entrypoints.openai.serving_speech_batch import register_batch_route
+from omnistage.entrypoints.openai.serving_speech_ws import register_stream_route
+from omnistage.entrypoints.openai.serving_voices import register_voice_routes
 from omnistage.entrypoints.openai.serving_videos import register_video_routes
 from omnistage.metrics import CONTENT_TYPE, EngineMetrics
 
@@ -63,15 +67,20 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0                  # `--drain-timeout`: how long SI
 
 
 class ApiKeyMiddleware:
-    """Pure ASGI: a `/v1` request without the right bearer key gets a 401 before anything else runs."""
+    """Pure ASGI: a `/v1` request without the right bearer key gets a 401 before anything else runs;
+    a `/v1` WebSocket handshake without it is refused (close 1008, which uvicorn answers with 403)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        ws = scope["type"] == "websocket"
+        if (ws or scope["type"] == "http") and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
             given = Headers(scope=scope).get("authorization", "").encode()
+            if not hmac.compare_digest(given, self.expected) and ws:    # refused handshake: HTTP 403
+                await send({"type": "websocket.close", "code": 1008, "reason": "invalid API key"})
+                return
             if not hmac.compare_digest(given, self.expected):
                 response = OpenAIError(401, "Incorrect API key provided; send `Authorization: Bearer <key>`.",
                                        code="invalid_api_key").response()
@@ -81,7 +90,8 @@ class ApiKeyMiddleware:
 
 
 def build_app(engine: Any, served_model_name: str, api_key: Optional[str] = None,
-              media_limits: Optional[MediaLimits] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              media_limits: Optional[MediaLimits] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              speech_options: Optional[SpeechOptions] = None) -> FastAPI:
     if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
     metrics = EngineMetrics(engine, served_model_name)
@@ -134,7 +144,10 @@ def build_app(engine: Any, served_model_name: str, api_key: Optional[str] = None
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create(body, raw)
 
-    register_speech_routes(app, engine, served_model_name, metrics)
+    speech = register_speech_routes(app, engine, served_model_name, metrics, speech_options)
+    register_batch_route(app, speech)
+    register_stream_route(app, speech)
+    register_voice_routes(app, speech)
     register_image_routes(app, engine, served_model_name, metrics, media_limits)
     register_video_routes(app, engine, served_model_name, metrics, media_limits)
 
@@ -178,6 +191,18 @@ def resolve_api_key(args, environ=os.environ) -> Optional[str]:
     return args.api_key or environ.get(API_KEY_ENV) or None
 
 
+def speech_options_from_args(args) -> SpeechOptions:
+    """`--speaker-samples-dir`, `--speaker-max-uploaded`, `--allowed-media-domains` -> SpeechOptions."""
+    options = SpeechOptions(allowed_media_domains=tuple(getattr(args, "allowed_media_domains", None) or ()))
+    if getattr(args, "speaker_samples_dir", None):
+        options.speaker_samples_dir = args.speaker_samples_dir
+    if getattr(args, "speaker_max_uploaded", None) is not None:
+        if args.speaker_max_uploaded < 0:
+            raise SystemExit(f"omnistage: --speaker-max-uploaded must be >= 0, got {args.speaker_max_uploaded}")
+        options.speaker_max_uploaded = args.speaker_max_uploaded
+    return options
+
+
 def _exit_on_sigterm(sig, frame) -> None:
     raise SystemExit(128 + sig)
 
@@ -201,7 +226,8 @@ def run_server(args) -> None:
         limits = MediaLimits(**{k: getattr(args, k) for k in ("max_image_pixels", "max_video_jobs")
                                 if getattr(args, k, None) is not None})
         app = build_app(engine, name, api_key, limits,
-                        max_body_bytes=getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES)
+                        max_body_bytes=getattr(args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES,
+                        speech_options=speech_options_from_args(args))
         drain_timeout = getattr(args, "drain_timeout", None)
         server = draining_server(app, engine, DEFAULT_DRAIN_TIMEOUT_S if drain_timeout is None else drain_timeout,
                                  host=args.host, port=args.port, log_level=args.log_level.lower())

@@ -46,14 +46,18 @@ class DrainState:
 
 
 class DrainMiddleware:
-    """Pure ASGI: counts the HTTP requests in flight; once draining, refuses new ones with a 503."""
+    """Pure ASGI: counts the HTTP requests in flight; once draining, refuses new ones with a 503 (and
+    new WebSocket sessions with close code 1013)."""
 
     def __init__(self, app, state: DrainState):
         self.app = app
         self.state = state
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] == "websocket" and self.state.draining:   # a new session: refused (HTTP 403)
+            await send({"type": "websocket.close", "code": 1013, "reason": "the server is shutting down"})
+            return
+        if scope["type"] != "http":             # open WebSocket sessions are not waited for: they may idle
             await self.app(scope, receive, send)
             return
         if self.state.draining:

@@ -2,7 +2,7 @@
 end "piper"; runs in the TTS stage's process).
 
 In: a request's input is a string (spoken whole) or a `TTSInput` (sentences; `finished=False` when
-an upstream LM streams more), its params a `TTSParams` (voice, speed). A chunk is the request's next
+an upstream LM streams more), its params a `TTSParams` (voice, speed; `capabilities()` says it serves preset voices only). A chunk is the request's next
 sentence: each step synthesizes the next piece of it for up to `max_batch_sentences` requests,
 round-robin. A piece is one sentence as the phonemizer splits it, of at most
 `max_phonemes_per_step` phonemes: a longer one is cut after its last pause (`,` `;` `:`) or word
@@ -30,7 +30,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from omnistage.codec.engine import CodecEngine
-from omnistage.codec.speech import TTSInput, TTSParams, check_voice, clean_for_speech
+from omnistage.codec.speech import SpeechCapabilities, TTSInput, TTSParams, check_speech_params, clean_for_speech
 from omnistage.models.piper.voices import DEFAULT_VOICE, INSTALL_HINT, VoiceSpec, piper_available, voices_from_options
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,12 @@ class PiperTTS:
     def voices(self) -> list[dict[str, Any]]:
         return [v.describe() for v in self.voice_specs.values()]
 
+    def capabilities(self) -> SpeechCapabilities:
+        """Preset voices only (no cloning, no voice design); `language` is "Auto" or a voice's own
+        (each voice speaks one language); no codec tokens, so no generation fields."""
+        codes = sorted({v.language for v in self.voice_specs.values() if v.language})
+        return SpeechCapabilities(task_types=("CustomVoice",), languages=("Auto", *codes))
+
     def _model(self, voice: VoiceSpec):
         model = self._models.get(voice.model_path)
         if model is None:
@@ -122,8 +128,8 @@ class PiperTTS:
 
     # ---- CodecModel -------------------------------------------------------------------------------
     def check_params(self, params: Optional[TTSParams]) -> None:
-        """Raises ValueError naming the valid voices when `params.voice` is unknown."""
-        check_voice(params, self.voice_specs)
+        """Raises ParamError naming the field Piper cannot honour (an unknown voice, cloning, ...)."""
+        check_speech_params(params, self.capabilities(), self.voice_specs)
 
     def new_state(self, params: TTSParams) -> PiperState:
         return PiperState(self.voice_specs[params.voice or self.default_voice], params)

@@ -35,12 +35,16 @@ class VoiceSpec:
             return json.load(f)
 
     @property
+    def language(self) -> Optional[str]:
+        return self.config.get("language", {}).get("code")
+
+    @property
     def sample_rate(self) -> int:
         return int(self.config["audio"]["sample_rate"])
 
     def describe(self) -> dict[str, Any]:
         return {"id": self.name, "name": self.name, "sample_rate": self.sample_rate,
-                "language": self.config.get("language", {}).get("code"), "backend": "piper"}
+                "language": self.language, "backend": "piper"}
 
 
 def piper_available() -> bool:

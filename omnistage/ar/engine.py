@@ -351,7 +351,7 @@ class AREngine:
             if not seq.is_finished and seq.params.stop:   # never stream a partial stop string
                 text = text[:max(0, len(text) - seq.params.stop_hold)]
             outs.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=list(seq.output_token_ids),
+                index=seq.index, text=text, token_ids=seq.output_token_ids,   # a fresh list (a slice)
                 logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids,

@@ -187,11 +187,13 @@ class ModelRunner:
             return Launched([], result=RunnerOutput({}, {}), hidden=reports)
         picked = hidden[:len(rows)] if rows == list(range(len(rows))) else hidden[self._to_device(rows)]
         logits = self.model.compute_logits(picked)
+        params = [q.params for q in sampling]
+        penalized = any(p.needs_penalties for p in params)      # only penalties read earlier ids
         batch = SamplingBatch(
-            params=[q.params for q in sampling],
+            params=params,
             generators=[self._generator_for(q) for q in sampling],
-            prompt_ids=[q.token_ids[:q.prompt_len] for q in sampling],
-            output_ids=[q.output_token_ids for q in sampling],
+            prompt_ids=[q.token_ids[:q.prompt_len] if penalized else [] for q in sampling],
+            output_ids=[q.output_token_ids if penalized else [] for q in sampling],
             banned=[_banned(q, eos_ids) for q in sampling])
         num_logprobs = max((q.params.logprobs for q in sampling if q.params.logprobs is not None), default=-1)
         out = sample(logits, batch, self.generator, num_logprobs)

@@ -26,8 +26,8 @@ from omnistage.params import SamplingParams
 class SamplingBatch:
     params: list[SamplingParams]                # one per sampling row
     generators: list[Optional[torch.Generator]]  # per-row generator for seeded rows, else None
-    prompt_ids: list[list[int]]                 # per row (used by repetition penalty)
-    output_ids: list[list[int]]                 # per row, generated so far
+    prompt_ids: list[list[int]]                 # per row (read by penalties; empty when no row has any)
+    output_ids: list[list[int]]                 # per row, generated so far (likewise)
     banned: list[list[int]] = field(default_factory=list)  # per row: ids masked this step (min_tokens)
 
     @property

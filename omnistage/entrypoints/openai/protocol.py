@@ -141,7 +141,7 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: Optional[StrictBool] = False
     top_logprobs: Optional[int] = None          # alternatives per token when logprobs is true, [0, 20]
     modalities: Optional[list[str]] = None      # output modalities: ["text"] or ["text", "audio"] (speech models, cascades)
-    audio: Optional[dict[str, Any]] = None      # with "audio" in modalities: {"voice": name, "format": wav | pcm | flac}
+    audio: Optional[dict[str, Any]] = None      # with "audio" in modalities: {"voice": name, "format": wav | pcm | flac | mp3 | opus | aac}
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
     def to_sampling_params(self) -> SamplingParams:

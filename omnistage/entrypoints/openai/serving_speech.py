@@ -2,7 +2,7 @@
 
 `register_speech_routes(app, engine, served_model_name, metrics)` adds:
   * `POST /v1/audio/speech` (`SpeechRequest`): the text goes straight to the pipeline's speech stage
-    (`AsyncOmni.speech_stage`, skipping any LM). Out: the whole file (wav | pcm | flac), or with
+    (`AsyncOmni.speech_stage`, skipping any LM). Out: the whole file (wav | pcm | flac | mp3 | opus | aac), or with
     `stream_format: "audio"` the same bytes streamed as sentences are synthesized, or with
     `stream_format: "sse"` events `speech.audio.delta` (`audio`: base64 of the next bytes of that
     stream) and a last `speech.audio.done` with usage (input tokens = phoneme ids, output tokens =
@@ -42,7 +42,7 @@ class SpeechRequest(RequestBody):
     model: Optional[str] = None                 # None or the served model's name
     input: str                                  # text to speak, at most 4096 characters
     voice: Union[str, dict[str, Any], None] = None  # a voice name, or {"id": name}; None = the default voice
-    response_format: str = "wav"                # wav | pcm (16-bit LE mono) | flac
+    response_format: str = "wav"                # wav | pcm (16-bit LE mono) | flac | mp3 | opus (Ogg) | aac (ADTS)
     speed: float = 1.0                          # [0.25, 4.0]
     instructions: Optional[str] = None          # accepted; voices without style control ignore it
     stream_format: Optional[str] = None         # None = one file; "audio" = byte stream; "sse" = events

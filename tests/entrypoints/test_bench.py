@@ -81,3 +81,16 @@ def test_bench_bad_options_name_the_option():
     assert proc.returncode != 0 and "--request-rate must be > 0" in proc.stderr
     proc = _bench("--task", "images", "--size", "big", timeout=60)
     assert proc.returncode != 0 and "--size must be WIDTHxHEIGHT" in proc.stderr
+
+
+def test_bench_images_and_videos(image_server, video_server, tmp_path):
+    table, summary = _run(tmp_path, "images", "--base-url", image_server.url, "--task", "images", "--num-prompts",
+                          "2", "--random-input-len", "4", "--size", "64x64", "--num-inference-steps", "2")
+    assert summary["completed"] == 2 and summary["failed"] == 0 and summary["mean_e2el_ms"] > 0
+    assert "E2EL" in table
+    table, summary = _run(tmp_path, "videos", "--base-url", video_server.url, "--task", "videos", "--num-prompts",
+                          "2", "--random-input-len", "4", "--size", "32x32", "--num-frames", "5",
+                          "--num-inference-steps", "3", "--poll-interval", "0.05", "--save-detailed")
+    assert summary["completed"] == 2 and summary["failed"] == 0 and summary["mean_queue_ms"] >= 0
+    for req in summary["requests"]:
+        assert req["output_bytes"] > 0 and req["progress"][-1][1] == 100.0

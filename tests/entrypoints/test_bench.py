@@ -1,6 +1,6 @@
 """`omnistage bench` run as a subprocess against the real server on loopback (a tiny random Llama on
-CPU with the Piper voice behind it), and `--offline` through AsyncOmni: the table it prints and the
-JSON it writes (numbers present, counts right, no failures)."""
+CPU with the Piper voice behind it, and the tiny diffusion servers), and `--offline` through AsyncOmni:
+the table it prints and the JSON it writes (numbers present, counts right, no failures)."""
 
 import json
 import os
@@ -68,11 +68,16 @@ def test_bench_speech_reports_ttfp_and_rtf(text_server, tmp_path):
     assert "TTFP" in table and "RTF" in table
 
 
-def test_bench_offline_on_a_tiny_llm(tiny_models, tmp_path):
-    table, summary = _run(tmp_path, "offline", "--offline", "--model", tiny_models["llama"], "--device", "cpu",
-                          "--dtype", "float32", "--task", "completions", "--num-prompts", "4",
-                          "--random-input-len", "10", "--random-output-len", "5", "--ignore-eos")
-    _check_text_run(table, summary, 4, 5)
+def test_bench_offline_on_a_tiny_llm(tiny_models, tmp_path, capsys):
+    """In this process (torch is loaded already): `omnistage`'s own `main`, as the console script runs it."""
+    from omnistage.entrypoints.cli import main
+
+    out = tmp_path / "offline.json"
+    assert main(["bench", "--disable-tqdm", "--offline", "--model", tiny_models["llama"], "--device", "cpu",
+                 "--dtype", "float32", "--task", "chat", "--num-prompts", "4", "--max-concurrency", "2",
+                 "--random-input-len", "10", "--random-output-len", "5", "--ignore-eos", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    _check_text_run(table, json.loads(out.read_text()), 4, 5)
     assert "offline (AsyncOmni)" in table
 
 

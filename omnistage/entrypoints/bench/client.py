@@ -53,7 +53,7 @@ class HTTPSender:
             res.ok = not res.error
         except asyncio.TimeoutError:
             res.error = f"timed out after {self.cfg.timeout:g} s"
-        except (httpx.HTTPError, ValueError, KeyError) as e:
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:   # a bad answer fails alone
             res.error = f"{type(e).__name__}: {e}"[:300]
         res.latency = res.latency or time.perf_counter() - res.start
         return res

@@ -41,8 +41,8 @@ class OfflineSender:
         if self.engine is not None:
             await asyncio.to_thread(self.engine.close)
 
-    def _request(self, prompt: str) -> tuple[Any, Any, Optional[str]]:
-        """(engine prompt, params, entry stage) of one request."""
+    async def _request(self, prompt: str) -> tuple[Any, Any, Optional[str]]:
+        """(engine prompt, params, entry stage) of one request (the chat template runs in a worker thread)."""
         cfg = self.cfg
         if cfg.task in ("chat", "completions"):
             from omnistage.params import SamplingParams
@@ -50,7 +50,7 @@ class OfflineSender:
             params = SamplingParams(max_tokens=cfg.random_output_len, temperature=cfg.temperature,
                                     ignore_eos=cfg.ignore_eos)
             if cfg.task == "chat":
-                prompt = self.engine.render_chat([{"role": "user", "content": prompt}])
+                prompt = await asyncio.to_thread(self.engine.render_chat, [{"role": "user", "content": prompt}])
             return prompt, params, None
         if cfg.task == "speech":
             from omnistage.codec.speech import TTSParams
@@ -76,7 +76,7 @@ class OfflineSender:
         return res
 
     async def _run(self, prompt: str, res: RequestResult) -> None:
-        engine_prompt, params, entry = self._request(prompt)
+        engine_prompt, params, entry = await self._request(prompt)
         tokens, last, final = 0, None, None
         async for out in self.engine.generate(engine_prompt, params, entry_stage=entry):
             now = time.perf_counter()

@@ -125,9 +125,11 @@ def build_app(engine: Any, served_model_name: str, api_key: Optional[str] = None
         return JSONResponse({**OpenAIError(503, message, code="stage_unavailable").body(), "status": "degraded",
                              "stages": states}, status_code=503)
 
-    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    app.head("/metrics", include_in_schema=False)(prometheus_metrics)   # probes (AIPerf) send HEAD
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:

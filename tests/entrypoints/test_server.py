@@ -267,3 +267,9 @@ def test_engine_down_is_503(server):
         assert http.get("/health").status_code == 503
         r = http.post("/v1/completions", json={"model": NAME, "prompt": "hi"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+
+
+def test_reset_prefix_cache_needs_the_api_key(server):
+    assert httpx.post(server.url + "/reset_prefix_cache", timeout=30).status_code == 401
+    ok = httpx.post(server.url + "/reset_prefix_cache", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    assert ok.status_code == 200

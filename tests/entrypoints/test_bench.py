@@ -86,6 +86,8 @@ def test_bench_bad_options_name_the_option():
     assert proc.returncode != 0 and "--request-rate must be > 0" in proc.stderr
     proc = _bench("--task", "images", "--size", "big", timeout=60)
     assert proc.returncode != 0 and "--size must be WIDTHxHEIGHT" in proc.stderr
+    proc = _bench("--base-url", "http://127.0.0.1:1", timeout=60)     # nothing listens there
+    assert proc.returncode != 0 and "is the server up?" in proc.stderr
 
 
 def test_bench_images_and_videos(image_server, video_server, tmp_path):

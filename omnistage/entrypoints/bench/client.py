@@ -39,9 +39,13 @@ class HTTPSender:
     async def start(self) -> None:
         """Finds the model id when none was given (the server's first in /v1/models)."""
         if self.model is None:
-            r = await self.http.get("/v1/models")
-            r.raise_for_status()
-            self.model = r.json()["data"][0]["id"]
+            try:
+                r = await self.http.get("/v1/models")
+                r.raise_for_status()
+                self.model = r.json()["data"][0]["id"]
+            except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+                raise ValueError(f"cannot read the model id from {self.cfg.base_url}/v1/models ({e}); "
+                                 "is the server up? (or pass --model)") from e
 
     async def close(self) -> None:
         await self.http.aclose()

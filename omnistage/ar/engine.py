@@ -211,6 +211,10 @@ class AREngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def reset_prefix_cache(self) -> int:
+        """Drops the prefix cache (`BlockManager.reset_prefix_cache`); returns the blocks forgotten."""
+        return self.block_manager.reset_prefix_cache()
+
     def stats(self) -> dict[str, float]:
         bm = self.block_manager
         return {"num_running": len({s.request_id for s in self.scheduler.running}),

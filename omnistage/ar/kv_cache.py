@@ -116,6 +116,16 @@ class BlockManager:
                 self.cached[h] = block
                 self.hash_of[block] = h
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the content of every block, so no later request matches a prefix computed before
+        (vLLM's `reset_prefix_cache`). Blocks held by running sequences stay theirs, KV untouched:
+        requests in flight go on; blocks they fill from now on are shared again. Returns how many
+        cached blocks were forgotten."""
+        dropped = len(self.cached)
+        self.cached.clear()
+        self.hash_of = [None] * self.num_blocks
+        return dropped
+
     def free_seq(self, seq: Sequence) -> None:
         # Release in reverse so a sequence's tail blocks are evicted before its (more shareable) head.
         for block in reversed(seq.block_table):

@@ -1,8 +1,8 @@
 """`AsyncOmni`: the asyncio entry point used by the server (event loop + one engine thread).
 
 The engine loop runs in a background thread (model forwards block), taking commands from a queue
-between steps (`AddRequest`, `AbortRequest`, `StopEngine`: the event loop's messages to that
-thread) and pushing each request's partial outputs to that request's asyncio queue through
+between steps (`AddRequest`, `AbortRequest`, `ResetPrefixCache`, `StopEngine`: the event loop's
+messages to that thread) and pushing each request's partial outputs to that request's asyncio queue through
 `loop.call_soon_threadsafe`. `generate` is an async generator of cumulative `RequestOutput`s;
 leaving it early (client gone, task cancelled) aborts the request in the engine. A request that
 fails raises its own typed error (`request_error`): refused input, a run-time failure of that
@@ -66,13 +66,20 @@ class AbortRequest:
 
 
 @dataclass
+class ResetPrefixCache:
+    """Drop the prefix cache of every AR stage between two steps (event loop -> engine thread)."""
+
+    done: asyncio.Future                        # resolved with {stage name: cached blocks forgotten}
+
+
+@dataclass
 class StopEngine:
     """Close the orchestrator and end the engine thread (sent once, by `close`)."""
 
     reason: str                                 # the error message requests still open end with
 
 
-Command = Union[AddRequest, AbortRequest, StopEngine]
+Command = Union[AddRequest, AbortRequest, ResetPrefixCache, StopEngine]
 
 
 class _Stream:
@@ -198,6 +205,15 @@ class AsyncOmni:
     async def abort(self, request_id: str) -> None:
         self._commands.put(AbortRequest(request_id))
 
+    async def reset_prefix_cache(self) -> dict[str, int]:
+        """Drops every AR stage's prefix cache between two engine steps; requests in flight go on.
+        Returns stage name -> cached blocks forgotten."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(ResetPrefixCache(done))
+        return await done
+
     def close(self, reason: str = "the engine was closed before this request finished") -> None:
         """Stops the engine: requests still open end with `EngineDeadError(reason)`; stage processes stop."""
         if not self._closed:
@@ -208,10 +224,10 @@ class AsyncOmni:
                 self._fail_open_requests("the engine is closed")    # callers that raced the close
 
     # ---- engine thread -------------------------------------------------------------------------
-    def _resolve(self, fut: asyncio.Future, exc: Optional[BaseException]) -> None:
+    def _resolve(self, fut: asyncio.Future, exc: Optional[BaseException], result: Any = None) -> None:
         def done():
             if not fut.done():
-                fut.set_exception(exc) if exc else fut.set_result(None)
+                fut.set_exception(exc) if exc else fut.set_result(result)
         try:
             fut.get_loop().call_soon_threadsafe(done)
         except RuntimeError:                                    # the loop is closed: nobody waits any more
@@ -224,6 +240,12 @@ class AsyncOmni:
             return False
         if isinstance(cmd, AbortRequest):
             self.orchestrator.abort(cmd.request_id)
+            return True
+        if isinstance(cmd, ResetPrefixCache):
+            try:
+                self._resolve(cmd.done, None, self.orchestrator.reset_prefix_cache())
+            except Exception as e:                              # e.g. a stage process is restarting
+                self._resolve(cmd.done, e)
             return True
         if cmd.request_id not in self._streams:                 # the caller left before we started
             self._resolve(cmd.accepted, None)
@@ -263,6 +285,8 @@ class AsyncOmni:
                 break
             if isinstance(cmd, AddRequest):
                 self._resolve(cmd.accepted, EngineDeadError(reason))
+            elif isinstance(cmd, ResetPrefixCache):
+                self._resolve(cmd.done, EngineDeadError(reason))
 
     def _step_failed(self, error: Exception) -> None:
         """An engine-level failure: the orchestrator's step raised outside any one stage (a stage

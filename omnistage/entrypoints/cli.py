@@ -4,8 +4,9 @@
 API key from `--api-key-file PATH`, `$OMNISTAGE_API_KEY` or `--api-key`, the first two kept out of `ps`),
 `omnistage generate MODEL --prompt ...` runs one prompt offline and prints or writes the result
 (image / video models: `--output FILE.png|FILE.mp4`, `--size WxH`, `--steps`, `--num-frames`),
-`omnistage make-tiny DIR --kind llm|qwen-image|wan|...` writes tiny random checkpoints in real formats. Heavy
-imports (torch, transformers) happen inside the subcommands, so `--help` is instant.
+`omnistage bench` load-tests an OpenAI-compatible server (or, `--offline`, the in-process engine;
+`entrypoints/bench/`), `omnistage make-tiny DIR --kind llm|qwen-image|wan|...` writes tiny random
+checkpoints in real formats. Heavy imports (torch, transformers) happen inside the subcommands, so `--help` is instant.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnistage", description="Serve and run omni-modality models.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,make-tiny}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench,make-tiny}")
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     serve.add_argument("model", nargs="?", default=None,
@@ -78,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-frames", type=int, default=None, help="video models: frames to generate")
     _add_engine_args(gen)
     gen.set_defaults(log_level="warning")
+
+    from omnistage.entrypoints.bench.main import add_bench_args
+
+    bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server (or, --offline, the engine)")
+    add_bench_args(bench)
+    _add_engine_args(bench)                     # used with --offline
+    bench.set_defaults(log_level="warning")
 
     tiny = sub.add_parser("make-tiny", help="write tiny random checkpoints in real formats")
     tiny.add_argument("dir", help="output folder")
@@ -149,6 +157,12 @@ def _diffusion_params(args: argparse.Namespace):
                            seed=args.seed)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from omnistage.entrypoints.bench.main import cmd_bench as run_bench
+
+    return run_bench(args)
+
+
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from omnistage.testing import make_tiny
 
@@ -176,7 +190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if hasattr(args, "device"):
         _check_device(args)
-    commands = {"serve": cmd_serve, "generate": cmd_generate, "make-tiny": cmd_make_tiny}
+    commands = {"serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench, "make-tiny": cmd_make_tiny}
     return commands[args.command](args)
 
 

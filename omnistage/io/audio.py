@@ -1,10 +1,11 @@
-"""Audio encoding for responses: float32 samples -> WAV / PCM / FLAC bytes (API-server process).
+"""Audio encoding for responses: float32 samples -> WAV, PCM, FLAC, MP3, Opus, AAC (API-server process).
 
 In: mono float32 samples in [-1, 1] and their sample rate. Out: bytes of a whole file
 (`encode_audio`) or of a byte stream built chunk by chunk (`AudioStreamEncoder`): PCM is raw
 16-bit little-endian samples; a streamed WAV is a header whose sizes say "unknown length"
 (0xFFFFFFFF, as streaming servers write it; libsndfile, ffmpeg and browsers read to the end) followed
-by PCM; FLAC needs the whole signal for its header, so a FLAC stream is sent as one piece at the end.
+by PCM; FLAC needs the whole signal for its header, so a FLAC stream is sent as one piece at the end;
+MP3, Opus (in Ogg) and AAC (ADTS) go through PyAV (`io/audio_av.py`) and stream as they are encoded.
 `decode_audio` reads an uploaded file (chat audio input) back into mono float32 samples, refusing
 files whose header says they are too long or too fast-sampled before decoding any sample.
 """
@@ -17,10 +18,12 @@ from typing import Optional
 
 import numpy as np
 
+from omnistage.io.audio_av import CODECS, AVAudioEncoder, encode_av
 from omnistage.io.media import MediaError
 
-AUDIO_FORMATS = ("wav", "pcm", "flac")
-MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac"}
+AUDIO_FORMATS = ("wav", "pcm", "flac", "mp3", "opus", "aac")
+MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "mp3": "audio/mpeg",
+               "opus": "audio/ogg", "aac": "audio/aac"}
 _UNKNOWN_SIZE = 0xFFFFFFFF
 
 
@@ -51,6 +54,8 @@ def encode_audio(samples: np.ndarray, sample_rate: int, fmt: str = "wav") -> byt
     if fmt == "wav":
         pcm = to_pcm16(samples)
         return wav_header(sample_rate, len(pcm) // 2) + pcm
+    if fmt in CODECS:
+        return encode_av(samples, sample_rate, fmt)
     import soundfile as sf
 
     buf = io.BytesIO()
@@ -66,8 +71,11 @@ class AudioStreamEncoder:
         self.sample_rate = sample_rate
         self._started = False
         self._held: list[np.ndarray] = []       # FLAC only: everything, encoded at the end
+        self._av = AVAudioEncoder(fmt, sample_rate) if fmt in CODECS else None   # mp3 / opus / aac
 
     def encode(self, chunk: np.ndarray) -> bytes:
+        if self._av is not None:
+            return self._av.encode(chunk)
         if self.fmt == "flac":
             self._held.append(np.asarray(chunk, dtype=np.float32).reshape(-1))
             return b""
@@ -78,6 +86,8 @@ class AudioStreamEncoder:
         return head + to_pcm16(chunk)
 
     def finish(self) -> bytes:
+        if self._av is not None:
+            return self._av.finish()
         if self.fmt == "flac":
             samples = np.concatenate(self._held) if self._held else np.zeros(0, np.float32)
             return encode_audio(samples, self.sample_rate, "flac")

@@ -340,6 +340,12 @@ class Orchestrator:
                               if c.finish_reason is not None else c for c in merged.outputs]
         return merged
 
+    def reset_prefix_cache(self) -> dict[str, int]:
+        """Drops the prefix cache of every stage that has one (the AR stages): stage name -> cached
+        blocks forgotten. Requests in flight are untouched."""
+        return {name: stage.reset_prefix_cache() for name, stage in self.stages.items()
+                if hasattr(stage, "reset_prefix_cache")}
+
     def close(self) -> None:
         """Stops stage processes (in-process stages need nothing)."""
         for stage in self.stages.values():

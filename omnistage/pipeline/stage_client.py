@@ -5,7 +5,7 @@ is the stage's process. Control messages (`pipeline.stage_messages`) go over two
 (commands in, outputs out), encoded by `pipeline.wire` (msgspec; arrays through shared memory).
 The stage process steps its engine whenever it has work, so it runs concurrently with the other
 stages; `step()` here only collects what it has produced. `add_request` and the optional
-`check_params` are round trips, so a bad request raises here as it would in-process, a
+`check_params` and `reset_prefix_cache` are round trips, so a bad request raises here as it would in-process, a
 `ParamError` with its field (check verdicts and results are remembered per params value; checks go
 over their own channel, answered by a thread of the stage process even mid-step, so any thread may
 check: the HTTP routes do it on the event loop); `submit`
@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 100                             # stage process: wait for commands when it has no work
 _WAIT_MS = 5                                    # orchestrator: wait at most this long for any stage process
-_OPTIONAL = ("add_input", "check_params", "voices")
+_OPTIONAL = ("add_input", "check_params", "voices", "reset_prefix_cache")
 # plain attributes of an engine that entry points read (a diffusion stage: what it makes and takes; a
 # TTS stage: its speech capabilities)
 _ATTRIBUTES = ("output_kind", "takes_image", "takes_mask", "default_fps", "speech_capabilities")
@@ -330,6 +330,9 @@ class StageClient:
         if reply.error is not None:
             raise reply.error.exception()
         return reply.result
+
+    def _reset_prefix_cache(self) -> int:
+        return self._call("reset_prefix_cache")
 
     def _voices(self) -> list:
         return list(self._voice_list)

@@ -119,3 +119,25 @@ def test_abort_frees_blocks():
     assert bm.num_free_blocks < 16
     sch.abort(a)
     assert bm.num_free_blocks == 16 and not sch.has_unfinished() and a.finish_reason == "abort"
+
+
+def test_reset_prefix_cache_forgets_content_and_keeps_running_sequences():
+    bm, sch = make(num_blocks=16, block_size=4, budget=100)
+    a = seq(0, 9, max_tokens=20)                              # running: holds 3 blocks
+    done = seq(1, 8, base=50)
+    sch.add(a)
+    sch.add(done)
+    run_step(sch)
+    sch.finish(done, "stop")                                  # its 2 full blocks stay cached while free
+    held = list(a.block_table)
+    assert bm.reset_prefix_cache() == 4                       # a's 2 full blocks + done's 2
+    assert not bm.cached and all(h is None for h in bm.hash_of)
+    assert a.block_table == held and a.status == SeqStatus.RUNNING
+    b = seq(2, 9)                                             # a's prompt again: nothing to share now
+    sch.add(b)
+    run_step(sch)
+    assert b.num_cached_tokens == 0 and not set(b.block_table) & set(held)
+    for _ in range(4):                                        # a goes on decoding; its new full blocks are shared again
+        run_step(sch)
+    assert a.status == SeqStatus.RUNNING and len(a.token_ids) == 9 + 6
+    assert bm.cached and bm.num_free_blocks + sum(len(s.block_table) for s in (a, b)) == 16

@@ -95,7 +95,10 @@ def test_streaming_equals_non_streaming(client):
         assert text == full.choices[0].message.content
         finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
         assert finishes[-1] == full.choices[0].finish_reason and not any(finishes[:-1])
-        assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == full.usage.model_dump()
+        counts = {"prompt_tokens_details"}     # the repeat of the prompt is served from the prefix cache
+        assert chunks[-1].choices == [] and chunks[-1].usage.model_dump(exclude=counts) == \
+            full.usage.model_dump(exclude=counts)
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= full.usage.prompt_tokens_details.cached_tokens
 
         comp = client.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0)
         stream = list(client.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0,
@@ -264,3 +267,9 @@ def test_engine_down_is_503(server):
         assert http.get("/health").status_code == 503
         r = http.post("/v1/completions", json={"model": NAME, "prompt": "hi"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+
+
+def test_reset_prefix_cache_needs_the_api_key(server):
+    assert httpx.post(server.url + "/reset_prefix_cache", timeout=30).status_code == 401
+    ok = httpx.post(server.url + "/reset_prefix_cache", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    assert ok.status_code == 200

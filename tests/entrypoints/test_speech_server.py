@@ -88,7 +88,7 @@ def test_speech_bad_requests_name_the_field(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.audio.speech.create(model=NAME, voice="alloy", input="Hi.")
     assert "['joe', 'joe-slow']" in e.value.message and e.value.body["param"] == "voice"
-    for kw, param in (({"speed": 9.0}, "speed"), ({"response_format": "mp3"}, "response_format")):
+    for kw, param in (({"speed": 9.0}, "speed"), ({"response_format": "wma"}, "response_format")):
         with pytest.raises(openai.BadRequestError) as e:
             client.audio.speech.create(model=NAME, voice="joe", input="Hi.", **kw)
         assert e.value.body["param"] == param

@@ -1,14 +1,16 @@
 """The OpenAI-compatible HTTP server: routes, API-key check, start-up (API-server process).
 
 `build_app(engine, served_model_name, api_key)` wires an `AsyncOmni` into a FastAPI app:
-`GET /health`, `GET /v1/models`, `GET /metrics`, `POST /v1/completions`,
+`GET /health`, `GET /v1/models`, `GET` / `HEAD /metrics`, `POST /reset_prefix_cache` (vLLM's: drops
+every AR stage's prefix cache), `POST /v1/completions`,
 `POST /v1/chat/completions`, the speech routes (`POST /v1/audio/speech` of `serving_speech`,
 `/v1/audio/voices` of `serving_voices`, `WS /v1/audio/speech/stream` of `serving_speech_ws`,
-`POST /v1/audio/speech/batch` of `serving_speech_batch`, options `SpeechOptions`), the image routes of `serving_images` (`POST /v1/images/generations`,
+`POST /v1/audio/speech/batch` of `serving_speech_batch`, options `SpeechOptions`), the image routes of
+`serving_images` (`POST /v1/images/generations`,
 `POST /v1/images/edits`) and the video-jobs routes of `serving_videos` (`/v1/videos`), capped by
 `MediaLimits`. A body over `max_body_bytes` is a 413 before a route reads it (`body_limit`). With an
-API key, every `/v1` route needs `Authorization: Bearer KEY` (checked before the body is read); the
-key comes from `--api-key-file`, `--api-key` or `$OMNISTAGE_API_KEY` (`resolve_api_key`).
+API key, every `/v1` route and the cache reset need `Authorization: Bearer KEY` (checked before the
+body is read); the key comes from `--api-key-file`, `--api-key` or `$OMNISTAGE_API_KEY` (`resolve_api_key`).
 `GET /health` is 503 with every stage's state while one is down (its process restarting).
 `run_server(args)` builds the engine from the CLI arguments, prints how to talk to it (never the
 key: the snippets read `$OMNISTAGE_API_KEY`), and runs uvicorn in this process until SIGTERM /
@@ -34,6 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 
 from omnistage import __version__
+from omnistage.entrypoints.async_omni import EngineDeadError
 from omnistage.entrypoints.openai.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
 from omnistage.entrypoints.openai.errors import OpenAIError, install_error_handlers
 from omnistage.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -66,9 +69,13 @@ def default_served_name(model: Optional[str]) -> str:
 DEFAULT_DRAIN_TIMEOUT_S = 30.0                  # `--drain-timeout`: how long SIGTERM waits for requests in flight
 
 
+PROTECTED_PATHS = ("/v1", "/reset_prefix_cache")  # what needs the API key when one is set
+
+
 class ApiKeyMiddleware:
-    """Pure ASGI: a `/v1` request without the right bearer key gets a 401 before anything else runs;
-    a `/v1` WebSocket handshake without it is refused (close 1008, which uvicorn answers with 403)."""
+    """Pure ASGI: a `/v1` (or cache reset) request without the right bearer key gets a 401 before
+    anything else runs; a `/v1` WebSocket handshake without it is refused (close 1008, which uvicorn
+    answers with 403)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
@@ -76,7 +83,8 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope, receive, send):
         ws = scope["type"] == "websocket"
-        if (ws or scope["type"] == "http") and scope["path"].startswith("/v1") and scope.get("method") != "OPTIONS":
+        path = scope.get("path", "")
+        if (ws or scope["type"] == "http") and path.startswith(PROTECTED_PATHS) and scope.get("method") != "OPTIONS":
             given = Headers(scope=scope).get("authorization", "").encode()
             if not hmac.compare_digest(given, self.expected) and ws:    # refused handshake: HTTP 403
                 await send({"type": "websocket.close", "code": 1008, "reason": "invalid API key"})
@@ -131,6 +139,18 @@ def build_app(engine: Any, served_model_name: str, api_key: Optional[str] = None
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    app.head("/metrics", include_in_schema=False)(prometheus_metrics)   # probes (AIPerf) send HEAD
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """vLLM's route: drops every AR stage's prefix cache (requests in flight go on); 200, no body."""
+        try:
+            dropped = await engine.reset_prefix_cache()
+        except EngineDeadError as e:
+            raise OpenAIError(503, str(e), code="engine_dead") from e
+        logger.info("prefix cache reset: %s", dropped)
+        return Response(status_code=200)
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:

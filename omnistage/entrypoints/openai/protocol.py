@@ -64,6 +64,7 @@ class RequestBody(BaseModel):
 
 class StreamOptions(RequestBody):
     include_usage: StrictBool = False           # one more chunk at the end, with usage, no choices
+    continuous_usage_stats: StrictBool = False  # with include_usage: every chunk carries the usage so far (vLLM)
 
 
 class _SamplingRequest(RequestBody):
@@ -92,6 +93,11 @@ class _SamplingRequest(RequestBody):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every stream chunk (`stream_options.continuous_usage_stats` with `include_usage`)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
         """Raises `ParamError` naming the SamplingParams field (see `field_names`)."""
@@ -135,7 +141,7 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: Optional[StrictBool] = False
     top_logprobs: Optional[int] = None          # alternatives per token when logprobs is true, [0, 20]
     modalities: Optional[list[str]] = None      # output modalities: ["text"] or ["text", "audio"] (speech models, cascades)
-    audio: Optional[dict[str, Any]] = None      # with "audio" in modalities: {"voice": name, "format": wav | pcm | flac}
+    audio: Optional[dict[str, Any]] = None      # with "audio" in modalities: {"voice": name, "format": wav | pcm | flac | mp3 | opus | aac}
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
     def to_sampling_params(self) -> SamplingParams:
@@ -157,10 +163,15 @@ class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0                      # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
 class ModelCard(_Response):

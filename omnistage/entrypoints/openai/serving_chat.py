@@ -11,7 +11,8 @@ variables for the template: names that `apply_chat_template` itself takes (`toke
 `chat_template`, ...) are refused with a 400, and a template that fails on them says so without
 Python internals. Out: a `ChatCompletionResponse` with usage, or an SSE stream of
 `chat.completion.chunk`s: a role chunk per choice, content deltas, `finish_reason` on each choice's
-last chunk, an optional usage chunk, then `[DONE]`. With `"modalities": ["text", "audio"]` (a
+last chunk, an optional usage chunk (with `continuous_usage_stats`, usage so far in every chunk),
+then `[DONE]`. With `"modalities": ["text", "audio"]` (a
 pipeline with a speech stage) the message gains `audio` and the stream `delta.audio` chunks
 (`serving_speech.ChatAudio`). Logprobs use the chat shape `{content: [{token, logprob, bytes,
 top_logprobs}]}`.
@@ -214,12 +215,14 @@ class ServingChat(OpenAIServing):
     async def _chunks(self, rid: str, created: int, req: ChatCompletionRequest, n: int, gens: list,
                       firsts: list[RequestOutput], audio: Optional[ChatAudio] = None
                       ) -> AsyncIterator[ChatCompletionChunk]:
+        last: Optional[RequestOutput] = firsts[0]
+
         def chunk(choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=rid, created=created, model=self.served_model_name, choices=choices)
+            return ChatCompletionChunk(id=rid, created=created, model=self.served_model_name, choices=choices,
+                                       usage=usage_of([last]) if req.continuous_usage else None)
 
         yield chunk([ChatStreamChoice(index=i, delta={"role": "assistant", "content": ""}) for i in range(n)])
         tracker = DeltaTracker(n)
-        last: Optional[RequestOutput] = firsts[0]
         async with aclosing(self.merge(gens, firsts)) as merged:
             async for _, out in merged:
                 last = out

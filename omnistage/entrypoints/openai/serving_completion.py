@@ -5,7 +5,8 @@ token-id lists; text prompts are bounded in characters, then tokenized in a work
 prompt is one engine request with `n` completions; choice `i * n + j` is
 completion j of prompt i, as in OpenAI's API. Out: a `CompletionResponse` with usage, or an SSE
 stream of `text_completion` chunks (per-choice deltas, `finish_reason` on each choice's last
-chunk, a usage chunk when `stream_options.include_usage`, then `[DONE]`).
+chunk, a usage chunk when `stream_options.include_usage`, usage so far in every chunk as well with
+`continuous_usage_stats`, then `[DONE]`).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class ServingCompletion(OpenAIServing):
                     for d in tracker.update(i, out)]
                 if choices:
                     yield CompletionResponse(id=rid, created=created, model=self.served_model_name,
-                                             choices=choices)
+                                             choices=choices, usage=usage_of(last) if req.continuous_usage else None)
         if req.include_usage:
             yield CompletionResponse(id=rid, created=created, model=self.served_model_name, choices=[],
                                      usage=usage_of(last))

@@ -30,7 +30,7 @@ from sse_starlette import EventSourceResponse
 
 from omnistage.entrypoints.async_omni import EngineDeadError
 from omnistage.entrypoints.openai.errors import ClientDisconnected, OpenAIError, bad_request
-from omnistage.entrypoints.openai.protocol import UsageInfo
+from omnistage.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from omnistage.metrics import EngineMetrics
 from omnistage.outputs import RequestOutput, TokenLogprobs
 
@@ -83,9 +83,14 @@ class DeltaTracker:
 
 
 def usage_of(outputs: list[Optional[RequestOutput]]) -> UsageInfo:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
-    completion = sum(o.num_generated_tokens for o in outputs if o is not None)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    """Token counts of the latest outputs of a response's prompts (cumulative: mid-stream, so far);
+    `prompt_tokens_details.cached_tokens` counts the prompt tokens the prefix cache served."""
+    outputs = [o for o in outputs if o is not None]
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(o.num_generated_tokens for o in outputs)
+    cached = PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in outputs))
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=cached)
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -7,7 +7,7 @@
     `x_vector_only_mode`, `max_new_tokens`, `initial_codec_chunk_frames`, `stream`; `voice` is a
     preset of the model or an uploaded voice (`voice_store.py`, whose reference becomes
     `ref_audio` / `ref_text`). A field the model cannot honour is a 400 from its `check_params`.
-    Out: the whole file (wav | pcm | flac) with usage headers `x-vllm-omni-*-tokens`, or with
+    Out: the whole file (wav | pcm | flac | mp3 | opus | aac) with usage headers `x-vllm-omni-*-tokens`, or with
     `stream_format: "audio"` the same bytes streamed as sentences are synthesized, or with
     `stream: true` / `stream_format: "sse"` events `speech.audio.delta` (`audio`: base64 of the next
     bytes of that stream), a last `speech.audio.done` with usage, or `speech.audio.error`.
@@ -66,7 +66,7 @@ class SpeechRequest(RequestBody):
     model: Optional[str] = None                 # None or the served model's name
     input: str                                  # text to speak, at most 4096 characters
     voice: Union[str, dict[str, Any], None] = None  # a preset or uploaded voice name, or {"id": name}; None = default
-    response_format: str = "wav"                # wav | pcm (16-bit LE mono) | flac
+    response_format: str = "wav"                # wav | pcm (16-bit LE mono) | flac | mp3 | opus (Ogg) | aac (ADTS)
     speed: float = 1.0                          # [0.25, 4.0]
     instructions: Optional[str] = None          # style prompt; VoiceDesign: the voice's description
     stream: StrictBool = False                  # true: stream (SSE events unless stream_format says "audio")

@@ -100,3 +100,12 @@ def test_serve_flags_parse_and_bad_values_name_the_option(capsys):
         cli.main(["serve", "--cache-backend", "tea_cache", "--cache-config", '{"rel_l1_thresh": -1}'])
     with pytest.raises(SystemExit, match="--cache-config needs --cache-backend"):
         cli.main(["serve", "--cache-config", '{"rel_l1_thresh": 0.1}'])
+
+
+def test_metrics_count_cached_steps(server):
+    import httpx
+
+    _generate(server, {"rel_l1_thresh": 0.8})
+    text = httpx.get(str(server.base_url).replace("/v1/", "/metrics")).text
+    line = next(l for l in text.splitlines() if l.startswith("omnistage:diffusion_cached_steps_total"))
+    assert float(line.split()[-1]) > 0

@@ -7,6 +7,9 @@ resolves each stage's config once (`pipeline/build.py`); the memory planner, the
 chat renderer read the resolved values (`torch_device()`, `torch_dtype()`). Engines built directly
 (tests, benchmarks) resolve the config they are given the same way; resolving again changes nothing.
 The AR engine derives the rest (block count) from it and the checkpoint's config.
+Also defined here, once: the diffusion step-cache backends and their settings (`CACHE_BACKENDS`,
+checked by `cache_config_problem`), read at start-up (EngineConfig), per request (the diffusion
+engine) and by `diffusion/step_cache.py`.
 """
 
 from __future__ import annotations

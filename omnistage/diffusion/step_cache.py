@@ -94,7 +94,7 @@ class StepCache:
         self.states: dict[str, _RequestState] = {}
         self.total_cached_steps = 0             # skipped steps over all requests (metrics)
         self._forward: Optional[_Forward] = None
-        self._num_blocks: dict[int, int] = {}   # id(denoiser) -> blocks in its declared lists
+        self.num_blocks: Optional[int] = None   # blocks of the smallest wrapped denoiser (set by install)
         self.check(None)
 
     # -- set-up ----------------------------------------------------------------------------------------
@@ -104,17 +104,16 @@ class StepCache:
             blocks = [b for name in self.spec.lists for b in getattr(model, name)]
             if not blocks:
                 raise ValueError(f"{type(model).__name__} has no blocks in {self.spec.lists}")
-            self._num_blocks[id(model)] = len(blocks)
             for index, block in enumerate(blocks):
                 block.forward = self._wrap(block, block.forward, id(model), index, len(blocks))
-        self.num_blocks = min(self._num_blocks.values())
+            self.num_blocks = min(self.num_blocks or len(blocks), len(blocks))
 
     def check(self, overrides: Optional[dict]) -> dict[str, Any]:
         """The settings a request with these overrides runs with; ParamError naming the key if out of range."""
         problem = cache_config_problem(self.backend, overrides or {})
         if problem is None:
             settings = cache_settings(self.backend, self.server_config, overrides)
-            if self.backend == "cache_dit" and hasattr(self, "num_blocks"):
+            if self.backend == "cache_dit" and self.num_blocks is not None:
                 fn, bn = settings["Fn_compute_blocks"], settings["Bn_compute_blocks"]
                 if fn + bn >= self.num_blocks:
                     problem = ("Fn_compute_blocks", f"cache_config.Fn_compute_blocks + Bn_compute_blocks must be "

@@ -44,9 +44,9 @@ def run(eng, prompt="a red cube", **params):
 
 
 @pytest.mark.parametrize("backend", ["tea_cache", "cache_dit"])
-@pytest.mark.parametrize("kind", ["flux", "wan"])
+@pytest.mark.parametrize("kind", ["flux", "wan2.2"])   # wan2.2: two experts, the cache restarts at the switch
 def test_threshold_zero_equals_no_cache_exactly(tiny_dir, kind, backend):
-    extra = {"num_frames": 5} if kind == "wan" else {}
+    extra = {"num_frames": 5} if kind.startswith("wan") else {}
     plain = run(engine(tiny_dir, kind), seed=3, num_inference_steps=4, **extra)
     cached = run(engine(tiny_dir, kind, cache_backend=backend), seed=3, num_inference_steps=4,
                  cache_config=OFF[backend], **extra)

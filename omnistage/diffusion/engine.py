@@ -4,7 +4,8 @@ In: `add_request(request_id, inputs, params)` where inputs is a prompt string or
 `prompt`, optional `negative_prompt`, and `image` / `images` (PIL) for edit and image-to-video
 models; params is a `DiffusionParams`. Each `step()` runs one schedule -> run -> update round:
 admitted requests get their prompts encoded (batched) and their seeded latents; one group of
-compatible requests shares one denoiser forward; requests that finished denoising are decoded.
+compatible requests shares one denoiser forward; requests that finished denoising are decoded
+(those finishing in the same step with the same output shape in one VAE call).
 Out: a list of `StageOutput`s — a progress update (`output.progress` in 0..1) for every request that
 advanced, and a final one (`finished=True`) carrying `images` (PIL) or `video` (VideoOutput, uint8
 frames [T, H, W, 3]), `videos`, `timings` (seconds per phase) and `finish_reason`; on failure its
@@ -12,7 +13,9 @@ frames [T, H, W, 3]), `videos`, `timings` (seconds per phase) and `finish_reason
 is run again request by request, so the others go on). `check_params` refuses params over the
 model's limits up front (`ParamError` naming the field). The `RequestOutput` itself carries the phase times so far in `metrics.phase_times` and, on
 failure, `error`. Built by the orchestrator through `from_stage_spec` from the stage's resolved
-`EngineConfig` (device, dtype, batch limits).
+`EngineConfig` (device, dtype, batch limits, and `cache_backend` / `cache_config` / `vae_use_tiling`:
+the step cache, `step_cache.py`, whose per-request state this engine adds and drops with its
+requests; skipped steps in `metrics.cached_steps` and `stats()["num_cached_steps"]`).
 """
 
 from __future__ import annotations

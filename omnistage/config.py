@@ -7,6 +7,9 @@ resolves each stage's config once (`pipeline/build.py`); the memory planner, the
 chat renderer read the resolved values (`torch_device()`, `torch_dtype()`). Engines built directly
 (tests, benchmarks) resolve the config they are given the same way; resolving again changes nothing.
 The AR engine derives the rest (block count) from it and the checkpoint's config.
+Also defined here, once: the diffusion step-cache backends and their settings (`CACHE_BACKENDS`,
+checked by `cache_config_problem`), read at start-up (EngineConfig), per request (the diffusion
+engine) and by `diffusion/step_cache.py`.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +46,12 @@ class EngineConfig:
     cpu_threads: Optional[int] = None           # torch intra-op threads on CPU; None = cores - 1 (>= 1)
     cuda_graphs: bool = True                    # capture decode steps on CUDA
     async_scheduling: bool = True               # AR: queue step N+1 before reading step N's ids (ar/engine.py)
+    # -- diffusion: step cache and VAE (vLLM-Omni's names; the tables below define them) --
+    cache_backend: Optional[str] = None         # None | "tea_cache" | "cache_dit" (CACHE_BACKENDS)
+    cache_config: Optional[dict] = None         # server-wide cache settings (CACHE_BACKENDS keys);
+    # a request's DiffusionParams.cache_config overrides them key by key
+    vae_use_tiling: bool = False                # decode every image / video with diffusers' VAE tiling
+    # -- end of the step cache and VAE options --
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -56,6 +65,22 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        self._check_cache_options()
+
+    def _check_cache_options(self) -> None:
+        """`cache_backend` among CACHE_BACKENDS (or None), `cache_config` valid for it."""
+        if self.cache_backend is not None and self.cache_backend not in CACHE_BACKENDS:
+            raise ValueError(f"cache_backend must be one of {', '.join(CACHE_BACKENDS)} (or unset); "
+                             f"got {self.cache_backend!r}")
+        if self.cache_config is not None:
+            if self.cache_backend is None:
+                raise ValueError("cache_config needs a cache_backend (one of "
+                                 f"{', '.join(CACHE_BACKENDS)})")
+            problem = cache_config_problem(self.cache_backend, self.cache_config)
+            if problem is not None:
+                raise ValueError(f"cache_config: {problem[1]}")
+        if not isinstance(self.vae_use_tiling, bool):
+            raise ValueError(f"vae_use_tiling must be true or false, got {self.vae_use_tiling!r}")
 
     def max_len(self, model_max_len: int) -> int:
         """Prompt + output tokens a sequence may have: `max_model_len`, at most the model's limit."""
@@ -105,6 +130,74 @@ class EngineConfig:
             raise ValueError("dtype is 'auto': resolve the config for its stage first "
                              "(EngineConfig.resolved(kind, checkpoint_dtype))")
         return dtype_by_name(self.dtype)
+
+
+# -- diffusion step caches: the options of each backend, defined once ----------------------------------
+# Read by EngineConfig (server-wide `cache_config`, a ValueError at start-up), the diffusion engine
+# (a request's `cache_config`, a ParamError -> 400) and diffusion/step_cache.py (the values it runs with).
+
+
+@dataclass(frozen=True)
+class CacheOption:
+    default: Any                                # value when neither the server nor the request sets it
+    low: float                                  # smallest allowed value
+    high: float                                 # largest allowed value
+    kind: type = float                          # float | int | list (a list of floats: polynomial coefficients)
+    meaning: str = ""                           # one line for docs and error messages
+
+
+CACHE_BACKENDS: dict[str, dict[str, CacheOption]] = {
+    # TeaCache: skip a step while the accumulated, polynomial-rescaled relative L1 change of the first
+    # block's modulated input stays under `rel_l1_thresh`; the first and last steps always run.
+    "tea_cache": {
+        "rel_l1_thresh": CacheOption(0.2, 0.0, 10.0, float, "accumulated change under which a step is skipped"),
+        "coefficients": CacheOption(None, -1e9, 1e9, list, "rescaling polynomial, highest power first "
+                                    "(default: the model family's, else the identity)"),
+    },
+    # DBCache (cache-dit's names): the first Fn blocks always run; when the relative L1 change of their
+    # residual is under `residual_diff_threshold`, the middle blocks are skipped and their cached
+    # residual is added; the last Bn blocks always run.
+    "cache_dit": {
+        "Fn_compute_blocks": CacheOption(1, 1, 1000, int, "leading blocks that always run"),
+        "Bn_compute_blocks": CacheOption(0, 0, 1000, int, "trailing blocks that always run"),
+        "residual_diff_threshold": CacheOption(0.24, 0.0, 10.0, float, "relative change under which a step is cached"),
+        "max_warmup_steps": CacheOption(4, 0, 100000, int, "first steps that always run"),
+        "max_cached_steps": CacheOption(-1, -1, 100000, int, "cached steps per request at most (-1: no limit)"),
+        "max_continuous_cached_steps": CacheOption(3, -1, 100000, int,
+                                                   "cached steps in a row at most (-1: no limit)"),
+    },
+}
+
+
+def cache_config_problem(backend: str, config: Any) -> Optional[tuple[str, str]]:
+    """None when `config` is a valid `cache_config` for `backend`, else (key, message naming the key
+    and its allowed range). Callers raise it as their error (ValueError at start-up, ParamError)."""
+    options = CACHE_BACKENDS[backend]
+    if not isinstance(config, dict):
+        return "", f"cache_config must be a JSON object of {backend} settings, got {type(config).__name__}"
+    for key, value in config.items():
+        if key not in options:
+            return key, f"cache_config.{key} is not a {backend} setting; allowed: {', '.join(options)}"
+        opt = options[key]
+        if opt.kind is list:
+            ok = value is None or (isinstance(value, list) and 1 <= len(value) <= 16 and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and opt.low <= v <= opt.high for v in value))
+            allowed = "null or a list of 1 to 16 numbers"
+        else:
+            number = (int,) if opt.kind is int else (int, float)
+            ok = isinstance(value, number) and not isinstance(value, bool) and opt.low <= value <= opt.high
+            allowed = f"{'an integer' if opt.kind is int else 'a number'} in [{opt.low:g}, {opt.high:g}]"
+        if not ok:
+            return key, f"cache_config.{key} must be {allowed} ({opt.meaning}), got {value!r}"
+    return None
+
+
+def cache_settings(backend: str, *layers: Optional[dict]) -> dict[str, Any]:
+    """The backend's defaults overridden by each of `layers` in turn (server-wide, then the request's)."""
+    out = {key: opt.default for key, opt in CACHE_BACKENDS[backend].items()}
+    for layer in layers:
+        out.update(layer or {})
+    return out
 
 
 def concrete_device(device: str) -> str:

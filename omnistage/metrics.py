@@ -13,7 +13,8 @@ e2e_request_latency_seconds, time_to_first_token_seconds, inter_token_latency_se
 time_to_first_audio_seconds, audio_real_time_factor (histograms) and audio_seconds_total; for
 diffusion (outputs with `progress`) diffusion_step_seconds (the shared denoising forward + solver
 update, observed per request per step) and diffusion_request_phase_seconds{phase} (encode / denoise
-/ decode seconds of each finished request); the diffusion queue depth is num_requests_waiting /
+/ decode seconds of each finished request), diffusion_cached_steps_total (steps the step cache
+skipped, from `stats()`); the diffusion queue depth is num_requests_waiting /
 num_requests_running, read from the diffusion stage.
 """
 
@@ -81,6 +82,11 @@ class _EngineStatsCollector:
             m = family(PREFIX + name, doc, labels=["model_name"])
             m.add_metric(label, float(stats.get(key, 0)))
             yield m
+        if "num_cached_steps" in stats:           # a diffusion main stage (its step cache may be off: 0)
+            c = CounterMetricFamily(PREFIX + "diffusion_cached_steps",
+                                    "Denoising steps that reused a cached residual (step cache).", labels=["model_name"])
+            c.add_metric(label, float(stats["num_cached_steps"]))
+            yield c
         # Stage-to-stage edges of multi-stage pipelines: stats keys "edge:<src>-><dst>:<what>".
         edges = {k: v for k, v in stats.items() if k.startswith("edge:")}
         if edges:

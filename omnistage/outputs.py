@@ -54,6 +54,7 @@ class RequestMetrics:
     finished_time: Optional[float] = None
     phase_times: dict[str, float] = field(default_factory=dict)  # step-based stages: phase -> seconds so far
                                                                  # (diffusion: encode, denoise, decode)
+    cached_steps: int = 0                       # diffusion step cache: denoising steps that reused a cached residual
 
 
 @dataclass

@@ -112,8 +112,12 @@ class DiffusionParams:
     negative_prompt: Optional[str] = None
     seed: Optional[int] = None                  # torch.Generator("cpu").manual_seed(seed) semantics
     num_outputs_per_prompt: int = 1
+    cache_config: Optional[dict] = None         # step-cache settings over the server's (e.g. {"rel_l1_thresh": 0.3});
+    # the engine checks keys and ranges against its cache backend (config.CACHE_BACKENDS)
 
     def __post_init__(self) -> None:
+        check_param(self.cache_config is None or isinstance(self.cache_config, dict), "cache_config",
+                    "an object of cache settings", self.cache_config)
         for name in ("height", "width", "num_frames", "fps", "num_inference_steps"):
             v = getattr(self, name)
             check_param(v is None or (isinstance(v, int) and v >= 1), name, "a positive integer", v)

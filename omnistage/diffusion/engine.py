@@ -4,7 +4,8 @@ In: `add_request(request_id, inputs, params)` where inputs is a prompt string or
 `prompt`, optional `negative_prompt`, and `image` / `images` (PIL) for edit and image-to-video
 models; params is a `DiffusionParams`. Each `step()` runs one schedule -> run -> update round:
 admitted requests get their prompts encoded (batched) and their seeded latents; one group of
-compatible requests shares one denoiser forward; requests that finished denoising are decoded.
+compatible requests shares one denoiser forward; requests that finished denoising are decoded
+(those finishing in the same step with the same output shape in one VAE call).
 Out: a list of `StageOutput`s — a progress update (`output.progress` in 0..1) for every request that
 advanced, and a final one (`finished=True`) carrying `images` (PIL) or `video` (VideoOutput, uint8
 frames [T, H, W, 3]), `videos`, `timings` (seconds per phase) and `finish_reason`; on failure its
@@ -12,7 +13,9 @@ frames [T, H, W, 3]), `videos`, `timings` (seconds per phase) and `finish_reason
 is run again request by request, so the others go on). `check_params` refuses params over the
 model's limits up front (`ParamError` naming the field). The `RequestOutput` itself carries the phase times so far in `metrics.phase_times` and, on
 failure, `error`. Built by the orchestrator through `from_stage_spec` from the stage's resolved
-`EngineConfig` (device, dtype, batch limits).
+`EngineConfig` (device, dtype, batch limits, and `cache_backend` / `cache_config` / `vae_use_tiling`:
+the step cache, `step_cache.py`, whose per-request state this engine adds and drops with its
+requests; skipped steps in `metrics.cached_steps` and `stats()["num_cached_steps"]`).
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from omnistage.config import EngineConfig
 from omnistage.diffusion.pipelines.base import DiffusionFamily, load_components, read_model_index
 from omnistage.diffusion.runner import DiffusionRunner
 from omnistage.diffusion.scheduler import DiffusionRunnerOutput, DiffusionScheduler, SchedEntry
+from omnistage.diffusion.step_cache import StepCache
 from omnistage.diffusion.task import DiffusionTask
 from omnistage.outputs import RequestMetrics, RequestOutput, VideoOutput
-from omnistage.params import DiffusionParams
+from omnistage.params import DiffusionParams, ParamError
 from omnistage.stage import StageError, StageOutput
 
 # Batch limits of a diffusion stage whose EngineConfig leaves them at the (AR-oriented) defaults:
@@ -59,23 +63,39 @@ class DiffusionEngine:
         family = family_cls(model_dir, index, load_components(model_dir, index, dtype, device), device, dtype)
         if vae_tile_pixels is not None:
             family.tile_threshold = vae_tile_pixels
-        self._start(family, *batch_limits(config))
+        self._start(family, *batch_limits(config), config)
 
     @classmethod
     def from_family(cls, family: DiffusionFamily, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-                    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> "DiffusionEngine":
-        """An engine around a family whose components were built in code (benchmarks, tests)."""
+                    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                    config: Optional[EngineConfig] = None) -> "DiffusionEngine":
+        """An engine around a family whose components were built in code (benchmarks, tests);
+        `config` gives the step-cache and VAE options (its batch limits are not read)."""
         engine = cls.__new__(cls)
-        engine._start(family, max_num_seqs, max_num_batched_tokens)
+        engine._start(family, max_num_seqs, max_num_batched_tokens, config or EngineConfig())
         return engine
 
-    def _start(self, family: DiffusionFamily, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def _start(self, family: DiffusionFamily, max_num_seqs: int, max_num_batched_tokens: int,
+               config: EngineConfig) -> None:
         self.family, self.device, self.dtype = family, family.device, family.dtype
+        if config.vae_use_tiling:
+            family.tile_threshold = 0           # every decode tiles (diffusers' enable_tiling on the VAE)
+        self.cache: Optional[StepCache] = None  # the step cache (config.cache_backend), state keyed by request
+        if config.cache_backend is not None:
+            if family.block_cache is None:
+                raise ValueError(f"cache_backend {config.cache_backend!r}: {type(family).__name__} declares no "
+                                 "repeated blocks (block_cache); leave cache_backend unset for this model")
+            self.cache = StepCache(config.cache_backend, config.cache_config, family.block_cache)
+            self.cache.install(family.denoisers())
+            try:
+                self.cache.check(None)
+            except ParamError as e:
+                raise ValueError(f"cache_config: {e}") from None
         self.output_kind = self.family.output_kind    # "image" or "video"
         self.takes_image = self.family.takes_image    # requests must bring an input image (edit, I2V)
         self.default_fps = getattr(self.family, "default_fps", None)   # video models: fps of an unset `fps`
         self.scheduler = DiffusionScheduler(max_num_seqs, max_num_batched_tokens)
-        self.runner = DiffusionRunner(self.family)
+        self.runner = DiffusionRunner(self.family, self.cache)
         self.tasks: dict[str, DiffusionTask] = {}
         self._metrics: dict[str, RequestMetrics] = {}
         self._pending: list[StageOutput] = []       # outputs produced between steps (aborts)
@@ -97,7 +117,18 @@ class DiffusionEngine:
     def check_params(self, params: DiffusionParams) -> DiffusionParams:
         """Raise ValueError (naming the field) for params this model cannot serve, before any work;
         else return them resolved (the model's defaults filled in). Safe to call from any thread."""
-        return self.family.resolve(params if params is not None else DiffusionParams(), {})
+        params = params if params is not None else DiffusionParams()
+        self._check_cache_config(params)
+        return self.family.resolve(params, {})
+
+    def _check_cache_config(self, params: DiffusionParams) -> None:
+        """A request's `cache_config`: ParamError unless valid for this stage's cache backend."""
+        if params.cache_config is None:
+            return
+        if self.cache is None:
+            raise ParamError("cache_config", "cache_config needs a server started with a cache backend "
+                                             "(--cache-backend tea_cache | cache_dit); this one has none")
+        self.cache.check(params.cache_config)
 
     def add_request(self, request_id: str, inputs: Any, params: Optional[DiffusionParams] = None,
                     arrival_time: Optional[float] = None) -> None:
@@ -108,7 +139,10 @@ class DiffusionEngine:
         if not isinstance(inputs, dict):
             raise ValueError(f"inputs must be a prompt string or a dict, got {type(inputs).__name__}")
         params = params if params is not None else DiffusionParams()
+        self._check_cache_config(params)
         task = self.family.new_task(request_id, inputs, params)
+        if self.cache is not None:
+            self.cache.add(request_id, params.cache_config)
         task.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.tasks[request_id] = task
         self._metrics[request_id] = RequestMetrics(arrival_time=task.arrival_time)
@@ -135,8 +169,7 @@ class DiffusionEngine:
                 continue
             task = self.tasks[rid]
             outputs.append(StageOutput(rid, self._output(task), finished=False))
-        for rid in finished:
-            outputs.append(self._finish(rid))
+        outputs += self._finish_all([rid for rid in finished if rid in self.tasks])
         return outputs
 
     def abort(self, request_id: str) -> None:
@@ -145,6 +178,7 @@ class DiffusionEngine:
         if task is not None:
             out = self._output(task)
             out.finished = True
+            self._forget(request_id)
             self._pending.append(StageOutput(request_id, out, finished=True, finish_reason="abort"))
             self._metrics.pop(request_id, None)
 
@@ -156,7 +190,8 @@ class DiffusionEngine:
         return {"num_waiting": float(self.scheduler.num_waiting), "num_running": float(self.scheduler.num_running),
                 "num_forwards": float(r.num_forwards), "last_batch_rows": float(r.last_batch_rows),
                 "last_batch_tasks": float(r.last_batch_tasks), "max_batch_tasks": float(r.max_batch_tasks),
-                "last_step_time_s": r.last_step_time, "num_finished": float(self._finished_total)}
+                "last_step_time_s": r.last_step_time, "num_finished": float(self._finished_total),
+                "num_cached_steps": float(self.cache.total_cached_steps if self.cache is not None else 0)}
 
     # -- convenience -----------------------------------------------------------------------------
     def generate(self, requests: dict[str, tuple[Any, DiffusionParams]]) -> dict[str, RequestOutput]:
@@ -201,25 +236,48 @@ class DiffusionEngine:
         out.finished = True
         out.error = message
         self._metrics.pop(request_id, None)
+        self._forget(request_id)
         return StageOutput(request_id, out, finished=True, finish_reason="error", error=StageError(message))
 
     def _output(self, task: DiffusionTask) -> RequestOutput:
         metrics = self._metrics.get(task.request_id)
         if metrics is not None:                 # a snapshot: earlier outputs keep the times they had
-            metrics = dataclasses.replace(metrics, phase_times=dict(task.timings))
+            cached = self.cache.cached_steps(task.request_id) if self.cache is not None else 0
+            metrics = dataclasses.replace(metrics, phase_times=dict(task.timings), cached_steps=cached)
             self._metrics[task.request_id] = metrics
         return RequestOutput(request_id=task.request_id, prompt=task.prompt, progress=task.progress,
                              metrics=metrics)
 
+    def _forget(self, request_id: str) -> None:
+        if self.cache is not None:
+            self.cache.drop(request_id)
+
     @torch.no_grad()
-    def _finish(self, request_id: str) -> StageOutput:
-        task = self.tasks[request_id]
-        start = time.perf_counter()
-        try:
-            result = self.family.decode(task)
-        except Exception as e:
-            return self._fail(request_id, f"decoding failed: {e}")
-        task.add_time("decode", time.perf_counter() - start)
+    def _finish_all(self, request_ids: list[str]) -> list[StageOutput]:
+        """Decode the requests that finished denoising this step: those with equal decode keys in one
+        VAE call; a batched decode that raises is run again request by request, so only its breaker fails."""
+        groups: dict[Any, list[DiffusionTask]] = {}
+        for rid in request_ids:
+            task = self.tasks[rid]
+            groups.setdefault(self.family.decode_key(task), []).append(task)
+        outputs = []
+        for tasks in groups.values():
+            start = time.perf_counter()
+            try:
+                results = self.family.decode_batch(tasks)
+            except Exception as e:
+                if len(tasks) == 1:
+                    outputs.append(self._fail(tasks[0].request_id, f"decoding failed: {e}"))
+                else:
+                    outputs += [out for t in tasks for out in self._finish_all([t.request_id])]
+                continue
+            per_task = (time.perf_counter() - start) / len(tasks)
+            outputs += [self._finish(t, result, per_task) for t, result in zip(tasks, results)]
+        return outputs
+
+    def _finish(self, task: DiffusionTask, result: list, decode_s: float) -> StageOutput:
+        request_id = task.request_id
+        task.add_time("decode", decode_s)
         del self.tasks[request_id]
         out = self._output(task)
         out.finished = True
@@ -233,5 +291,6 @@ class DiffusionEngine:
         if out.metrics is not None:
             out.metrics.finished_time = time.time()
         self._metrics.pop(request_id, None)
+        self._forget(request_id)
         self._finished_total += 1
         return final

@@ -10,19 +10,23 @@ failed: a forward that raises is retried task by task, so only the request that 
 
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Optional
 
 import torch
 
 from omnistage.diffusion.pipelines.base import DiffusionFamily
 from omnistage.diffusion.scheduler import DiffusionRunnerOutput
 from omnistage.diffusion.solvers import solver_step
+from omnistage.diffusion.step_cache import StepCache
 from omnistage.diffusion.task import DiffusionTask
 
 
 class DiffusionRunner:
-    def __init__(self, family: DiffusionFamily):
+    def __init__(self, family: DiffusionFamily, cache: Optional[StepCache] = None):
         self.family = family
+        self.cache = cache                      # step cache consulted inside the denoiser's blocks, or None
         self.last_batch_rows = 0                # rows of the most recent forward
         self.last_batch_tasks = 0               # tasks in the most recent forward
         self.max_batch_rows = 0                 # largest forward seen (rows)
@@ -84,7 +88,9 @@ class DiffusionRunner:
                 row_tasks.append(task)
         key = fam.key(tasks[0])
         x = torch.cat(xs)
-        out = fam.denoise(key, x, torch.cat(ts).to(x.device), conds, row_tasks)
+        cached = self.cache.forward(tasks) if self.cache is not None else contextlib.nullcontext()
+        with cached:
+            out = fam.denoise(key, x, torch.cat(ts).to(x.device), conds, row_tasks)
         velocities, row = [], 0
         for task in tasks:
             n = task.num_images

@@ -12,9 +12,12 @@ checkpoints in real formats. Heavy imports (torch, transformers) happen inside t
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from typing import Optional, Sequence
+
+from omnistage.config import CACHE_BACKENDS, cache_config_problem
 
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -31,6 +34,24 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deploy-config", default=None, metavar="FILE.yaml",
                    help="pipeline overrides: per-stage devices, engine sizes, chunking (see pipeline/deploy_config.py)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"))
+    # -- diffusion step cache and VAE (vLLM-Omni's flags) --
+    p.add_argument("--cache-backend", default=None, choices=tuple(CACHE_BACKENDS),
+                   help="diffusion step cache (default: none)")
+    p.add_argument("--cache-config", default=None, type=_json_object, metavar="JSON",
+                   help='settings of the cache backend, e.g. \'{"rel_l1_thresh": 0.2}\' (see README)')
+    p.add_argument("--vae-use-tiling", action="store_true", default=None,
+                   help="decode images / videos with the VAE's tiled decode (less memory)")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}); pass an object such as "
+                                         '\'{"rel_l1_thresh": 0.2}\'') from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,6 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_device(args: argparse.Namespace) -> None:
     if not (args.device in _DEVICES or args.device.startswith("cuda:")):
         raise SystemExit(f"omnistage: --device must be one of {', '.join(_DEVICES)} or cuda:N, got {args.device!r}")
+
+
+def _check_cache(args: argparse.Namespace) -> None:
+    if args.cache_config is None:
+        return
+    if args.cache_backend is None:
+        raise SystemExit(f"omnistage: --cache-config needs --cache-backend (one of {', '.join(CACHE_BACKENDS)})")
+    problem = cache_config_problem(args.cache_backend, args.cache_config)
+    if problem is not None:
+        raise SystemExit(f"omnistage: --cache-config: {problem[1]}")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -190,6 +221,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if hasattr(args, "device"):
         _check_device(args)
+    if hasattr(args, "cache_backend"):
+        _check_cache(args)
     commands = {"serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench, "make-tiny": cmd_make_tiny}
     return commands[args.command](args)
 

@@ -13,6 +13,7 @@ Runs in the stage's process.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from omnistage.diffusion.solvers import Schedule, make_schedule, mu_for
+from omnistage.diffusion.step_cache import BlockCacheSpec
 from omnistage.diffusion.task import Conditioning, DiffusionTask
 from omnistage.params import DiffusionParams, ParamError
 
@@ -93,6 +95,7 @@ class DiffusionFamily:
     takes_image = False                         # True: every request brings an input image (edit, I2V)
     default_steps = 50
     max_pixels = 4096                           # largest accepted height / width (see also `max_size`)
+    block_cache: Optional[BlockCacheSpec] = None  # the denoiser's repeated blocks, for step caches (None: no cache)
 
     def __init__(self, model_dir: str, index: dict, components: dict[str, Any], device: torch.device,
                  dtype: torch.dtype):
@@ -103,6 +106,10 @@ class DiffusionFamily:
         self.dtype = dtype
         self.scheduler_config: dict = components["scheduler"]
         self.tile_threshold = 1024 * 1024       # decode with VAE tiling above this many output pixels
+
+    def denoisers(self) -> list:
+        """The denoiser modules whose `block_cache` blocks a step cache wraps."""
+        return [self.c["transformer"]]
 
     # -- request side --------------------------------------------------------------------------------
     def resolve(self, params: DiffusionParams, inputs: dict) -> DiffusionParams:
@@ -143,7 +150,29 @@ class DiffusionFamily:
         return uncond_out + task.static["cfg_scale"] * (cond_out - uncond_out)
 
     def decode(self, task: DiffusionTask) -> Any:
+        """The task's latents -> its images (PIL) or videos (uint8 frames), one per latent row."""
         raise NotImplementedError
+
+    def decode_key(self, task: DiffusionTask) -> Hashable:
+        """Tasks with equal keys decode in one VAE call (same latent shape and output size)."""
+        p = task.params
+        return (task.static.get("shape"), task.static.get("latent_hw"), p.height, p.width, p.num_frames)
+
+    def decode_batch(self, tasks: list[DiffusionTask]) -> list[list]:
+        """ONE VAE decode over the latent rows of tasks with equal `decode_key`s -> each task's results.
+
+        `decode` reads only the latents and the shape-level fields the key holds, so the tasks'
+        rows stacked into one task decode as each would alone (VAE rows are independent)."""
+        if len(tasks) == 1:
+            return [list(self.decode(tasks[0]))]
+        joined = dataclasses.replace(tasks[0], latents=torch.cat([t.latents for t in tasks]),
+                                     num_images=sum(t.num_images for t in tasks))
+        results, start = list(self.decode(joined)), 0
+        out = []
+        for t in tasks:
+            out.append(results[start: start + t.num_images])
+            start += t.num_images
+        return out
 
     # -- shared helpers ------------------------------------------------------------------------------
     def fill_defaults(self, params: DiffusionParams, size: tuple[int, int], multiples: tuple[int, int],

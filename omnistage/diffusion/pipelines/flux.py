@@ -13,6 +13,7 @@ import torch
 
 from omnistage.diffusion.pipelines.base import ImageFamily, assign_conds, cfg_prompts, seeded_noise
 from omnistage.diffusion.pipelines.qwen_image import pack, unpack
+from omnistage.diffusion.step_cache import BlockCacheSpec
 from omnistage.diffusion.task import Conditioning, DiffusionTask
 from omnistage.params import DiffusionParams
 
@@ -31,6 +32,12 @@ class FluxFamily(ImageFamily):
     class_names = ("FluxPipeline",)
     default_steps = 28
     default_guidance = 3.5
+    block_cache = BlockCacheSpec(lists=("transformer_blocks", "single_transformer_blocks"),
+                                 batched=("hidden_states", "encoder_hidden_states", "temb"),
+                                 outputs=("encoder_hidden_states", "hidden_states"), modulated_norm="norm1",
+                                 # TeaCache's published FLUX.1 fit (the paper's; vLLM-Omni uses the same)
+                                 coefficients=(4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00,
+                                               2.64230861e-01))
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

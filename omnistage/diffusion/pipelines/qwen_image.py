@@ -12,6 +12,7 @@ import torch
 
 from omnistage.diffusion.pipelines.base import (ImageFamily, assign_conds, cfg_prompts, pad_stack, seeded_noise,
                                                  to_pil, vae_stats)
+from omnistage.diffusion.step_cache import BlockCacheSpec
 from omnistage.diffusion.task import Conditioning, DiffusionTask
 from omnistage.params import DiffusionParams
 
@@ -41,6 +42,11 @@ class QwenImageFamily(ImageFamily):
     class_names = ("QwenImagePipeline",)
     default_steps = 50
     default_true_cfg = 4.0
+    # temb is 2x the rows with zero_cond_t (Qwen-Image-Edit-2511): the cache slices both halves
+    block_cache = BlockCacheSpec(lists=("transformer_blocks",),
+                                 batched=("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask",
+                                          "temb", "modulate_index"),
+                                 outputs=("encoder_hidden_states", "hidden_states"), modulated="temb")
 
     def vae_scale_factor(self) -> int:
         return 2 ** len(self.vae.temperal_downsample)

@@ -13,6 +13,7 @@ import torch
 
 from omnistage.diffusion.pipelines.base import ImageFamily, assign_conds, cfg_prompts, seeded_noise
 from omnistage.diffusion.solvers import calculate_shift, make_schedule
+from omnistage.diffusion.step_cache import BlockCacheSpec
 from omnistage.diffusion.task import Conditioning, DiffusionTask
 from omnistage.params import DiffusionParams
 
@@ -23,6 +24,8 @@ class SD3Family(ImageFamily):
     class_names = ("StableDiffusion3Pipeline",)
     default_steps = 28
     default_guidance = 7.0
+    block_cache = BlockCacheSpec(lists=("transformer_blocks",), batched=("hidden_states", "encoder_hidden_states", "temb"),
+                                 outputs=("encoder_hidden_states", "hidden_states"), modulated_norm="norm1")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

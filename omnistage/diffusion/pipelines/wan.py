@@ -22,6 +22,7 @@ import torch
 from omnistage.diffusion.pipelines.base import (DiffusionFamily, assign_conds, cfg_prompts, seeded_noise, to_uint8,
                                                  vae_stats)
 from omnistage.diffusion.solvers import make_schedule
+from omnistage.diffusion.step_cache import BlockCacheSpec
 from omnistage.diffusion.task import Conditioning, DiffusionTask
 from omnistage.params import DiffusionParams, ParamError
 
@@ -47,6 +48,8 @@ class WanFamily(DiffusionFamily):
     default_fps = 16
     default_size = (480, 832)
     default_frames = 81
+    block_cache = BlockCacheSpec(lists=("blocks",), batched=("hidden_states", "encoder_hidden_states", "temb"),
+                                 outputs=("hidden_states",), modulated="temb")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -60,6 +63,9 @@ class WanFamily(DiffusionFamily):
             raise ValueError("Wan2.2 TI2V (expand_timesteps=True) is not supported yet")
         if self.boundary is not None and len(self.experts) < 2:
             raise ValueError("boundary_ratio is set but the folder has no transformer_2")
+
+    def denoisers(self) -> list:
+        return list(self.experts)
 
     def resolve(self, params: DiffusionParams, inputs: dict) -> DiffusionParams:
         frames = params.num_frames or self.default_frames

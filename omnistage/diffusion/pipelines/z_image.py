@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from omnistage.diffusion.pipelines.base import ImageFamily, assign_conds, cfg_prompts, seeded_noise
+from omnistage.diffusion.step_cache import BlockCacheSpec
 from omnistage.diffusion.task import Conditioning, DiffusionTask
 from omnistage.params import DiffusionParams
 
@@ -22,6 +23,10 @@ class ZImageFamily(ImageFamily):
     class_names = ("ZImagePipeline",)
     default_steps = 50
     default_guidance = 5.0
+    # the main layers over the joined image + caption sequence (the refiners before them always run)
+    block_cache = BlockCacheSpec(lists=("layers",), batched=("x", "attn_mask", "freqs_cis", "adaln_input", "noise_mask",
+                                                             "adaln_noisy", "adaln_clean"),
+                                 outputs=("x",), modulated="adaln_input")
 
     def default_size(self) -> tuple[int, int]:
         return 1024, 1024

@@ -79,6 +79,7 @@ class DiffusionFields(RequestBody):
     guidance_scale: Optional[float] = Field(None, ge=0, le=100)
     true_cfg_scale: Optional[float] = Field(None, ge=0, le=100)
     seed: Optional[int] = Field(None, ge=-_INT64, lt=_INT64)
+    cache_config: Optional[dict[str, Any]] = None  # step-cache settings over the server's (e.g. rel_l1_thresh)
 
 
 class ImageRequest(DiffusionFields):
@@ -112,7 +113,7 @@ def params_error(e: ValueError) -> OpenAIError:
     if param != field:
         message = f"{param}: {message}"
     known = set(DiffusionParams.__dataclass_fields__) | {"size", "n", "image", "prompt"}
-    return OpenAIError(400, message, param=param if param in known else None)
+    return OpenAIError(400, message, param=param if (param or "").split(".")[0] in known else None)
 
 
 async def read_form(raw: Request, limits: MediaLimits) -> tuple[dict[str, str], dict[str, list[UploadFile]]]:
@@ -231,7 +232,7 @@ class DiffusionServing(OpenAIServing):
         width, height = parse_size(req.size, self.limits.max_image_pixels)
         given = dict(height=height, width=width, num_inference_steps=req.num_inference_steps,
                      guidance_scale=req.guidance_scale, true_cfg_scale=req.true_cfg_scale,
-                     negative_prompt=req.negative_prompt, seed=req.seed, **extra)
+                     negative_prompt=req.negative_prompt, seed=req.seed, cache_config=req.cache_config, **extra)
         try:
             params = DiffusionParams(**given)
             resolved = self.stage.check_params(params) or params

@@ -58,7 +58,7 @@ _IDLE_POLL_MS = 100                             # stage process: wait for comman
 _WAIT_MS = 5                                    # orchestrator: wait at most this long for any stage process
 _OPTIONAL = ("add_input", "check_params", "voices")
 # plain attributes of an engine that entry points read (a diffusion stage: what it makes and takes)
-_ATTRIBUTES = ("output_kind", "takes_image", "takes_mask", "default_fps")
+_ATTRIBUTES = ("output_kind", "takes_image", "takes_mask", "default_fps", "limits")
 STATES = ("ready", "restarting", "failed")      # what `StageClient.state` may say
 
 

@@ -19,8 +19,9 @@ POSITIVE, NEGATIVE = (GenerationMode.POSITIVE,), (GenerationMode.NEGATIVE,)
 BOTH = POSITIVE + NEGATIVE                      # negative data needs a body or query to break
 ROUTES = {                                      # fixture -> "METHOD path" -> generation modes
     "text_server": {"POST /v1/completions": BOTH, "POST /v1/chat/completions": BOTH, "POST /v1/audio/speech": BOTH,
-                    "GET /v1/models": POSITIVE, "GET /health": POSITIVE},
-    "image_server": {"POST /v1/images/generations": NEGATIVE, "POST /v1/images/edits": NEGATIVE},
+                    "GET /v1/models": POSITIVE, "GET /health": POSITIVE, "GET /v1/capabilities": POSITIVE},
+    "image_server": {"POST /v1/images/generations": NEGATIVE, "POST /v1/images/edits": NEGATIVE,
+                     "GET /v1/capabilities": POSITIVE},
     "video_server": {"POST /v1/videos": NEGATIVE, "GET /v1/videos": BOTH, "GET /v1/videos/{video_id}": POSITIVE,
                      "GET /v1/videos/{video_id}/content": BOTH, "DELETE /v1/videos/{video_id}": POSITIVE},
 }

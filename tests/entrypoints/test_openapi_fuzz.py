@@ -20,8 +20,7 @@ BOTH = POSITIVE + NEGATIVE                      # negative data needs a body or 
 ROUTES = {                                      # fixture -> "METHOD path" -> generation modes
     "text_server": {"POST /v1/completions": BOTH, "POST /v1/chat/completions": BOTH, "POST /v1/audio/speech": BOTH,
                     "GET /v1/models": POSITIVE, "GET /health": POSITIVE, "GET /v1/capabilities": POSITIVE},
-    "image_server": {"POST /v1/images/generations": NEGATIVE, "POST /v1/images/edits": NEGATIVE,
-                     "GET /v1/capabilities": POSITIVE},
+    "image_server": {"POST /v1/images/generations": NEGATIVE, "POST /v1/images/edits": NEGATIVE},
     "video_server": {"POST /v1/videos": NEGATIVE, "GET /v1/videos": BOTH, "GET /v1/videos/{video_id}": POSITIVE,
                      "GET /v1/videos/{video_id}/content": BOTH, "DELETE /v1/videos/{video_id}": POSITIVE},
 }

@@ -1,12 +1,13 @@
 """The web playground in a real headless browser: Debian's `chromium` driven by Playwright's Python
 client (`executable_path`, no browser download), against the real server on loopback (the shared
-tiny servers of conftest.py: a tiny LM cascaded into Piper, a tiny Qwen-Image).
+tiny servers of conftest.py: a tiny LM cascaded into Piper, a tiny Qwen-Image, a tiny Wan 2.1).
 
 * chat: a message sent from the page streams its answer into the DOM in more than one update, and
   the text shown is the server's own answer to the same request (greedy);
 * images: the prompt generates with per-step progress shown, and the `<img>` that appears has loaded
   the very PNG the API returns for the same seed;
 * speech: the Piper voice speaks, streamed, into a playable clip;
+* video: a job made on the page completes, plays in a `<video>` and is deleted;
 * `--api-key`: the page asks for the key, refuses a wrong one, and works once the right one is given.
 
 Without chromium or playwright the module skips with the reason, unless OMNISTAGE_REQUIRE_BROWSER=1
@@ -156,3 +157,25 @@ def test_page_asks_for_the_api_key(text_server, page):
         page.wait_for_selector("#tab-chat")
         _settings(page, **{"max-tokens": 6})
         assert _chat(page, "Hi").strip()
+
+
+def test_video_job_runs_plays_and_is_deleted(video_server, page):
+    page.goto(video_server.url + "/")
+    page.wait_for_selector("#video-prompt")
+    page.fill("#video-prompt", "waves at dusk")
+    for name, value in {"width": 32, "height": 32, "steps": 2, "frames": 5, "fps": 8, "seed": 1}.items():
+        page.fill(f"#video-{name}", str(value))
+    before = [j["id"] for j in httpx.get(video_server.url + "/v1/videos?limit=100").json()["data"]]
+    page.click("#video-go")
+    # the shared server may hold other tests' jobs: ours is the one the page lists that was not there
+    page.wait_for_function("(before) => [...document.querySelectorAll('.job[data-status=completed]')]"
+                           ".some((j) => !before.includes(j.dataset.id))", arg=before)
+    job = next(j for j in page.query_selector_all(".job[data-status=completed]") if j.get_attribute("data-id") not in before)
+    video_id = job.get_attribute("data-id")
+    assert "5 frames @ 8 fps" in job.inner_text()
+    job.query_selector("button.play").click()
+    clip = page.wait_for_selector(f"#video-players figure[data-id='{video_id}'] video")
+    page.wait_for_function("(v) => v.readyState >= 1 && v.videoWidth === 32", arg=clip)
+    job.query_selector("button.delete").click()
+    page.wait_for_function("(id) => !document.querySelector(`.job[data-id='${id}']`)", arg=video_id)
+    assert video_id not in [j["id"] for j in httpx.get(video_server.url + "/v1/videos?limit=100").json()["data"]]

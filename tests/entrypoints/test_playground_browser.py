@@ -3,7 +3,8 @@ client (`executable_path`, no browser download), against the real server on loop
 tiny servers of conftest.py: a tiny LM cascaded into Piper, a tiny Qwen-Image, a tiny Wan 2.1).
 
 * chat: a message sent from the page streams its answer into the DOM in more than one update, and
-  the text shown is the server's own answer to the same request (greedy);
+  the text shown is the server's own answer to the same request (greedy); with "speak the answer"
+  its audio chunks are played as they stream and kept as a clip;
 * images: the prompt generates with per-step progress shown, and the `<img>` that appears has loaded
   the very PNG the API returns for the same seed;
 * speech: the Piper voice speaks, streamed, into a playable clip;
@@ -104,6 +105,18 @@ def test_chat_streams_the_servers_answer_into_the_page(text_server, page):
         "model": text_server.name, "messages": [{"role": "user", "content": "Tell me about the harbour."}],
         "max_tokens": 40, "temperature": 0}).json()
     assert shown == reply["choices"][0]["message"]["content"] and shown.strip()
+
+
+def test_chat_answer_is_spoken_while_it_streams(text_server, page):
+    page.goto(text_server.url + "/")
+    page.wait_for_selector("#tab-chat")
+    _settings(page, **{"max-tokens": 6})
+    page.check("#chat-speak")
+    assert page.eval_on_selector_all("#chat-voice option", "os => os.map(o => o.value)") == ["joe"]
+    _chat(page, "Say something.")
+    clip = page.wait_for_selector(".msg.assistant audio.clip")
+    assert int(page.get_attribute(".msg.assistant", "data-audio-pieces")) >= 1
+    page.wait_for_function("(a) => a.readyState >= 1 && a.duration > 0.1", arg=clip)
 
 
 def test_image_appears_with_per_step_progress(image_server, page):

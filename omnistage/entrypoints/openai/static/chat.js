@@ -79,7 +79,10 @@ export function mountChat(root, caps) {
         for (const choice of chunk.choices || []) {
           const delta = choice.delta || {};
           if (delta.content) body.textContent += delta.content;
-          if (delta.audio && delta.audio.data && player) player.push(base64ToBytes(delta.audio.data));
+          if (delta.audio && delta.audio.data && player) {
+            player.push(base64ToBytes(delta.audio.data));
+            answer.dataset.audioPieces = player.pieces.length;   // pieces scheduled for playback so far
+          }
           if (choice.finish_reason) answer.dataset.finish = choice.finish_reason;
         }
         log.scrollTop = log.scrollHeight;

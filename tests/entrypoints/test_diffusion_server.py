@@ -176,12 +176,21 @@ def test_streamed_generation_refuses_bad_requests_before_the_stream(images):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def _aborts(server) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    key = 'omnistage:request_success_total{finished_reason="abort"'
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(key))
+
+
 def test_leaving_a_streamed_generation_aborts_it(images):
+    before = _aborts(images)
     body = {"prompt": "a cube", "size": "16x16", "stream": True, "num_inference_steps": 1000}
     with httpx.stream("POST", images.url + "/v1/images/generations", json=body, timeout=60) as r:
         lines = r.iter_lines()
-        assert next(line for line in lines if line.startswith("data:")).startswith('data: {"type": "image_generation.progress"')
+        first = next(line for line in lines if line.startswith("data:"))
+        assert first.startswith('data: {"type": "image_generation.progress"')
     _idle(images.engine, timeout=30)
+    assert _aborts(images) == before + 1         # cut at a step boundary, not run to its 1000th step
 
 
 def test_image_requests_with_bad_fields_get_4xx(images):

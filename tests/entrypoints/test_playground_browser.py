@@ -50,7 +50,8 @@ def browser():
 
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                              args=["--no-sandbox", "--disable-dev-shm-usage", "--autoplay-policy=no-user-gesture-required"])
+                              args=["--no-sandbox", "--disable-dev-shm-usage",
+                                    "--autoplay-policy=no-user-gesture-required"])
         yield b
         b.close()
 
@@ -183,7 +184,8 @@ def test_video_job_runs_plays_and_is_deleted(video_server, page):
     # the shared server may hold other tests' jobs: ours is the one the page lists that was not there
     page.wait_for_function("(before) => [...document.querySelectorAll('.job[data-status=completed]')]"
                            ".some((j) => !before.includes(j.dataset.id))", arg=before)
-    job = next(j for j in page.query_selector_all(".job[data-status=completed]") if j.get_attribute("data-id") not in before)
+    job = next(j for j in page.query_selector_all(".job[data-status=completed]")
+               if j.get_attribute("data-id") not in before)
     video_id = job.get_attribute("data-id")
     assert "5 frames @ 8 fps" in job.inner_text()
     job.query_selector("button.play").click()

@@ -89,7 +89,8 @@ def test_images_served_from_a_diffusion_stage_process_equal_the_inline_stage(tin
             assert [np.asarray(Image.open(io.BytesIO(base64.b64decode(d.b64_json)))).tolist() for d in got.data] \
                 == [np.asarray(im).tolist() for im in want]
             caps = httpx.get(url + "/v1/capabilities", timeout=30).json()   # DiffusionLimits crossed the wire
-            assert caps["tasks"] == ["image_generation"] and caps["images"]["size_multiple"] == {"width": 4, "height": 4}
+            assert caps["tasks"] == ["image_generation"]
+            assert caps["images"]["size_multiple"] == {"width": 4, "height": 4}
 
             slow: dict = {}                     # the stage is busy with 50 steps: checks are answered meanwhile
             thread = threading.Thread(target=lambda: slow.update(r=client.images.generate(

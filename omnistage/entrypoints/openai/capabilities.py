@@ -49,8 +49,8 @@ def _sizes(lim: Any, limits: MediaLimits) -> dict[str, Any]:
 
 
 def _images(lim: Any, stage: Any, limits: MediaLimits) -> dict[str, Any]:
-    return {"generation": not lim.takes_image, "edit": lim.takes_image, "mask": bool(getattr(stage, "takes_mask", False)),
-            "stream": True, "max_n": limits.max_images, "output_formats": [f for f in IMAGE_FORMATS if f != "jpg"],
+    return {"generation": not lim.takes_image, "edit": lim.takes_image,
+            "mask": bool(getattr(stage, "takes_mask", False)), "stream": True, "max_n": limits.max_images, "output_formats": [f for f in IMAGE_FORMATS if f != "jpg"],
             "max_upload_bytes": limits.max_upload_bytes, "max_upload_files": limits.max_upload_files,
             **_sizes(lim, limits)}
 

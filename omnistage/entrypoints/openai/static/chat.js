@@ -70,7 +70,8 @@ export function mountChat(root, caps) {
     stop.disabled = false;
     answer.classList.add("streaming");
     try {
-      const response = await request("/v1/chat/completions", { method: "POST", json: payload, signal: controller.signal });
+      const response = await request("/v1/chat/completions",
+        { method: "POST", json: payload, signal: controller.signal });
       await readSSE(response, ({ data }) => {
         if (data === "[DONE]") return;
         const chunk = JSON.parse(data);

@@ -56,7 +56,8 @@ export function diffusionFields(inputs) {
 export function mountImages(root, caps) {
   const lim = caps.images;
   const edit = lim.edit;
-  const prompt = el("textarea", { id: "image-prompt", rows: 2, placeholder: edit ? "What to change" : "Describe the image" });
+  const prompt = el("textarea", { id: "image-prompt", rows: 2,
+    placeholder: edit ? "What to change" : "Describe the image" });
   const inputs = diffusionInputs("image", lim, { autoSize: edit });
   const n = numberInput("image-n", { value: 1, min: 1, max: lim.max_n });
   const format = select("image-format", lim.output_formats, "png");
@@ -107,7 +108,8 @@ export function mountImages(root, caps) {
           const secs = ((performance.now() - started) / 1000).toFixed(1);
           results.prepend(el("figure", {},
             el("img", { src: url, alt: prompt.value, class: "generated", title: prompt.value }),
-            el("figcaption", {}, `${payload.size} · ${secs} s `, downloadLink(url, `image-${payload.index}.${payload.output_format}`))));
+            el("figcaption", {}, `${payload.size} · ${secs} s `,
+              downloadLink(url, `image-${payload.index}.${payload.output_format}`))));
           status.textContent = "done";
         }
       });

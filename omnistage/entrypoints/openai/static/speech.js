@@ -12,10 +12,13 @@ export function mountSpeech(root, caps) {
   const voices = caps.audio.voices;
   const text = el("textarea", { id: "speech-input", rows: 4, maxLength: caps.speech.max_input_chars,
     placeholder: "Text to speak" });
-  const voice = select("speech-voice", voices.map((v) => [v.id, `${v.name || v.id}${v.language ? ` (${v.language})` : ""}`]));
+  const label = (v) => `${v.name || v.id}${v.language ? ` (${v.language})` : ""}`;
+  const voice = select("speech-voice", voices.map((v) => [v.id, label(v)]));
   const format = select("speech-format", caps.speech.formats, "wav");
-  const speed = numberInput("speech-speed", { value: 1, min: caps.speech.speed.min, max: caps.speech.speed.max, step: 0.05 });
-  const stream = el("input", { type: "checkbox", id: "speech-stream", checked: caps.speech.stream_formats.includes("audio") });
+  const { min, max } = caps.speech.speed;
+  const speed = numberInput("speech-speed", { value: 1, min, max, step: 0.05 });
+  const stream = el("input", { type: "checkbox", id: "speech-stream",
+    checked: caps.speech.stream_formats.includes("audio") });
   const go = el("button", { id: "speech-go", type: "submit" }, "Speak");
   const error = el("p", { class: "error", hidden: true });
   const out = el("div", { id: "speech-out", class: "results" });

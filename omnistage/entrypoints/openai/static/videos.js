@@ -31,7 +31,8 @@ export function mountVideos(root, caps) {
     try {
       const page = await getJSON("/v1/videos?limit=100");
       list.replaceChildren(...page.data.map(row));
-      if (page.data.some((j) => j.status === "queued" || j.status === "in_progress")) timer = setTimeout(refresh, POLL_MS);
+      const running = page.data.some((j) => j.status === "queued" || j.status === "in_progress");
+      if (running) timer = setTimeout(refresh, POLL_MS);
     } catch (e) {
       showError(error, e);
     }
@@ -49,7 +50,8 @@ export function mountVideos(root, caps) {
       actions.append(el("button", { type: "button", class: "play", onclick: async () => {
         try {
           const url = await content(job);
-          players.prepend(el("figure", { dataset: { id: job.id } }, el("video", { controls: true, autoplay: true, loop: true, src: url }),
+          const video = el("video", { controls: true, autoplay: true, loop: true, src: url });
+          players.prepend(el("figure", { dataset: { id: job.id } }, video,
             el("figcaption", {}, `${job.prompt.slice(0, 60)} `, downloadLink(url, `${job.id}.mp4`))));
         } catch (e) { showError(error, e); }
       } }, "Play"), el("button", { type: "button", class: "save", onclick: async () => {

@@ -113,3 +113,17 @@ def test_capabilities_need_the_api_key(text_server):
         assert page.status_code == 200 and "/static/app.js" in page.text
         assert "default-src 'self'" in page.headers["content-security-policy"]
         assert httpx.get(url + "/static/app.js").headers["content-type"].startswith("text/javascript")
+
+
+def test_a_closed_engine_offers_nothing(tiny_models):
+    from omnistage.entrypoints.async_omni import AsyncOmni
+    from omnistage.entrypoints.openai.capabilities import capabilities
+    from omnistage.entrypoints.openai.errors import OpenAIError
+    from omnistage.entrypoints.openai.serving_images import MediaLimits
+
+    engine = AsyncOmni(tiny_models["qwen3"], device="cpu", dtype="float32")
+    assert capabilities(engine, "q", MediaLimits())["tasks"][0] == "chat"
+    engine.close()
+    with pytest.raises(OpenAIError) as e:
+        capabilities(engine, "q", MediaLimits())
+    assert e.value.status == 503 and e.value.code == "engine_dead"

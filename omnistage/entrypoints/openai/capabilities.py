@@ -27,6 +27,7 @@ from typing import Any, Optional
 from fastapi import FastAPI
 
 from omnistage.codec.speech import SPEED_RANGE
+from omnistage.entrypoints.openai.errors import OpenAIError
 from omnistage.entrypoints.openai.serving_engine import diffusion_stage
 from omnistage.entrypoints.openai.serving_images import MAX_STEPS, MediaLimits
 from omnistage.entrypoints.openai.serving_speech import MAX_INPUT_CHARS
@@ -63,7 +64,10 @@ def _video(lim: Any, limits: MediaLimits) -> dict[str, Any]:
 
 
 def capabilities(engine: Any, served_model_name: str, limits: MediaLimits) -> dict[str, Any]:
-    """The capabilities object of the module docstring for `engine` served as `served_model_name`."""
+    """The capabilities object of the module docstring for `engine` served as `served_model_name`
+    (503 once the engine is down: what it could do no longer holds)."""
+    if not engine.is_running:
+        raise OpenAIError(503, "the engine is not running; restart the server", code="engine_dead")
     tasks: set[str] = set()
     out: dict[str, Any] = {"object": "capabilities", "model": served_model_name}
     chat = audio = speech = images = video = None

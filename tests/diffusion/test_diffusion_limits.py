@@ -141,3 +141,32 @@ def test_image_to_video_takes_an_input_image_of_any_mode(engine):
     assert out["la"].error is None and out["la"].video.frames.shape == (5, 32, 32, 3)
     diff = np.abs(out["la"].video.frames.astype(int) - out["rgb"].video.frames.astype(int))
     assert diff.max() <= 1                                      # one batch: rows may round apart by one level
+
+
+@pytest.mark.parametrize("kind", ["wan", "sd3", "z-image", "qwen-image"])
+def test_stated_limits_are_the_ones_check_params_enforces(engine, kind):
+    """`DiffusionEngine.limits` (what GET /v1/capabilities shows) is what `check_params` does: the
+    largest size and frame count run, one multiple more is refused, unset fields get its defaults."""
+    eng = engine(kind)
+    lim = eng.limits
+    (mh, mw), video = lim.size_multiple, lim.output_kind == "video"
+    frames = dict(num_frames=lim.max_num_frames) if video else {}
+    top = eng.check_params(DiffusionParams(height=lim.max_height, width=lim.max_width, **frames))
+    assert (top.height, top.width) == (lim.max_height, lim.max_width)
+    assert top.num_inference_steps == lim.default_steps and top.guidance_scale == lim.default_guidance_scale
+    with pytest.raises(ParamError) as e:
+        eng.check_params(DiffusionParams(height=lim.max_height + mh, width=lim.max_width, **frames))
+    assert e.value.field == "height"
+    with pytest.raises(ParamError) as e:
+        eng.check_params(DiffusionParams(height=lim.max_height, width=lim.max_width - mw // 2 or 1, **frames))
+    assert e.value.field == "width"
+    if video:
+        assert top.fps == lim.default_fps and (lim.max_num_frames - 1) % lim.frame_step == 0
+        with pytest.raises(ParamError) as e:
+            eng.check_params(DiffusionParams(height=mh, width=mw, num_frames=lim.max_num_frames + lim.frame_step))
+        assert e.value.field == "num_frames"
+        small = dict(height=mh, width=mw, num_frames=lim.frame_step + 1)
+        assert eng.check_params(DiffusionParams(**small)).num_frames == lim.frame_step + 1
+    elif lim.default_height <= lim.max_height and lim.default_width <= lim.max_width:
+        default = eng.check_params(DiffusionParams())
+        assert (default.height, default.width) == (lim.default_height, lim.default_width)

@@ -142,6 +142,57 @@ def test_async_omni_streams_progress(images):
     assert set(outs[-1].metrics.phase_times) == {"encode", "denoise", "decode"}
 
 
+def _sse_events(response) -> list[dict]:
+    """The JSON data of each SSE event of an httpx streaming response (with its `event:` name checked)."""
+    import json
+
+    events, name = [], None
+    for line in response.iter_lines():
+        if line.startswith("event:"):
+            name = line[6:].strip()
+        elif line.startswith("data:"):
+            events.append(json.loads(line[5:]))
+            assert events[-1]["type"] == name
+    return events
+
+
+def test_streamed_generation_sends_each_step_then_the_same_images(images):
+    """`stream: true`: a progress event per denoising step, then OpenAI's `image_generation.completed`
+    per image, read by the real openai client; the images are the non-streamed ones of that seed."""
+    kw = dict(model=images.name, prompt="a red cube", size="64x48", n=2, extra_body=dict(seed=5, num_inference_steps=3))
+    events = list(images.client.images.generate(stream=True, **kw))
+    assert [e.type for e in events] == ["image_generation.progress"] * 3 + ["image_generation.completed"] * 2
+    assert [(e.step, e.num_inference_steps) for e in events[:3]] == [(1, 3), (2, 3), (3, 3)]
+    assert [(e.index, e.size, e.output_format) for e in events[3:]] == [(0, "64x48", "png"), (1, "64x48", "png")]
+    plain = images.client.images.generate(**kw)
+    assert [_pixels(e.b64_json).tolist() for e in events[3:]] == [_pixels(d.b64_json).tolist() for d in plain.data]
+
+
+def test_streamed_generation_refuses_bad_requests_before_the_stream(images):
+    base = {"model": images.name, "prompt": "a cube", "size": "64x48", "stream": True, "num_inference_steps": 2}
+    for body, param in (({**base, "size": "65x48"}, "size"), ({**base, "partial_images": 2}, "partial_images"),
+                        ({**base, "prompt": " "}, "prompt")):
+        r = httpx.post(images.url + "/v1/images/generations", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def _aborts(server) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    key = 'omnistage:request_success_total{finished_reason="abort"'
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(key))
+
+
+def test_leaving_a_streamed_generation_aborts_it(images):
+    before = _aborts(images)
+    body = {"prompt": "a cube", "size": "16x16", "stream": True, "num_inference_steps": 1000}
+    with httpx.stream("POST", images.url + "/v1/images/generations", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        assert first.startswith('data: {"type": "image_generation.progress"')
+    _idle(images.engine, timeout=30)
+    assert _aborts(images) == before + 1         # cut at a step boundary, not run to its 1000th step
+
+
 def test_image_requests_with_bad_fields_get_4xx(images):
     gen = images.client.images.generate
     kw = dict(model=images.name, prompt="x", extra_body=STEPS)
@@ -306,3 +357,15 @@ def test_images_edit_returns_an_edited_png(image_edit, tmp_path):
     two = lambda: c.images.edit(model=image_edit.name, image=[("a.png", _png(), "image/png")] * 2, prompt="x")
     assert _status(two) == (400, "image")                                       # Qwen-Image-Edit takes one image
     assert _status(lambda: c.images.generate(model=image_edit.name, prompt="x"))[0] == 400
+
+
+def test_streamed_edit_sends_progress_then_the_edited_image(image_edit):
+    form = {"prompt": "make it red", "size": "64x32", "stream": "true", "seed": "3", "num_inference_steps": "2"}
+    with httpx.stream("POST", image_edit.url + "/v1/images/edits", data=form, timeout=120,
+                      files={"image": ("in.png", _png(), "image/png")}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = _sse_events(r)
+    assert [e["type"] for e in events] == ["image_edit.progress"] * 2 + ["image_edit.completed"]
+    plain = image_edit.client.images.edit(model=image_edit.name, image=("in.png", _png(), "image/png"),
+                                          prompt="make it red", size="64x32", extra_body=dict(STEPS, seed=3))
+    assert np.array_equal(_pixels(events[-1]["b64_json"]), _pixels(plain.data[0].b64_json))

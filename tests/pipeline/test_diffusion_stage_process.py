@@ -13,6 +13,7 @@ import io
 import threading
 import time
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -87,6 +88,9 @@ def test_images_served_from_a_diffusion_stage_process_equal_the_inline_stage(tin
                 num_inference_steps=2, seed=7, true_cfg_scale=4.0, negative_prompt="blurry"))
             assert [np.asarray(Image.open(io.BytesIO(base64.b64decode(d.b64_json)))).tolist() for d in got.data] \
                 == [np.asarray(im).tolist() for im in want]
+            caps = httpx.get(url + "/v1/capabilities", timeout=30).json()   # DiffusionLimits crossed the wire
+            assert caps["tasks"] == ["image_generation"]
+            assert caps["images"]["size_multiple"] == {"width": 4, "height": 4}
 
             slow: dict = {}                     # the stage is busy with 50 steps: checks are answered meanwhile
             thread = threading.Thread(target=lambda: slow.update(r=client.images.generate(

@@ -8,7 +8,8 @@ and `decode` (VAE -> PIL images or uint8 frames). Shared here: loading the compo
 `model_index.json`, seeded noise, post-processing, and size validation. `resolve` checks a request
 against the model's limits (sizes, and frames for video, from the checkpoint's config) and raises
 `ParamError` naming the field before any work; what fails later is that request's run-time error.
-Runs in the stage's process.
+`limits()` states those limits and the defaults as data (`DiffusionLimits`), for entry points to
+show (`GET /v1/capabilities`). Runs in the stage's process.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import dataclasses
 import importlib
 import json
 import os
+from dataclasses import dataclass
 from typing import Any, Hashable, Optional
 
 import numpy as np
@@ -87,6 +89,25 @@ def check_multiple(name: str, value: int, multiple: int, maximum: int) -> None:
         raise ParamError(name, f"{name} must be a positive multiple of {multiple} and at most {maximum}, got {value}")
 
 
+@dataclass
+class DiffusionLimits:
+    """What a request may ask of one diffusion model, and what it gets when it leaves a field unset."""
+
+    output_kind: str                            # "image" or "video"
+    takes_image: bool                           # every request brings an input image (edit, image-to-video)
+    default_height: int                         # pixels, of a request that sets no size (edit models: without
+    default_width: int                          #   an image; with one the size follows the image)
+    size_multiple: tuple[int, int]              # (height, width): a requested size is a multiple of these, pixels
+    max_height: int                             # largest accepted height, pixels (a multiple of size_multiple[0])
+    max_width: int                              # largest accepted width, pixels (a multiple of size_multiple[1])
+    default_steps: int                          # num_inference_steps of a request that sets none
+    default_guidance_scale: Optional[float]     # guidance_scale of a request that sets none (None: unused)
+    default_num_frames: Optional[int] = None    # video: frames of a request that sets none
+    max_num_frames: Optional[int] = None        # video: most frames one clip may have
+    frame_step: Optional[int] = None            # video: frame counts are k * frame_step + 1 (others are rounded)
+    default_fps: Optional[int] = None           # video: fps of a request that sets none
+
+
 class DiffusionFamily:
     """Base class: per-family subclasses override the phase methods; this holds shared state."""
 
@@ -94,6 +115,7 @@ class DiffusionFamily:
     output_kind = "image"                       # "image" or "video"
     takes_image = False                         # True: every request brings an input image (edit, I2V)
     default_steps = 50
+    default_guidance: Optional[float] = None    # None: guidance_scale stays unset unless a request sets it
     max_pixels = 4096                           # largest accepted height / width (see also `max_size`)
     block_cache: Optional[BlockCacheSpec] = None  # the denoiser's repeated blocks, for step caches (None: no cache)
 
@@ -115,6 +137,28 @@ class DiffusionFamily:
     def resolve(self, params: DiffusionParams, inputs: dict) -> DiffusionParams:
         """Fill the model's defaults and validate; raises ValueError naming the field."""
         raise NotImplementedError
+
+    def size_multiples(self) -> tuple[int, int]:
+        """(height, width): every output size must be a multiple of these, in pixels."""
+        raise NotImplementedError
+
+    def largest_size(self) -> tuple[int, int]:
+        """Largest accepted (height, width): `max_pixels` and `max_size`, floored to the multiples."""
+        (mh, mw), (top_h, top_w) = self.size_multiples(), self.max_size()
+        return min(self.max_pixels, top_h) // mh * mh, min(self.max_pixels, top_w) // mw * mw
+
+    def default_size(self) -> tuple[int, int]:
+        """(height, width) in pixels of a request that sets no size."""
+        raise NotImplementedError
+
+    def limits(self) -> DiffusionLimits:
+        """The model's limits and defaults as data: what `resolve` enforces and fills in (a tiny
+        checkpoint's default size may lie over its largest one: then every request must set a size)."""
+        (h, w), (top_h, top_w) = self.default_size(), self.largest_size()
+        return DiffusionLimits(output_kind=self.output_kind, takes_image=self.takes_image, default_height=h,
+                               default_width=w, size_multiple=self.size_multiples(), max_height=top_h,
+                               max_width=top_w, default_steps=self.default_steps,
+                               default_guidance_scale=self.default_guidance)
 
     def new_task(self, request_id: str, inputs: dict, params: DiffusionParams) -> DiffusionTask:
         raise NotImplementedError
@@ -175,17 +219,18 @@ class DiffusionFamily:
         return out
 
     # -- shared helpers ------------------------------------------------------------------------------
-    def fill_defaults(self, params: DiffusionParams, size: tuple[int, int], multiples: tuple[int, int],
-                      default_guidance: Optional[float], **more) -> DiffusionParams:
+    def fill_defaults(self, params: DiffusionParams, size: tuple[int, int], default_guidance: Optional[float],
+                      **more) -> DiffusionParams:
         """Unset height / width / steps / guidance take the model's defaults (`size` is (height, width));
-        height and width must be multiples of `multiples`; `more` sets further fields."""
+        height and width must be multiples of `size_multiples()`, at most `largest_size()`; `more`
+        sets further fields."""
         p = params.clone(height=params.height or size[0], width=params.width or size[1],
                          num_inference_steps=params.num_inference_steps or self.default_steps,
                          guidance_scale=params.guidance_scale if params.guidance_scale is not None
                          else default_guidance, **more)
-        top_h, top_w = self.max_size()
-        check_multiple("height", p.height, multiples[0], min(self.max_pixels, top_h) // multiples[0] * multiples[0])
-        check_multiple("width", p.width, multiples[1], min(self.max_pixels, top_w) // multiples[1] * multiples[1])
+        (mh, mw), (top_h, top_w) = self.size_multiples(), self.largest_size()
+        check_multiple("height", p.height, mh, top_h)
+        check_multiple("width", p.width, mw, top_w)
         return p
 
     def max_size(self) -> tuple[int, int]:
@@ -227,8 +272,6 @@ class DiffusionFamily:
 class ImageFamily(DiffusionFamily):
     """Text-to-image families with one transformer and a VAE (FLUX, SD3, Z-Image, Qwen-Image)."""
 
-    default_guidance: Optional[float] = None    # None: guidance_scale stays unset unless a request sets it
-
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.transformer = self.c["transformer"]
@@ -246,8 +289,11 @@ class ImageFamily(DiffusionFamily):
     def default_size(self) -> tuple[int, int]:
         return 128 * self.vae_scale, 128 * self.vae_scale
 
+    def size_multiples(self) -> tuple[int, int]:
+        return self.multiple, self.multiple
+
     def resolve(self, params: DiffusionParams, inputs: dict) -> DiffusionParams:
-        return self.fill_defaults(params, self.default_size(), (self.multiple, self.multiple), self.default_guidance)
+        return self.fill_defaults(params, self.default_size(), self.default_guidance)
 
     def packed_task(self, request_id: str, inputs: dict, p: DiffusionParams, negative: Optional[str], do_cfg: bool,
                     cfg_scale: float, sigmas: Optional[list] = None) -> DiffusionTask:

@@ -79,8 +79,7 @@ class QwenImageEditFamily(QwenImageFamily):
         return max(m, h // m * m), max(m, w // m * m)
 
     def resolve(self, params: DiffusionParams, inputs: dict) -> DiffusionParams:
-        return self.fill_defaults(params, self.default_size(inputs), (self.multiple, self.multiple),
-                                  self.default_guidance)
+        return self.fill_defaults(params, self.default_size(inputs), self.default_guidance)
 
     def init_task(self, task: DiffusionTask, inputs: dict) -> None:
         image = input_image(inputs)

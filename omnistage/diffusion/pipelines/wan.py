@@ -13,14 +13,15 @@ frames [n][T, H, W, 3]. The maths follows diffusers' `pipeline_wan.py` / `pipeli
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import re
 from typing import Hashable
 
 import torch
 
-from omnistage.diffusion.pipelines.base import (DiffusionFamily, assign_conds, cfg_prompts, seeded_noise, to_uint8,
-                                                 vae_stats)
+from omnistage.diffusion.pipelines.base import (DiffusionFamily, DiffusionLimits, assign_conds, cfg_prompts,
+                                                 seeded_noise, to_uint8, vae_stats)
 from omnistage.diffusion.solvers import make_schedule
 from omnistage.diffusion.step_cache import BlockCacheSpec
 from omnistage.diffusion.task import Conditioning, DiffusionTask
@@ -46,7 +47,6 @@ class WanFamily(DiffusionFamily):
     default_steps = 50
     default_guidance = 5.0
     default_fps = 16
-    default_size = (480, 832)
     default_frames = 81
     block_cache = BlockCacheSpec(lists=("blocks",), batched=("hidden_states", "encoder_hidden_states", "temb"),
                                  outputs=("hidden_states",), modulated="temb")
@@ -71,10 +71,9 @@ class WanFamily(DiffusionFamily):
         frames = params.num_frames or self.default_frames
         if frames % self.t_scale != 1:  # diffusers rounds to the nearest valid count the same way
             frames = max(frames // self.t_scale * self.t_scale + 1, 1)
-        multiples = (self.s_scale * self.patch[1], self.s_scale * self.patch[2])
-        p = self.fill_defaults(params, self.default_size, multiples, self.default_guidance, num_frames=frames,
+        p = self.fill_defaults(params, self.default_size(), self.default_guidance, num_frames=frames,
                                fps=params.fps or self.default_fps)
-        top = (self.rope_len * self.patch[0] - 1) * self.t_scale + 1    # latent frames the rope table holds
+        top = self.max_frames()
         if frames > top:
             given = "" if params.num_frames else " (the model's default)"
             raise ParamError("num_frames", f"num_frames must be at most {top} for this model, got {frames}{given}")
@@ -87,6 +86,21 @@ class WanFamily(DiffusionFamily):
 
     def max_size(self) -> tuple[int, int]:
         return self.rope_len * self.patch[1] * self.s_scale, self.rope_len * self.patch[2] * self.s_scale
+
+    def size_multiples(self) -> tuple[int, int]:
+        return self.s_scale * self.patch[1], self.s_scale * self.patch[2]
+
+    def max_frames(self) -> int:
+        """Most frames of one clip: the latent frames the rope table holds."""
+        return (self.rope_len * self.patch[0] - 1) * self.t_scale + 1
+
+    def default_size(self) -> tuple[int, int]:
+        return 480, 832
+
+    def limits(self) -> DiffusionLimits:
+        return dataclasses.replace(super().limits(), default_num_frames=self.default_frames,
+                                   max_num_frames=self.max_frames(), frame_step=self.t_scale,
+                                   default_fps=self.default_fps)
 
     def new_task(self, request_id: str, inputs: dict, params: DiffusionParams) -> DiffusionTask:
         p = self.resolve(params, inputs)

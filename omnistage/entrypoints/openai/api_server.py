@@ -8,9 +8,12 @@ every AR stage's prefix cache), `POST /v1/completions`,
 `POST /v1/audio/speech/batch` of `serving_speech_batch`, options `SpeechOptions`), the image routes of
 `serving_images` (`POST /v1/images/generations`,
 `POST /v1/images/edits`) and the video-jobs routes of `serving_videos` (`/v1/videos`), capped by
-`MediaLimits`. A body over `max_body_bytes` is a 413 before a route reads it (`body_limit`). With an
-API key, every `/v1` route and the cache reset need `Authorization: Bearer KEY` (checked before the
-body is read); the key comes from `--api-key-file`, `--api-key` or `$OMNISTAGE_API_KEY` (`resolve_api_key`).
+`MediaLimits`, `GET /v1/capabilities` (`capabilities`: what the served pipeline can do) and the web
+playground at `/` and `/static/` (`playground`). A body over `max_body_bytes` is a 413 before a
+route reads it (`body_limit`). With an API key, every `/v1` route and the cache reset need
+`Authorization: Bearer KEY` (checked before the body is read; the playground's page and files do not,
+the page asks for the key); the key comes from `--api-key-file`, `--api-key` or `$OMNISTAGE_API_KEY`
+(`resolve_api_key`).
 `GET /health` is 503 with every stage's state while one is down (its process restarting).
 `run_server(args)` builds the engine from the CLI arguments, prints how to talk to it (never the
 key: the snippets read `$OMNISTAGE_API_KEY`), and runs uvicorn in this process until SIGTERM /
@@ -38,7 +41,9 @@ from starlette.datastructures import Headers
 from omnistage import __version__
 from omnistage.entrypoints.async_omni import EngineDeadError
 from omnistage.entrypoints.openai.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimitMiddleware
+from omnistage.entrypoints.openai.capabilities import register_capabilities_route
 from omnistage.entrypoints.openai.errors import OpenAIError, install_error_handlers
+from omnistage.entrypoints.openai.playground import register_playground
 from omnistage.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from omnistage.entrypoints.openai.serving_chat import ServingChat
 from omnistage.entrypoints.openai.serving_completion import ServingCompletion
@@ -170,6 +175,8 @@ def build_app(engine: Any, served_model_name: str, api_key: Optional[str] = None
     register_voice_routes(app, speech)
     register_image_routes(app, engine, served_model_name, metrics, media_limits)
     register_video_routes(app, engine, served_model_name, metrics, media_limits)
+    register_capabilities_route(app, engine, served_model_name, media_limits)
+    register_playground(app)
 
     return app
 
@@ -189,7 +196,7 @@ def usage_banner(host: str, port: int, name: str, needs_key: bool) -> str:
               f"messages=[{{'role': 'user', 'content': 'What is the capital of France?'}}], max_tokens=32)\n"
               f"print(reply.choices[0].message.content)")
     note = f"  (the API key is not shown: export {API_KEY_ENV}=<your key> first)\n\n" if needs_key else ""
-    return (f"\nomnistage is serving {name!r} at {base}\n\n{note}"
+    return (f"\nomnistage is serving {name!r} at {base}\n  playground: http://{shown}:{port}/\n\n{note}"
             f"  curl {base}/chat/completions -H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}\n\n"
             f"  python - <<'EOF'\n{client}\nEOF\n")
 

@@ -6,9 +6,13 @@
     `negative_prompt, num_inference_steps, guidance_scale, true_cfg_scale, seed`. The n images are one
     request with `num_outputs_per_prompt=n` (one seeded noise draw of n rows, as diffusers'
     `num_images_per_prompt`), so they differ from each other and the same seed repeats them.
-    Out: `{created, data: [{b64_json}], output_format, size}`.
+    Out: `{created, data: [{b64_json}], output_format, size}`; with `stream: true` an SSE stream:
+    `image_generation.progress` `{step, num_inference_steps, progress}` per denoising step, then one
+    `image_generation.completed` `{index, b64_json, size, output_format, created_at}` per image (or
+    one `error` event); every check is done, and the engine has accepted it, before the stream starts.
   * `POST /v1/images/edits` (multipart): `image` / `image[]` (one or more files), `prompt`, optional
-    `mask`, and the fields above, for models that take an input image; others get a 400.
+    `mask`, and the fields above (streamed events are `image_edit.*`), for models that take an input
+    image; others get a 400.
 
 Also here, shared with `serving_videos`: `MediaLimits` (the server's caps), `DiffusionServing` (model
 and engine checks, params from request fields, safe upload decoding, one engine request run to its
@@ -24,15 +28,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import re
 import time
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field, ValidationError
 from starlette.datastructures import UploadFile
+from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omnistage.entrypoints.openai.errors import OpenAIError, engine_field, json_body_error, validation_error
@@ -42,8 +49,11 @@ from omnistage.io.media import IMAGE_FORMATS, decode_image, encode_image
 from omnistage.outputs import RequestOutput
 from omnistage.params import DiffusionParams
 
+logger = logging.getLogger(__name__)
+
 _SIZE_RE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
 _INT64 = 2**63
+MAX_STEPS = 1000                                # most `num_inference_steps` one request may ask for
 # DiffusionParams field -> the request field that sets it
 _REQUEST_FIELDS = {"height": "size", "width": "size", "num_outputs_per_prompt": "n"}
 
@@ -75,7 +85,7 @@ class DiffusionFields(RequestBody):
     prompt: str
     size: Optional[str] = None                  # "WxH" in pixels, or "auto"
     negative_prompt: Optional[str] = None
-    num_inference_steps: Optional[int] = Field(None, ge=1, le=1000)
+    num_inference_steps: Optional[int] = Field(None, ge=1, le=MAX_STEPS)
     guidance_scale: Optional[float] = Field(None, ge=0, le=100)
     true_cfg_scale: Optional[float] = Field(None, ge=0, le=100)
     seed: Optional[int] = Field(None, ge=-_INT64, lt=_INT64)
@@ -88,6 +98,8 @@ class ImageRequest(DiffusionFields):
     output_format: Optional[str] = None         # png (default) | jpeg | webp
     quality: Optional[str] = None               # accepted and ignored
     user: Optional[str] = None
+    stream: bool = False                        # True: an SSE stream of per-step progress, then the images
+    partial_images: Optional[int] = None        # OpenAI's partial previews: only 0 (progress events instead)
 
 
 def parse_size(size: Optional[str], max_pixels: int) -> tuple[Optional[int], Optional[int]]:
@@ -279,6 +291,10 @@ def parse_fields(model: type[BaseModel], fields: dict[str, Any]) -> Any:
 
 class ServingImages(DiffusionServing):
     def _image_params(self, req: ImageRequest) -> DiffusionParams:
+        if req.partial_images:
+            raise OpenAIError(400, f"partial_images must be 0, got {req.partial_images}: partial previews are not "
+                                   "made; with stream=true the stream sends a progress event per denoising step",
+                              param="partial_images")
         if req.response_format not in (None, "b64_json"):
             raise OpenAIError(400, f"response_format must be \"b64_json\", got {req.response_format!r}; this "
                                    "server stores no images to serve URLs from", param="response_format")
@@ -290,14 +306,14 @@ class ServingImages(DiffusionServing):
             raise OpenAIError(400, f"n must be an integer in [1, {self.limits.max_images}], got {n}", param="n")
         return self.params(req, num_outputs_per_prompt=n)
 
-    async def generations(self, raw: Request) -> dict:
+    async def generations(self, raw: Request) -> Any:
         fields, _ = await read_body(raw, self.limits)
         req = self.fields(ImageRequest, fields)
         self.check_model(req.model, "image")
         params = self._image_params(req)
-        return await self._respond(raw, req, {"prompt": req.prompt}, params)
+        return await self._respond(raw, req, {"prompt": req.prompt}, params, "image_generation")
 
-    async def edits(self, raw: Request) -> dict:
+    async def edits(self, raw: Request) -> Any:
         fields, files = await read_body(raw, self.limits)
         req = self.fields(ImageRequest, fields)
         self.check_model(req.model, "image", with_image=True)
@@ -314,16 +330,60 @@ class ServingImages(DiffusionServing):
             if not getattr(self.stage, "takes_mask", False):
                 raise OpenAIError(400, f"mask: `{self.served_model_name}` does not use masks", param="mask")
             inputs["mask"] = mask
-        return await self._respond(raw, req, inputs, params)
+        return await self._respond(raw, req, inputs, params, "image_edit")
 
-    async def _respond(self, raw: Request, req: ImageRequest, inputs: dict, params: DiffusionParams) -> dict:
-        out = await self.run(raw, inputs, params, f"img-{uuid.uuid4().hex}")
+    async def _respond(self, raw: Request, req: ImageRequest, inputs: dict, params: DiffusionParams,
+                       kind: str) -> Any:
+        rid = f"img-{uuid.uuid4().hex}"
+        if req.stream:
+            gen = self.generate(inputs, params, rid, default_param="prompt")
+            # the first output before the status line: a request the engine refuses is still a 400
+            firsts = await self.until_disconnected(raw, self.first_outputs([gen]))
+            return EventSourceResponse(self._events(gen, firsts, req, params, kind), sep="\n")
+        out = await self.run(raw, inputs, params, rid)
+        fmt, encoded, size = await self._encode(req, out, params)
+        return {"created": int(time.time()), "data": [{"b64_json": base64.b64encode(b).decode()} for b in encoded],
+                "output_format": fmt, "size": size}
+
+    @staticmethod
+    async def _encode(req: ImageRequest, out: RequestOutput, params: DiffusionParams) -> tuple[str, list[bytes], str]:
+        """(output format, encoded images, "WxH") of a finished request; encoding runs in a worker thread."""
         fmt = (req.output_format or "png").lower()
         encoded = await asyncio.to_thread(lambda: [encode_image(im, fmt) for im in out.images])
         # the images' own size: an edit model's default size follows the input image, unknown to `params`
         width, height = out.images[0].size if out.images else (params.width, params.height)
-        return {"created": int(time.time()), "data": [{"b64_json": base64.b64encode(b).decode()} for b in encoded],
-                "output_format": "jpeg" if fmt == "jpg" else fmt, "size": f"{width}x{height}"}
+        return "jpeg" if fmt == "jpg" else fmt, encoded, f"{width}x{height}"
+
+    async def _events(self, gen: Any, firsts: list[RequestOutput], req: ImageRequest, params: DiffusionParams,
+                      kind: str) -> AsyncIterator[dict]:
+        """SSE events of a streamed request: `{kind}.progress` per denoising step, then one
+        `{kind}.completed` per image (OpenAI's completed event), or one `error` event."""
+        steps = params.num_inference_steps
+        async with aclosing(self.merge([gen], firsts)) as outs:
+            try:
+                async for _, out in outs:
+                    progress = 1.0 if out.finished else float(out.progress or 0.0)
+                    yield _event(f"{kind}.progress", step=round(progress * steps), num_inference_steps=steps,
+                                 progress=progress)
+                    if not out.finished:
+                        continue
+                    if out.error:
+                        raise OpenAIError(500, f"generation failed: {out.error}")
+                    fmt, encoded, size = await self._encode(req, out, params)
+                    for i, data in enumerate(encoded):
+                        yield _event(f"{kind}.completed", index=i, b64_json=base64.b64encode(data).decode(),
+                                     created_at=int(time.time()), size=size, output_format=fmt,
+                                     background="opaque", quality="auto")
+            except OpenAIError as e:
+                yield _event("error", **e.body())
+            except Exception as e:
+                logger.exception("image stream failed")
+                yield _event("error", **OpenAIError(500, f"internal error: {e!r}").body())
+
+
+def _event(kind: str, **fields) -> dict:
+    """One SSE event named `kind` whose data is `{"type": kind, **fields}`."""
+    return {"event": kind, "data": json.dumps({"type": kind, **fields})}
 
 
 def register_image_routes(app: FastAPI, engine: Any, served_model_name: str, metrics: Any = None,
@@ -331,9 +391,9 @@ def register_image_routes(app: FastAPI, engine: Any, served_model_name: str, met
     serving = ServingImages(engine, served_model_name, metrics, limits or MediaLimits())
 
     @app.post("/v1/images/generations", openapi_extra=body_schema(ImageRequest))
-    async def create_image(raw: Request) -> dict:
+    async def create_image(raw: Request) -> Any:
         return await serving.generations(raw)
 
     @app.post("/v1/images/edits", openapi_extra=body_schema(ImageRequest, ("image", "mask")))
-    async def edit_image(raw: Request) -> dict:
+    async def edit_image(raw: Request) -> Any:
         return await serving.edits(raw)

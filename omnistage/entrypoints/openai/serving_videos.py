@@ -48,12 +48,13 @@ from omnistage.stage import RequestFailedError
 
 STATUSES = ("queued", "in_progress", "completed", "failed")
 PROMPT_ECHO_CHARS = 1000                        # characters of a job's prompt kept and echoed
+MAX_FPS = 120                                   # largest `fps` a job may ask for
 
 
 class VideoRequest(DiffusionFields):
     seconds: Optional[Union[str, float]] = None  # clip length; OpenAI sends "4" | "8" | "12"
     num_frames: Optional[int] = Field(None, ge=1)
-    fps: Optional[int] = Field(None, ge=1, le=120)
+    fps: Optional[int] = Field(None, ge=1, le=MAX_FPS)
     input_reference: Optional[Any] = None       # JSON: {"image_url": data URL}; multipart: a file
     user: Optional[str] = None
 

@@ -365,3 +365,17 @@ def test_stage_process_takes_handed_on_requests_without_waiting_and_reports_refu
         assert len(client._checked) == 1
     finally:
         client.close()
+
+
+def test_capabilities_of_the_omni_pipeline(async_omni):
+    """GET /v1/capabilities' object for Qwen2.5-Omni: chat with audio out (its speakers as voices)
+    and image / audio / video parts in; no /v1/audio/speech (its vocoder reads codec ids, not text)."""
+    from omnistage.entrypoints.openai.capabilities import capabilities
+    from omnistage.entrypoints.openai.serving_images import MediaLimits
+
+    caps = capabilities(async_omni, "tiny-omni", MediaLimits())
+    assert caps["tasks"] == ["chat", "chat_audio"] and caps["speech"] is None and caps["images"] is None
+    assert caps["chat"]["output_modalities"] == ["text", "audio"]
+    assert sorted(caps["chat"]["input_media"]) == ["audio", "image", "video"]
+    assert [v["id"] for v in caps["audio"]["voices"]] == list(VOICES)
+    assert all(v["sample_rate"] == 24000 for v in caps["audio"]["voices"])

@@ -24,14 +24,11 @@ import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
 from omnistage.params import ParamError, StructuredOutputsParams
-
-if TYPE_CHECKING:
-    from omnistage.ar.sequence import Sequence
 
 MAX_CACHED_GRAMMARS = 64                        # compiled grammars kept per engine (least recently used dropped)
 _FIELD = "structured_outputs"
@@ -131,8 +128,9 @@ class Grammars:
         xgr = _xgrammar()
         return SeqGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_ids))
 
-    def bitmask(self, seqs: list["Sequence"]) -> Optional[torch.Tensor]:
-        """The packed mask of the sampling rows `seqs` (host int32), or None when none is constrained."""
+    def bitmask(self, seqs: list) -> Optional[torch.Tensor]:
+        """The packed mask of the sampling rows `seqs` (`Sequence`s; host int32), or None when none is
+        constrained."""
         if all(s.grammar is None for s in seqs):
             return None
         mask = torch.full((len(seqs), -(-self.vocab_size // 32)), -1, dtype=torch.int32)

@@ -311,6 +311,9 @@ class AREngine:
         for rid, error in failed.items():
             logger.warning("AR request %s failed in its host work", rid, exc_info=error)
             self.abort(rid)
+            if isinstance(error, ParamError):   # the request's own params ruled it out (a dead grammar): a 400
+                outputs.append(StageOutput.failed(rid, StageError(str(error), refused=True, field=error.field)))
+                continue
             why = f"building its output failed: {type(error).__name__}: {error}"
             outputs.append(StageOutput.failed(rid, StageError(why)))
         return outputs

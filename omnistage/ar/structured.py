@@ -77,13 +77,16 @@ class SeqGrammar:
 
     def __init__(self, matcher: Any):
         self.matcher = matcher                  # xgrammar GrammarMatcher
+        self.dead = False                       # no token continues the grammar: the answer cannot go on
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token: int) -> None:
-        """Advances past the sampled token; a token the grammar refuses fails the request (it cannot
-        happen when the mask was applied)."""
+        """Advances past the sampled token; a dead grammar is a `ParamError` (the request's grammar
+        admits no answer), a token it refuses a `RuntimeError` (it cannot happen once masked)."""
+        if self.dead:
+            raise ParamError(_FIELD, f"{_FIELD} admits no answer: no token continues its grammar")
         if not self.matcher.accept_token(token):
             raise RuntimeError(f"token {token} does not continue the structured-output grammar")
 
@@ -137,6 +140,11 @@ class Grammars:
         for i, s in enumerate(seqs):
             if s.grammar is not None:
                 s.grammar.fill(mask, i)
+        # a grammar no token continues (an unsatisfiable schema such as {"anyOf": []}): its row is left
+        # unmasked, so the step stays well defined, and the engine fails that request (`dead`)
+        for i in (~mask.any(dim=1)).nonzero().flatten().tolist():
+            seqs[i].grammar.dead = True
+            mask[i] = -1
         return mask
 
     def close(self) -> None:

@@ -114,6 +114,17 @@ def test_bad_grammars_are_param_errors(eng):
     assert not eng.has_unfinished()
 
 
+def test_a_dead_end_grammar_fails_alone(eng):
+    eng.add_request("empty", PROMPT, SamplingParams(structured_outputs=so(regex=r"a[^\s\S]")))   # dead after "a"
+    eng.add_request("plain", PROMPT, SamplingParams(max_tokens=4, temperature=0))
+    finished = {}
+    while eng.has_unfinished():
+        finished.update({o.request_id: o for o in eng.step() if o.finished})
+    err = finished["empty"].error
+    assert err.refused and err.field == "structured_outputs" and "admits no answer" in err.message
+    assert finished["plain"].error is None and len(finished["plain"].output.outputs[0].token_ids) == 4
+
+
 def test_logit_bias_matches_transformers_sequence_bias(eng, tiny_models):
     path = tiny_models["qwen2"]
     tok = AutoTokenizer.from_pretrained(path)

@@ -56,7 +56,9 @@ def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
                 ids = torch.tensor(b.prompt_ids[i] + b.output_ids[i], dtype=torch.long, device=dev)
                 seen[i, ids] = True
         r = rep[:, None]
-        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+        # a tiny penalty would push a logit to +inf, and softmax to NaN (a masked token could win)
+        boosted = (logits / r).clamp(max=torch.finfo(logits.dtype).max)
+        logits = torch.where(seen, torch.where(logits > 0, boosted, logits * r), logits)
     pres = torch.tensor([p.presence_penalty for p in b.params], device=dev)
     freq = torch.tensor([p.frequency_penalty for p in b.params], device=dev)
     if (pres != 0).any() or (freq != 0).any():

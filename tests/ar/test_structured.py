@@ -156,3 +156,11 @@ def test_params_validation():
             SamplingParams(**kw)
         assert e.value.field == field
     assert SamplingParams(logit_bias={"3": -100}).logit_bias == {3: -100.0}
+
+
+def test_extreme_repetition_penalty_keeps_the_grammar(eng):
+    # a tiny penalty divides seen logits to +inf: softmax would be NaN and pick a masked token (found by the fuzz)
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=0, repetition_penalty=1e-300,
+                            structured_outputs=so(choice=["yes", "no"]))
+    (out,) = run(eng, [(PROMPT, params)])
+    assert out.outputs[0].text in ("yes", "no")

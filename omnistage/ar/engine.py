@@ -207,7 +207,7 @@ class AREngine:
         """Requests whose grammar is ready join the scheduler (each sequence with its own matcher);
         one whose grammar failed to compile fails alone. Waits a little only when nothing else runs."""
         if not self.scheduler.has_unfinished():
-            wait(list(self._compiling.values()), timeout=0.05, return_when=FIRST_COMPLETED)
+            wait(list(self._compiling.values()), timeout=0.01, return_when=FIRST_COMPLETED)
         failed = []
         for rid, future in list(self._compiling.items()):
             if not future.done():

@@ -101,11 +101,12 @@ class Grammars:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: frozenset[int], max_threads: int = 2):
         if tokenizer is None:
             raise ParamError(_FIELD, "structured outputs need a stage with a tokenizer; this one has none")
-        xgr = _xgrammar()
+        _xgrammar()
+        self.tokenizer = tokenizer
         self.vocab_size = vocab_size            # logits width: the bitmask covers it
         self.stop_ids = sorted(eos_ids)
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=self.stop_ids)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=max_threads)
+        self.max_threads = max_threads
+        self.compiler: Any = None               # xgrammar GrammarCompiler, built by the first compile job
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self.cache: OrderedDict[str, Future] = OrderedDict()   # params key -> future of a CompiledGrammar
         self.lock = threading.Lock()
@@ -120,12 +121,22 @@ class Grammars:
                 self.cache.move_to_end(key)
                 return found
         grammar = build_grammar(spec)
-        future = self.pool.submit(self.compiler.compile_grammar, grammar)
+        future = self.pool.submit(self._compile, grammar)
         with self.lock:
             self.cache[key] = future
             while len(self.cache) > MAX_CACHED_GRAMMARS:
                 self.cache.popitem(last=False)
         return future
+
+    def _compile(self, grammar: Any) -> Any:
+        """Worker thread: the token-level compile (the tokenizer's tables first, once: a second for a
+        large vocabulary, so that too stays off the step loop)."""
+        if self.compiler is None:
+            xgr = _xgrammar()
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_ids)
+            self.compiler = xgr.GrammarCompiler(info, max_threads=self.max_threads)
+        return self.compiler.compile_grammar(grammar)
 
     def matcher(self, compiled: Any) -> SeqGrammar:
         xgr = _xgrammar()

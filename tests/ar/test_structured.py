@@ -37,6 +37,13 @@ def eng(tiny_models):
                     loader=load_causal_lm)
 
 
+@pytest.fixture(scope="module")
+def hf(tiny_models):
+    """transformers' tokenizer and model of the same checkpoint."""
+    path = tiny_models["qwen2"]
+    return AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
 def run(engine, items):
     """items: [(prompt, SamplingParams)] -> final RequestOutputs, in order (all in one batch)."""
     for i, (prompt, params) in enumerate(items):
@@ -70,10 +77,8 @@ def test_json_schema_answers_validate_and_plain_rows_are_untouched(eng):
         assert comp.text == json.dumps(json.loads(comp.text), ensure_ascii=False), comp.text
 
 
-def test_greedy_ids_match_transformers_with_xgrammar(eng, tiny_models):
-    path = tiny_models["qwen2"]
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def test_greedy_ids_match_transformers_with_xgrammar(eng, hf):
+    tok, model = hf
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=model.config.vocab_size,
                                               stop_token_ids=sorted(eng.eos_ids))
     compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), max_whitespace_cnt=16)
@@ -125,10 +130,8 @@ def test_a_dead_end_grammar_fails_alone(eng):
     assert finished["plain"].error is None and len(finished["plain"].output.outputs[0].token_ids) == 4
 
 
-def test_logit_bias_matches_transformers_sequence_bias(eng, tiny_models):
-    path = tiny_models["qwen2"]
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def test_logit_bias_matches_transformers_sequence_bias(eng, hf):
+    tok, model = hf
     ids = tok.encode(PROMPT)
     free = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
     bias = {free[0]: -100.0, free[1]: -5.0, 40: 3.5}

@@ -1,7 +1,7 @@
 """omnistage: an inference and serving engine for omni-modality models."""
 
 from omnistage.outputs import AudioOutput, CompletionOutput, RequestOutput, VideoOutput
-from omnistage.params import DiffusionParams, SamplingParams
+from omnistage.params import DiffusionParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -17,5 +17,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["Omni", "AsyncOmni", "SamplingParams", "DiffusionParams", "RequestOutput", "CompletionOutput",
+__all__ = ["Omni", "AsyncOmni", "SamplingParams", "StructuredOutputsParams", "DiffusionParams", "RequestOutput", "CompletionOutput",
            "AudioOutput", "VideoOutput"]

@@ -1,13 +1,16 @@
 """Request parameters: what a user asks of one stage.
 
-`SamplingParams` keeps vLLM's field names so callers of vLLM know it on day one; `DiffusionParams`
-carries the image / video generation knobs. Both validate in `__post_init__` and raise `ParamError` (a
+`SamplingParams` keeps vLLM's field names so callers of vLLM know it on day one (its
+`structured_outputs` is a `StructuredOutputsParams`: the grammar an answer must follow, compiled
+and enforced by the AR engine, `ar/structured.py`); `DiffusionParams` carries the image / video
+generation knobs. Both validate in `__post_init__` and raise `ParamError` (a
 `ValueError` carrying the field's name) naming the field and the allowed range; the HTTP layer turns
 that into a 400.
 """
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, replace
 from typing import Optional, Union
@@ -30,6 +33,60 @@ def check_param(cond: bool, name: str, allowed: str, value) -> None:
         raise ParamError(name, f"{name} must be {allowed}, got {value!r}")
 
 
+LOGIT_BIAS_LIMIT = 100.0                        # |bias| at most, as OpenAI allows
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's `structured_outputs`: exactly one of the first five fields says what the answer must be."""
+
+    json: Optional[Union[str, dict]] = None     # a JSON schema (kept as its JSON text) the answer satisfies
+    regex: Optional[str] = None                 # a regular expression the whole answer matches
+    choice: Optional[list[str]] = None          # the answer is exactly one of these strings
+    grammar: Optional[str] = None               # an EBNF (GBNF-style) grammar whose `root` rule the answer follows
+    json_object: Optional[bool] = None          # True: any JSON object (not any JSON value)
+    # JSON kinds: no whitespace between elements; otherwise at most `WHITESPACE_RUN` characters per gap,
+    # so a weak model cannot pad an answer with whitespace until max_tokens
+    disable_any_whitespace: bool = False
+
+    WHITESPACE_RUN = 16
+
+    def __post_init__(self) -> None:
+        field = "structured_outputs"
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        check_param(len(given) == 1, field, f"an object with exactly one of {', '.join(STRUCTURED_KINDS)}",
+                    given or "none of them")
+        if isinstance(self.json, dict):
+            self.json = _json.dumps(self.json)
+        if self.json is not None:
+            check_param(isinstance(self.json, str), f"{field}.json", "a JSON schema object", type(self.json).__name__)
+            try:
+                schema = _json.loads(self.json)
+            except ValueError:
+                schema = None
+            check_param(isinstance(schema, (dict, bool)), f"{field}.json", "a JSON schema object", self.json[:80])
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            check_param(v is None or (isinstance(v, str) and v != ""), f"{field}.{name}", "a non-empty string", v)
+        if self.choice is not None:
+            check_param(isinstance(self.choice, list) and self.choice and all(isinstance(c, str) for c in self.choice),
+                        f"{field}.choice", "a non-empty list of strings", self.choice)
+        check_param(self.json_object in (None, True, False), f"{field}.json_object", "true or false", self.json_object)
+        check_param(isinstance(self.disable_any_whitespace, bool), f"{field}.disable_any_whitespace", "true or false",
+                    self.disable_any_whitespace)
+
+    @property
+    def kind(self) -> str:
+        """Which of `STRUCTURED_KINDS` this is."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> str:
+        """Equal for requests that compile to the same grammar (the compile cache's key)."""
+        return _json.dumps([self.kind, getattr(self, self.kind), self.disable_any_whitespace])
+
+
 @dataclass
 class SamplingParams:
     n: int = 1                                  # completions per prompt
@@ -49,6 +106,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0             # HF-style over prompt + generated tokens, > 0
     logprobs: Optional[int] = None              # top alternatives per generated token, [0, 20]
     skip_special_tokens: bool = True            # drop special tokens from the text
+    logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit, [-100, 100]
+    structured_outputs: Optional[StructuredOutputsParams] = None  # the grammar the answer follows, or None
 
     MAX_LOGPROBS = 20
 
@@ -82,6 +141,11 @@ class SamplingParams:
         check_param(self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS, "logprobs",
                f"in [0, {self.MAX_LOGPROBS}]", self.logprobs)
         check_param(self.seed is None or isinstance(self.seed, int), "seed", "an integer", self.seed)
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        check_param(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+                    "structured_outputs", "a StructuredOutputsParams", type(self.structured_outputs).__name__)
 
     @property
     def greedy(self) -> bool:
@@ -98,6 +162,23 @@ class SamplingParams:
 
     def clone(self, **changes) -> "SamplingParams":
         return replace(self, **changes)
+
+
+def _logit_bias(bias) -> Optional[dict[int, float]]:
+    """{token id: bias} with int keys (JSON gives them as strings), or None when empty."""
+    if not bias:
+        return None
+    check_param(isinstance(bias, dict), "logit_bias", "an object mapping token ids to numbers", bias)
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        check_param(isinstance(token, int) and not isinstance(token, bool) and token >= 0, "logit_bias",
+                    "keyed by token ids (integers >= 0)", key)
+        check_param(isinstance(value, (int, float)) and not isinstance(value, bool)
+                    and -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT, "logit_bias",
+                    f"values in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]", {key: value})
+        out[token] = float(value)
+    return out
 
 
 @dataclass

@@ -4,7 +4,10 @@ In: requests (an `ARPrompt`, or a prompt string, token ids, or a dict of `ARProm
 once at `add_request`) with `SamplingParams`, and streamed `ExtraRows` for requests added with
 `stream_extra` (`add_input`). Out: `StageOutput`s carrying cumulative `RequestOutput`s for the
 requests that changed this step (and `HiddenStates` for those that asked for them). The engine
-owns tokenizer-side work (prompt encoding, incremental detokenization, stop strings); the
+owns tokenizer-side work (prompt encoding, incremental detokenization, stop strings, the
+structured-output grammars of `ar/structured.py`: a constrained request waits outside the
+scheduler until its grammar is compiled, then each of its sequences advances its own matcher
+with every sampled token and finishes when the grammar terminates); the
 scheduler decides what runs; the runner computes. The per-request host work of a step
 (detokenizing, stop checks, building outputs) is isolated: a request it raises for fails alone, as
 a finished `StageOutput` whose `error` says why; only the batched forward is the engine's own.
@@ -15,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, Callable, Optional
 
 import torch
@@ -74,6 +78,7 @@ class AREngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    max(config.max_num_batched_tokens, 1))
         self.requests: dict[str, _Request] = {}
+        self._compiling: dict[str, Future] = {}  # request id -> its grammar being compiled (not yet scheduled)
         self._steps, self._step_seconds = 0, 0.0   # model steps run, and their time (schedule excluded)
         # The step queued on the device whose ids the host has not read yet (async scheduling):
         # (its schedule, its launch, seq_id -> where its placeholder token sits in token_ids)
@@ -157,10 +162,10 @@ class AREngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         vocab = self.hf_config.vocab_size
-        for name in ("stop_token_ids", "bad_token_ids"):    # ids index the logits: one past the end breaks a step
-            bad = [t for t in getattr(params, name) if t >= vocab]
+        for name in ("stop_token_ids", "bad_token_ids", "logit_bias"):   # ids index the logits
+            bad = [t for t in getattr(params, name) or () if t >= vocab]
             if bad:
-                raise ParamError(name, f"{name} must be in [0, {vocab}), got {bad[:4]}")
+                raise ParamError(name, f"{name} token ids must be in [0, {vocab}), got {bad[:4]}")
         prompt = ARPrompt.of(inputs)
         text, ids = self.encode(prompt)
         if not ids:
@@ -177,6 +182,7 @@ class AREngine:
                                self.model.rotary.section_rows is not None, self.device, self.dtype)
         if cond is not None and (cond.return_hidden or cond.stream_extra) and params.n != 1:
             raise ParamError("n", "n must be 1 for requests with return_hidden_states or stream_extra")
+        grammar = None if params.structured_outputs is None else self._grammars().prepare(params.structured_outputs)
         now = arrival_time or time.time()
         seqs = []
         for i in range(params.n):
@@ -187,8 +193,41 @@ class AREngine:
             seq.cond = None if cond is None else dataclasses.replace(cond)   # its own streamed-row state
             seqs.append(seq)
         self.requests[request_id] = _Request(request_id, text, ids, params, seqs, now)
+        if grammar is not None:
+            self._compiling[request_id] = grammar
+            return
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _grammars(self):
+        if self.runner.grammars is None:
+            from omnistage.ar.structured import Grammars
+
+            self.runner.grammars = Grammars(self.tokenizer, self.hf_config.vocab_size, self.eos_ids)
+        return self.runner.grammars
+
+    def _admit_compiled(self) -> list[StageOutput]:
+        """Requests whose grammar is ready join the scheduler (each sequence with its own matcher);
+        one whose grammar failed to compile fails alone. Waits a little only when nothing else runs."""
+        if not self.scheduler.has_unfinished():
+            wait(list(self._compiling.values()), timeout=0.01, return_when=FIRST_COMPLETED)
+        failed = []
+        for rid, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            req = self.requests[rid]
+            try:
+                compiled = future.result()
+            except Exception as e:
+                del self.requests[rid]
+                failed.append(StageOutput.failed(rid, StageError(
+                    f"structured_outputs could not be compiled: {e}", refused=True, field="structured_outputs")))
+                continue
+            for seq in req.seqs:
+                seq.grammar = self.runner.grammars.matcher(compiled)
+                self.scheduler.add(seq)
+        return failed
 
     def add_input(self, request_id: str, piece: ExtraRows) -> None:
         """Streamed inputs of a running request added with `stream_extra`: rows for its generated positions."""
@@ -201,6 +240,7 @@ class AREngine:
             seq.cond.add(piece, self.device, self.dtype)
 
     def abort(self, request_id: str) -> None:
+        self._compiling.pop(request_id, None)
         req = self.requests.pop(request_id, None)
         if req is None:
             return
@@ -218,7 +258,7 @@ class AREngine:
     def stats(self) -> dict[str, float]:
         bm = self.block_manager
         return {"num_running": len({s.request_id for s in self.scheduler.running}),
-                "num_waiting": len({s.request_id for s in self.scheduler.waiting}),
+                "num_waiting": len({s.request_id for s in self.scheduler.waiting} | set(self._compiling)),
                 "kv_cache_usage": bm.usage,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "prefix_cache_queries": bm.prefix_queries,
@@ -230,9 +270,10 @@ class AREngine:
         """Schedule and run one step; returns the outputs of the requests it changed. With async
         scheduling a step whose sequences allow it (`_overlappable`) is queued on the device and
         the step before it is read while it runs, so its outputs come with the next call."""
+        refused = self._admit_compiled() if self._compiling else []
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return self._collect_pending()
+            return refused + self._collect_pending()
         now = time.time()
         for s in sched.scheduled:
             m = self.requests[s.seq.request_id].metrics
@@ -249,13 +290,13 @@ class AREngine:
             live = [s for s in sched.scheduled if not s.seq.is_finished]   # finished by the step just read
             sched = dataclasses.replace(sched, scheduled=live)
             if not live:
-                return outputs
+                return refused + outputs
             result = self.runner.execute(sched, self.eos_ids)
             self.scheduler.update(sched, result.sampled)
             outputs += self._step_outputs(sched, result)
         self._steps += 1
         self._step_seconds += time.perf_counter() - started
-        return outputs
+        return refused + outputs
 
     def _collect_pending(self) -> list[StageOutput]:
         """Read the queued step's ids into its sequences' placeholders and build its outputs."""
@@ -311,6 +352,9 @@ class AREngine:
         for rid, error in failed.items():
             logger.warning("AR request %s failed in its host work", rid, exc_info=error)
             self.abort(rid)
+            if isinstance(error, ParamError):   # the request's own params ruled it out (a dead grammar): a 400
+                outputs.append(StageOutput.failed(rid, StageError(str(error), refused=True, field=error.field)))
+                continue
             why = f"building its output failed: {type(error).__name__}: {error}"
             outputs.append(StageOutput.failed(rid, StageError(why)))
         return outputs
@@ -329,6 +373,10 @@ class AREngine:
                 reason = "stop"
             elif token in p.stop_token_ids:
                 reason, stop_reason = "stop", token
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
+            if reason is None and seq.grammar.terminated:
+                reason = "stop"
         text_ids = out_ids[:-1] if reason else out_ids        # the stopping token is not text
         delta = seq.detok.update(text_ids)
         if reason is None and p.stop and delta:
@@ -365,6 +413,7 @@ class AREngine:
 
 def _overlappable(seq: Sequence) -> bool:
     """A sequence whose next step may be queued before its last sampled id is on the host: its
-    inputs are token ids only and its sampling reads no earlier ids or host-side results."""
+    inputs are token ids only and its sampling reads no earlier ids or host-side results (a grammar's
+    mask needs the last token)."""
     p = seq.params
-    return seq.cond is None and p.logprobs is None and not p.needs_penalties
+    return seq.cond is None and seq.grammar is None and p.logprobs is None and not p.needs_penalties

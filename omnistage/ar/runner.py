@@ -61,6 +61,7 @@ def kv_block_bytes(model, block_size: int, dtype: torch.dtype) -> int:
 class ModelRunner:
     def __init__(self, model, device: torch.device, dtype: torch.dtype, block_size: int, seed: int = 0):
         self.model = model
+        self.grammars = None                    # ar/structured.Grammars, set by the engine on first use
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -172,6 +173,10 @@ class ModelRunner:
                     s.seq.cond.fill(x[row:row + s.num_new_tokens], s.start)
                 row += s.num_new_tokens
         hidden = self.forward(ids, pos, meta, x)
+        # Grammar masks are filled on the host while the device runs the forward (kernels are queued).
+        bitmask = None
+        if self.grammars is not None:
+            bitmask = self.grammars.bitmask([s.seq for s in order if s.samples])
         rows, sampling = [], []
         reports: dict[str, HiddenStates] = {}
         row = 0
@@ -194,7 +199,8 @@ class ModelRunner:
             generators=[self._generator_for(q) for q in sampling],
             prompt_ids=[q.token_ids[:q.prompt_len] if penalized else [] for q in sampling],
             output_ids=[q.output_token_ids if penalized else [] for q in sampling],
-            banned=[_banned(q, eos_ids) for q in sampling])
+            banned=[_banned(q, eos_ids) for q in sampling],
+            token_bitmask=None if bitmask is None else bitmask.to(self.device, non_blocking=True))
         num_logprobs = max((q.params.logprobs for q in sampling if q.params.logprobs is not None), default=-1)
         out = sample(logits, batch, self.generator, num_logprobs)
         done = Launched(sampling, tokens=out.token_ids, hidden=reports)
@@ -260,8 +266,9 @@ def _positions(order: list[ScheduledSeq]) -> tuple[list[int], Optional[list[list
 
 
 def _banned(seq: Sequence, eos_ids: frozenset[int]) -> list[int]:
-    """Ids that may not be sampled now: bad_token_ids always, stop ids until min_tokens."""
+    """Ids that may not be sampled now: bad_token_ids always, stop ids until min_tokens (not for a
+    sequence with a grammar: its grammar decides when the answer ends)."""
     p = seq.params
-    if seq.num_output_tokens >= p.min_tokens:
+    if seq.num_output_tokens >= p.min_tokens or seq.grammar is not None:
         return p.bad_token_ids
     return sorted((set() if p.ignore_eos else set(eos_ids)) | set(p.stop_token_ids) | set(p.bad_token_ids))

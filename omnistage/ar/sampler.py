@@ -1,7 +1,9 @@
 """Token sampling on the device that holds the logits (stage process, CPU or CUDA).
 
 In: float32 logits [S, V] for the S sequences that sample this step, and a `SamplingBatch`
-describing their parameters. Out: the chosen token ids [S] and, when asked for, log-probabilities
+describing their parameters (with, when a row is constrained, a packed token bitmask from
+`ar/structured.py`). Order: banned ids, `logit_bias`, penalties, the grammar mask, then greedy /
+temperature, top-k, top-p, min-p. Out: the chosen token ids [S] and, when asked for, log-probabilities
 of the model's raw distribution (chosen token + top-k). All work stays on the device; the caller
 moves the result to the host once per step.
 
@@ -29,6 +31,8 @@ class SamplingBatch:
     prompt_ids: list[list[int]]                 # per row (read by penalties; empty when no row has any)
     output_ids: list[list[int]]                 # per row, generated so far (likewise)
     banned: list[list[int]] = field(default_factory=list)  # per row: ids masked this step (min_tokens)
+    # int32 [S, ceil(V / 32)] on the logits' device: bit j of word i set = token 32 i + j allowed; None = no grammar
+    token_bitmask: Optional[torch.Tensor] = None
 
     @property
     def all_greedy(self) -> bool:
@@ -58,7 +62,9 @@ def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
             if p.repetition_penalty != 1:
                 seen[i, _on(b.prompt_ids[i] + b.output_ids[i], dev, torch.long)] = True
         r = rep[:, None]
-        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+        # a tiny penalty would push a logit to +inf, and softmax to NaN (a masked token could win)
+        boosted = (logits / r).clamp(max=torch.finfo(logits.dtype).max)
+        logits = torch.where(seen, torch.where(logits > 0, boosted, logits * r), logits)
     if any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in b.params):
         pres = _on([p.presence_penalty for p in b.params], dev)
         freq = _on([p.frequency_penalty for p in b.params], dev)
@@ -69,6 +75,22 @@ def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
                 counts[i].scatter_add_(0, ids, torch.ones_like(ids, dtype=counts.dtype))
         logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).float()
     return logits
+
+
+def _apply_logit_bias(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    rows = [i for i, p in enumerate(b.params) for _ in (p.logit_bias or ())]
+    cols = [t for p in b.params for t in (p.logit_bias or ())]
+    vals = [v for p in b.params for v in (p.logit_bias or {}).values()]
+    dev = logits.device
+    return logits.index_put((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                            torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf for the tokens a row's packed bitmask leaves out (one batched op, any device)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).reshape(bitmask.shape[0], -1)[:, :logits.shape[-1]]
+    return logits.masked_fill(allowed == 0, float("-inf"))
 
 
 def _filter(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -109,8 +131,12 @@ def sample(logits: torch.Tensor, b: SamplingBatch, default_generator: Optional[t
         cols = [t for ids in b.banned for t in ids]
         logits = logits.index_put((_on(rows, logits.device), _on(cols, logits.device)),
                                   logits.new_full((), float("-inf")))
+    if any(p.logit_bias for p in b.params):
+        logits = _apply_logit_bias(logits, b)
     if any(p.needs_penalties for p in b.params):
         logits = _apply_penalties(logits, b)
+    if b.token_bitmask is not None:
+        logits = apply_token_bitmask(logits, b.token_bitmask)
     greedy_ids = logits.argmax(-1)
     if b.all_greedy:
         out.token_ids = greedy_ids

@@ -15,6 +15,7 @@ from omnistage.params import SamplingParams
 
 if TYPE_CHECKING:
     from omnistage.ar.conditioning import Conditioning
+    from omnistage.ar.structured import SeqGrammar
 
 
 PLACEHOLDER = -1        # in `token_ids`: a token a queued step sampled that the host has not read yet
@@ -49,6 +50,8 @@ class Sequence:
         self.num_preemptions = 0
         # inputs beyond token ids (prompt embeddings, multimodal rope, streamed rows), or None
         self.cond: Optional[Conditioning] = None
+        # where the answer stands in its structured-output grammar (`ar/structured.py`), or None
+        self.grammar: Optional[SeqGrammar] = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

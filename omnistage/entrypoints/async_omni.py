@@ -150,10 +150,16 @@ class AsyncOmni:
         """Kinds of chat content parts besides text that the model reads ("image", "audio", "video")."""
         return self._renderer.media_types
 
-    def render_chat(self, messages, chat_template_kwargs: Optional[dict] = None) -> dict:
+    @property
+    def tool_parser(self) -> Optional[str]:
+        """The tool-call format the model's registry entry declares ("hermes", "llama3_json"), or None."""
+        return self._renderer.tool_parser
+
+    def render_chat(self, messages, chat_template_kwargs: Optional[dict] = None,
+                    tools: Optional[list[dict]] = None) -> dict:
         """Messages -> the main stage's inputs (media parts decoded already; may run encoders: call
-        it off the event loop when there is media)."""
-        return self._renderer(messages, chat_template_kwargs)
+        it off the event loop when there is media); `tools` are shown to the chat template."""
+        return self._renderer(messages, chat_template_kwargs, tools)
 
     def stats(self) -> dict[str, float]:
         """Engine gauges as of the last step (running, waiting, kv_cache_usage, ...)."""

@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence
 
 from omnistage.config import EngineConfig
 from omnistage.models import registry
-from omnistage.params import DiffusionParams, SamplingParams
+from omnistage.params import DiffusionParams, ParamError, SamplingParams
 from omnistage.pipeline.build import detect_pipeline
 from omnistage.pipeline.orchestrator import Orchestrator
 from omnistage.pipeline.deploy_config import pinned_stages
@@ -72,26 +72,32 @@ class ChatRenderer:
         if target is not None:
             self.custom = registry.load_attr(target)(orch.spec)
         self.tokenizer = orch.tokenizer
+        # the tool-call format the registry declares (the chat template may show another one)
+        self.tool_parser = registry.entry(orch.spec.model).tool_parser if orch.spec.model else None
 
     @property
     def media_types(self) -> tuple[str, ...]:
         """Content-part kinds besides text that messages may carry ("image", "audio", "video")."""
         return tuple(getattr(self.custom, "media_types", ()))
 
-    def __call__(self, messages: Sequence[dict], chat_template_kwargs: Optional[dict] = None) -> dict:
+    def __call__(self, messages: Sequence[dict], chat_template_kwargs: Optional[dict] = None,
+                 tools: Optional[list[dict]] = None) -> dict:
+        """`tools`: OpenAI function definitions the template shows the model (tokenizer templates only)."""
         if self.custom is not None:
+            if tools:
+                raise ParamError("tools", "this model's chat renderer does not take tools")
             return self.custom(list(messages), chat_template_kwargs)
-        return render_chat(self.tokenizer, messages, chat_template_kwargs)
+        return render_chat(self.tokenizer, messages, chat_template_kwargs, tools=tools)
 
 
 def render_chat(tokenizer, messages: Sequence[dict], chat_template_kwargs: Optional[dict] = None,
-                add_generation_prompt: bool = True) -> dict:
+                add_generation_prompt: bool = True, tools: Optional[list[dict]] = None) -> dict:
     """Messages -> engine input through the model's chat template (no second BOS added): a dict of
     `ARPrompt` fields, to which the entry points may add `modalities` / `voice`."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use generate() / completions instead")
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **(chat_template_kwargs or {}))
+                                         tools=tools or None, **(chat_template_kwargs or {}))
     return {"prompt": text, "add_special_tokens": False}
 
 

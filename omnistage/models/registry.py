@@ -15,7 +15,9 @@ used, so reading the registry imports no model code and a stage process imports 
   * `codecs`: codec back ends it registers (back-end name -> the codec model class, whose
     `from_stage_spec(spec)` builds the stage's `CodecEngine`);
   * `chat_renderer`: class built with the `PipelineSpec`, turning chat messages (text, image,
-    audio, video parts) into the main stage's inputs; None = the tokenizer's chat template.
+    audio, video parts) into the main stage's inputs; None = the tokenizer's chat template;
+  * `tool_parser`: the tool-call format its chat answers use ("hermes", "llama3_json"), for
+    checkpoints whose chat template does not show it.
 
 Adding a model = one folder under `models/` + one entry in `MODELS`.
 """
@@ -43,6 +45,7 @@ class ModelEntry:
     adapters: dict[str, str] = field(default_factory=dict)    # edge adapter name -> "module:function|Class"
     codecs: dict[str, str] = field(default_factory=dict)      # codec back end name -> "module:ModelClass"
     chat_renderer: Optional[str] = None         # "module:Class" built with the PipelineSpec
+    tool_parser: Optional[str] = None           # tool-call format of its answers (entrypoints/openai/tool_calls.py)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -54,9 +57,10 @@ _DIFFUSERS = "omnistage.diffusion.pipelines"
 _OMNI = "omnistage.models.qwen2_5_omni"
 
 MODELS: tuple[ModelEntry, ...] = (
-    ModelEntry("llama", "llm", ("LlamaForCausalLM", "MistralForCausalLM"), decoder=f"{_LLAMA}:LlamaForCausalLM"),
-    ModelEntry("qwen2", "llm", ("Qwen2ForCausalLM",), decoder=f"{_LLAMA}:Qwen2ForCausalLM"),
-    ModelEntry("qwen3", "llm", ("Qwen3ForCausalLM",), decoder=f"{_LLAMA}:Qwen3ForCausalLM"),
+    ModelEntry("llama", "llm", ("LlamaForCausalLM", "MistralForCausalLM"), decoder=f"{_LLAMA}:LlamaForCausalLM",
+               tool_parser="llama3_json"),
+    ModelEntry("qwen2", "llm", ("Qwen2ForCausalLM",), decoder=f"{_LLAMA}:Qwen2ForCausalLM", tool_parser="hermes"),
+    ModelEntry("qwen3", "llm", ("Qwen3ForCausalLM",), decoder=f"{_LLAMA}:Qwen3ForCausalLM", tool_parser="hermes"),
     ModelEntry(
         "qwen2_5_omni", "omni", ("qwen2_5_omni",),
         components={"qwen2_5_omni.thinker": f"{_OMNI}.stages:load_thinker",
@@ -65,7 +69,7 @@ MODELS: tuple[ModelEntry, ...] = (
         adapters={"qwen2_5_omni.thinker_to_talker": f"{_OMNI}.adapters:ThinkerToTalker",
                   "qwen2_5_omni.talker_to_code2wav": f"{_OMNI}.adapters:talker_to_code2wav"},
         codecs={"qwen2_5_omni_code2wav": f"{_OMNI}.code2wav:Code2Wav"},
-        chat_renderer=f"{_OMNI}.pipeline:OmniChatRenderer"),
+        chat_renderer=f"{_OMNI}.pipeline:OmniChatRenderer", tool_parser="hermes"),
     ModelEntry("qwen_image", "diffusion", ("QwenImagePipeline",), family=f"{_DIFFUSERS}.qwen_image:QwenImageFamily"),
     ModelEntry("qwen_image_edit", "diffusion", ("QwenImageEditPipeline",),
                family=f"{_DIFFUSERS}.qwen_image_edit:QwenImageEditFamily"),

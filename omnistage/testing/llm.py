@@ -33,15 +33,31 @@ QWEN_SPLIT_REGEX = (
 )
 
 # ChatML as Qwen uses it. Content may be a string or a list of OpenAI-style parts, of which only
-# the text parts are rendered (tiny models have no other modality).
+# the text parts are rendered (tiny models have no other modality). Tools as Qwen2.5 shows them:
+# a system turn listing the functions, assistant calls as <tool_call> JSON, tool results in a
+# user turn inside <tool_response>.
 CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n# Tools\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\nCall a function with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>"
+    "<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' -}}"
+    "{%- else -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
     "{%- if message['content'] is string -%}{{- message['content'] -}}"
-    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- elif message['content'] -%}{%- for part in message['content'] -%}"
     "{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
+    "{%- for call in message['tool_calls'] or [] -%}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' -}}"
+    "{{- call['function']['arguments'] | tojson -}}{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
     "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )

@@ -15,7 +15,10 @@ last chunk, an optional usage chunk (with `continuous_usage_stats`, usage so far
 then `[DONE]`. With `"modalities": ["text", "audio"]` (a
 pipeline with a speech stage) the message gains `audio` and the stream `delta.audio` chunks
 (`serving_speech.ChatAudio`). Logprobs use the chat shape `{content: [{token, logprob, bytes,
-top_logprobs}]}`.
+top_logprobs}]}`. With `tools` the template is shown them, assistant `tool_calls` (arguments
+decoded to objects, as Hugging Face templates expect) and `tool` messages are rendered, and each
+choice's text goes through a `tool_calls.ToolStream`: the message gains `tool_calls`, the stream
+`delta.tool_calls` (`tool_calls.py` says which `tool_choice` does what).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import json
 import logging
 import time
 import uuid
@@ -41,7 +45,9 @@ from omnistage.entrypoints.openai.protocol import (ChatChoice, ChatChoiceLogprob
                                                    TopLogprob)
 from omnistage.entrypoints.openai.serving_engine import (DeltaTracker, OpenAIServing, clamp_logprob, usage_of)
 from omnistage.entrypoints.openai.serving_speech import ChatAudio
+from omnistage.entrypoints.openai.tool_calls import ToolPlan, ToolStream, tool_parser_for
 from omnistage.outputs import Logprob, RequestOutput, TokenLogprobs
+from omnistage.params import ParamError
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +122,41 @@ class _TokenBytes:
         return found
 
 
+def _tool_fields(msg: ChatMessage) -> dict:
+    """An assistant's `tool_calls` (arguments as objects when they are JSON) and a tool message's id."""
+    out: dict = {}
+    if msg.tool_calls:
+        calls = []
+        for call in msg.tool_calls:
+            try:
+                args = json.loads(call.function.arguments)
+            except ValueError:
+                args = call.function.arguments
+            calls.append({"id": call.id, "type": "function",
+                          "function": {"name": call.function.name, "arguments": args}})
+        out["tool_calls"] = calls
+    if msg.tool_call_id is not None:
+        out["tool_call_id"] = msg.tool_call_id
+    return out
+
+
+def _delta(text: str, tools: Optional[ToolStream], final: bool) -> dict:
+    if tools is None:
+        return {"content": text} if text else {}
+    content, calls = tools.feed(text, final)
+    delta: dict = {"content": content} if content else {}
+    if calls:
+        delta["tool_calls"] = calls
+    return delta
+
+
+def _finish_reason(reason: Optional[str], tools: Optional[ToolStream]) -> Optional[str]:
+    """"tool_calls" instead of "stop" when the answer made calls."""
+    if reason == "stop" and tools is not None and tools.finish_reason is not None:
+        return tools.finish_reason
+    return reason
+
+
 class ServingChat(OpenAIServing):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -138,11 +179,14 @@ class ServingChat(OpenAIServing):
         # media parts are decoded in a decoder thread: the event loop keeps serving meanwhile
         messages = await chat_media.off_loop(convert) if chat_media.has_media(
             m.content for m in req.messages) else convert()
+        tokenizer = self.engine.tokenizer
+        plan = ToolPlan.of(req, tool_parser_for(getattr(tokenizer, "chat_template", None),
+                                                getattr(self.engine, "tool_parser", None)))
         try:
-            params = req.to_sampling_params()
+            params = req.to_sampling_params(plan.grammar())
         except ValueError as e:
             raise bad_request(e, req.field_names()) from e
-        prompt = await self._render(messages, req.chat_template_kwargs)
+        prompt = await self._render(messages, req.chat_template_kwargs, plan.tools)
         prompt = await asyncio.to_thread(self.with_token_ids, prompt)
         if audio is not None:
             prompt = audio.prompt(prompt)
@@ -151,17 +195,21 @@ class ServingChat(OpenAIServing):
         gens = [self.generate(prompt, params, rid, req.field_names(), default_param="messages")]
         if req.stream:
             firsts = await self.until_disconnected(raw, self.first_outputs(gens))
-            return self.sse_response(self._chunks(rid, created, req, params.n, gens, firsts, audio))
+            return self.sse_response(self._chunks(rid, created, req, params.n, gens, firsts, audio, plan))
         (final,) = await self.until_disconnected(raw, self.collect(gens))
-        response = self._response(rid, created, req, final)
+        response = self._response(rid, created, req, final, plan)
         if audio is not None:
             response.choices[0].message.audio = audio.message_audio(final)
         return JSONResponse(response.model_dump())
 
-    async def _render(self, messages: list[dict], kwargs: Optional[dict]) -> dict:
+    async def _render(self, messages: list[dict], kwargs: Optional[dict], tools: list[dict]) -> dict:
         """The model's chat renderer in a worker thread (it may run media encoders); its refusals are 400s."""
         try:
+            if tools:
+                return await asyncio.to_thread(self.engine.render_chat, messages, kwargs, tools)
             return await asyncio.to_thread(self.engine.render_chat, messages, kwargs)
+        except ParamError as e:
+            raise bad_request(e) from e
         except (TemplateError, ValueError, LookupError) as e:   # the template's own refusals, transformers' checks
             raise OpenAIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
         except Exception as e:                  # e.g. a TypeError from a kwarg of the wrong type: no internals
@@ -189,9 +237,9 @@ class ServingChat(OpenAIServing):
                     raise OpenAIError(400, f"content part type {part.type!r} is not supported; use \"text\"",
                                       param="messages")
             if len(parts) > len(texts):         # media present: the renderer takes the parts
-                return {"role": msg.role, "content": parts}
+                return {"role": msg.role, "content": parts, **_tool_fields(msg)}
             content = "\n".join(texts)
-        return {"role": msg.role, "content": content or ""}
+        return {"role": msg.role, "content": content or "", **_tool_fields(msg)}
 
     def _logprobs(self, entries: list[TokenLogprobs], num_top: int) -> ChatChoiceLogprobs:
         def top(lp: Logprob) -> TopLogprob:
@@ -202,27 +250,36 @@ class ServingChat(OpenAIServing):
                              bytes=self.token_bytes(e.chosen), top_logprobs=[top(alt) for alt in e.top[:num_top]])
             for e in entries])
 
-    def _response(self, rid: str, created: int, req: ChatCompletionRequest,
-                  final: RequestOutput) -> ChatCompletionResponse:
-        choices = [ChatChoice(
-            index=comp.index, message=ChatMessageOut(content=comp.text),
-            logprobs=self._logprobs(comp.logprobs or [], req.top_logprobs or 0) if req.logprobs else None,
-            finish_reason=comp.finish_reason, stop_reason=comp.stop_reason) for comp in final.outputs]
+    def _response(self, rid: str, created: int, req: ChatCompletionRequest, final: RequestOutput,
+                  plan: ToolPlan) -> ChatCompletionResponse:
+        choices = []
+        for comp in final.outputs:
+            message, finish = ChatMessageOut(content=comp.text), comp.finish_reason
+            tools = plan.stream()
+            if tools is not None:
+                content, _ = tools.feed(comp.text, final=True)
+                message = ChatMessageOut(content=content or (None if tools.called else ""),
+                                         tool_calls=list(tools.calls) or None)
+                finish = _finish_reason(finish, tools)
+            choices.append(ChatChoice(
+                index=comp.index, message=message,
+                logprobs=self._logprobs(comp.logprobs or [], req.top_logprobs or 0) if req.logprobs else None,
+                finish_reason=finish, stop_reason=comp.stop_reason))
         choices.sort(key=lambda c: c.index)
         return ChatCompletionResponse(id=rid, created=created, model=self.served_model_name, choices=choices,
                                       usage=usage_of([final]))
 
     async def _chunks(self, rid: str, created: int, req: ChatCompletionRequest, n: int, gens: list,
-                      firsts: list[RequestOutput], audio: Optional[ChatAudio] = None
-                      ) -> AsyncIterator[ChatCompletionChunk]:
-        last: Optional[RequestOutput] = firsts[0]
-
+                      firsts: list[RequestOutput], audio: Optional[ChatAudio] = None,
+                      plan: Optional[ToolPlan] = None) -> AsyncIterator[ChatCompletionChunk]:
         def chunk(choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=rid, created=created, model=self.served_model_name, choices=choices,
                                        usage=usage_of([last]) if req.continuous_usage else None)
 
         yield chunk([ChatStreamChoice(index=i, delta={"role": "assistant", "content": ""}) for i in range(n)])
         tracker = DeltaTracker(n)
+        tools = {i: plan.stream() for i in range(n)} if plan is not None else {}
+        last: Optional[RequestOutput] = firsts[0]
         async with aclosing(self.merge(gens, firsts)) as merged:
             async for _, out in merged:
                 last = out
@@ -230,9 +287,9 @@ class ServingChat(OpenAIServing):
                 if audio_delta is not None:     # before the text chunk that may carry finish_reason
                     yield chunk([ChatStreamChoice(index=0, delta={"audio": audio_delta})])
                 choices = [ChatStreamChoice(
-                    index=d.index, delta={"content": d.text} if d.text else {},
+                    index=d.index, delta=_delta(d.text, tools.get(d.index), d.finish_reason is not None),
                     logprobs=self._logprobs(d.logprobs, req.top_logprobs or 0) if req.logprobs else None,
-                    finish_reason=d.finish_reason, stop_reason=d.stop_reason)
+                    finish_reason=_finish_reason(d.finish_reason, tools.get(d.index)), stop_reason=d.stop_reason)
                     for d in tracker.update(0, out)]
                 if choices:
                     yield chunk(choices)

@@ -3,7 +3,8 @@
 In: a `CompletionRequest` whose `prompt` is a string, a list of strings, token ids, or a list of
 token-id lists; text prompts are bounded in characters, then tokenized in a worker thread. Each
 prompt is one engine request with `n` completions; choice `i * n + j` is
-completion j of prompt i, as in OpenAI's API. Out: a `CompletionResponse` with usage, or an SSE
+completion j of prompt i, as in OpenAI's API. `response_format`, `structured_outputs` and
+`logit_bias` constrain the text as on chat (`protocol.py`; the AR engine enforces the grammar). Out: a `CompletionResponse` with usage, or an SSE
 stream of `text_completion` chunks (per-choice deltas, `finish_reason` on each choice's last
 chunk, a usage chunk when `stream_options.include_usage`, usage so far in every chunk as well with
 `continuous_usage_stats`, then `[DONE]`).

@@ -42,6 +42,9 @@ class EngineConfig:
     seed: int = 0                               # seed of the generator used by unseeded requests
     cpu_threads: Optional[int] = None           # torch intra-op threads on CPU; None = cores - 1 (>= 1)
     cuda_graphs: bool = True                    # capture decode steps on CUDA
+    default_max_tokens: Optional[int] = None    # AR: answer cap of a request that gives no max_tokens (the model's
+    # generation_config.json max_new_tokens, or --override-generation-config), at most the room left; None = up to
+    # max_model_len
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -53,6 +56,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1 or None, got {self.default_max_tokens}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

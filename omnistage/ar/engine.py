@@ -165,8 +165,8 @@ class AREngine:
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
-        if params.max_tokens is None:
-            params = params.clone(max_tokens=room)
+        if params.max_tokens is None:           # the stage's default answer cap, clipped to the room left
+            params = params.clone(max_tokens=min(room, self.config.default_max_tokens or room))
         elif params.max_tokens > room:
             raise ParamError("max_tokens", f"max_tokens must be <= {room} (max_model_len {self.max_model_len} "
                              f"minus {len(ids)} prompt tokens), got {params.max_tokens}")

@@ -115,6 +115,12 @@ class AsyncOmni:
     def main_stage_kind(self) -> str:
         return self.orchestrator.spec.main_stage.kind
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """The main stage's default request params (field -> value: the model's generation-config
+        defaults); a request's own fields win over them."""
+        return dict(self.orchestrator.spec.main_stage.params)
+
     def default_params(self, entry_stage: Optional[str] = None):
         return default_params_for(self.orchestrator, entry_stage)()
 

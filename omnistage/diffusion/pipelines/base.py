@@ -148,8 +148,11 @@ class DiffusionFamily:
     # -- shared helpers ------------------------------------------------------------------------------
     def fill_defaults(self, params: DiffusionParams, size: tuple[int, int], multiples: tuple[int, int],
                       default_guidance: Optional[float], **more) -> DiffusionParams:
-        """Unset height / width / steps / guidance take the model's defaults (`size` is (height, width));
+        """Unset height / width / steps / guidance take the model's defaults (`size` is (height, width),
+        scaled down, aspect kept, when the model's position tables are shorter: `fitted_size`);
         height and width must be multiples of `multiples`; `more` sets further fields."""
+        if not (params.height and params.width):
+            size = self.fitted_size(size, multiples)
         p = params.clone(height=params.height or size[0], width=params.width or size[1],
                          num_inference_steps=params.num_inference_steps or self.default_steps,
                          guidance_scale=params.guidance_scale if params.guidance_scale is not None
@@ -158,6 +161,13 @@ class DiffusionFamily:
         check_multiple("height", p.height, multiples[0], min(self.max_pixels, top_h) // multiples[0] * multiples[0])
         check_multiple("width", p.width, multiples[1], min(self.max_pixels, top_w) // multiples[1] * multiples[1])
         return p
+
+    def fitted_size(self, size: tuple[int, int], multiples: tuple[int, int]) -> tuple[int, int]:
+        """`size` (height, width) scaled down by one factor until it fits `max_size` and
+        `max_pixels`, each side rounded down to its multiple (at least one multiple)."""
+        top_h, top_w = (min(self.max_pixels, m) for m in self.max_size())
+        scale = min(1.0, top_h / size[0], top_w / size[1])
+        return tuple(max(m, int(v * scale) // m * m) for v, m in zip(size, multiples))
 
     def max_size(self) -> tuple[int, int]:
         """Largest (height, width) in pixels the model's denoiser takes: families whose position

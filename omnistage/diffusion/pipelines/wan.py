@@ -62,16 +62,15 @@ class WanFamily(DiffusionFamily):
             raise ValueError("boundary_ratio is set but the folder has no transformer_2")
 
     def resolve(self, params: DiffusionParams, inputs: dict) -> DiffusionParams:
-        frames = params.num_frames or self.default_frames
+        top = (self.rope_len * self.patch[0] - 1) * self.t_scale + 1    # frames the rope table holds
+        frames = params.num_frames or min(self.default_frames, top)      # the default fits the model
         if frames % self.t_scale != 1:  # diffusers rounds to the nearest valid count the same way
             frames = max(frames // self.t_scale * self.t_scale + 1, 1)
         multiples = (self.s_scale * self.patch[1], self.s_scale * self.patch[2])
         p = self.fill_defaults(params, self.default_size, multiples, self.default_guidance, num_frames=frames,
                                fps=params.fps or self.default_fps)
-        top = (self.rope_len * self.patch[0] - 1) * self.t_scale + 1    # latent frames the rope table holds
         if frames > top:
-            given = "" if params.num_frames else " (the model's default)"
-            raise ParamError("num_frames", f"num_frames must be at most {top} for this model, got {frames}{given}")
+            raise ParamError("num_frames", f"num_frames must be at most {top} for this model, got {frames}")
         return p
 
     @property

@@ -93,11 +93,13 @@ class _SamplingRequest(RequestBody):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
-        """Raises `ParamError` naming the SamplingParams field (see `field_names`)."""
+    def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
+                         defaults: Optional[dict] = None) -> SamplingParams:
+        """Raises `ParamError` naming the SamplingParams field (see `field_names`). `defaults`: the
+        model's generation-config defaults (SamplingParams fields), under what the request sets."""
         given = {name: getattr(self, name) for name in _SHARED_FIELDS}
         given = {k: v for k, v in given.items() if v is not None}
-        return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs)
+        return SamplingParams(**{**(defaults or {}), **given}, max_tokens=max_tokens, logprobs=logprobs)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -107,8 +109,8 @@ class CompletionRequest(_SamplingRequest):
     echo: Optional[StrictBool] = False          # not supported: a 400 when true
     suffix: Optional[str] = None                # not supported: a 400 when set
 
-    def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+    def to_sampling_params(self, defaults: Optional[dict] = None) -> SamplingParams:
+        return self._sampling_params(self.max_tokens, self.logprobs, defaults)
 
     def field_names(self) -> dict[str, str]:
         """Engine field -> the request field the user set, for error messages."""
@@ -138,11 +140,12 @@ class ChatCompletionRequest(_SamplingRequest):
     audio: Optional[dict[str, Any]] = None      # with "audio" in modalities: {"voice": name, "format": wav | pcm | flac}
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Optional[dict] = None) -> SamplingParams:
+        """None for max tokens: the engine's answer cap (the model's max_new_tokens), else up to the context."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs must be used with logprobs set to true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults)
 
     def field_names(self) -> dict[str, str]:
         """Engine field -> the request field the user set, for error messages."""

@@ -138,7 +138,7 @@ class ServingChat(OpenAIServing):
         messages = await chat_media.off_loop(convert) if chat_media.has_media(
             m.content for m in req.messages) else convert()
         try:
-            params = req.to_sampling_params()
+            params = req.to_sampling_params(getattr(self.engine, "sampling_defaults", None))
         except ValueError as e:
             raise bad_request(e, req.field_names()) from e
         prompt = await self._render(messages, req.chat_template_kwargs)

@@ -88,12 +88,12 @@ class AREngine:
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         per_block = kv_block_bytes(self.model, cfg.block_size, self.dtype)
-        enough = cfg.kv_blocks_wanted(max_len)
         if self.device.type == "cuda":
             budget = self._profile_cuda_budget()
-        else:
+            blocks = min(cfg.kv_blocks_wanted(max_len), budget // per_block)
+        else:                                   # sized from what the model needs (EngineConfig.cpu_kv_blocks)
             budget = int(cfg.cpu_kv_cache_gb * 2**30)
-        blocks = min(enough, budget // per_block)
+            blocks = cfg.cpu_kv_blocks(max_len, per_block)
         if blocks < 2:
             raise RuntimeError(f"not enough memory for the KV cache ({budget / 2**30:.2f} GiB free); "
                                "lower max_num_batched_tokens or raise gpu_memory_utilization")

@@ -9,8 +9,9 @@
 API key, every `/v1` route needs `Authorization: Bearer KEY` (checked before the body is read); the
 key comes from `--api-key-file`, `--api-key` or `$OMNISTAGE_API_KEY` (`resolve_api_key`).
 `GET /health` is 503 with every stage's state while one is down (its process restarting).
-`run_server(args)` builds the engine from the CLI arguments, prints how to talk to it (never the
-key: the snippets read `$OMNISTAGE_API_KEY`), and runs uvicorn in this process until SIGTERM /
+`run_server(args)` checks that the port is free (`check_port_free`, before the model loads), builds
+the engine from the CLI arguments, prints how to talk to it (a request the model answers: chat, an
+image, a video job or speech, `banner_kind`; never the key: the snippets read `$OMNISTAGE_API_KEY`), and runs uvicorn in this process until SIGTERM /
 SIGINT, which drain the requests in flight first (`drain.py`); the engine's model forwards run in
 its own thread, so the event loop stays free for I/O. Served without `--served-model-name`, a
 model folder is called by its folder name (`default_served_name`), so its path shows in no answer

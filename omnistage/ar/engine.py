@@ -96,12 +96,12 @@ class AREngine:
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         per_block = kv_block_bytes(self.model, cfg.block_size, self.dtype)
-        enough = cfg.kv_blocks_wanted(max_len)
         if self.device.type == "cuda":
             budget = self._profile_cuda_budget()
-        else:
+            blocks = min(cfg.kv_blocks_wanted(max_len), budget // per_block)
+        else:                                   # sized from what the model needs (EngineConfig.cpu_kv_blocks)
             budget = int(cfg.cpu_kv_cache_gb * 2**30)
-        blocks = min(enough, budget // per_block)
+            blocks = cfg.cpu_kv_blocks(max_len, per_block)
         if blocks < 2:
             raise RuntimeError(f"not enough memory for the KV cache ({budget / 2**30:.2f} GiB free); "
                                "lower max_num_batched_tokens or raise gpu_memory_utilization")
@@ -173,8 +173,8 @@ class AREngine:
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
-        if params.max_tokens is None:
-            params = params.clone(max_tokens=room)
+        if params.max_tokens is None:           # the stage's default answer cap, clipped to the room left
+            params = params.clone(max_tokens=min(room, self.config.default_max_tokens or room))
         elif params.max_tokens > room:
             raise ParamError("max_tokens", f"max_tokens must be <= {room} (max_model_len {self.max_model_len} "
                              f"minus {len(ids)} prompt tokens), got {params.max_tokens}")

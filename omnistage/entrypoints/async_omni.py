@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from omnistage.entrypoints.common import ChatRenderer, build_orchestrator, default_params_for
+from omnistage.entrypoints.progress_log import ProgressLog
 from omnistage.outputs import RequestOutput
 from omnistage.stage import StageDeadError
 
@@ -106,6 +107,7 @@ class AsyncOmni:
         self._stop_reason = ""                                  # StopEngine.reason, once received
         self.errored: Optional[BaseException] = None
         self.output_hooks: list[Callable[[RequestOutput, float], None]] = []  # e.g. metrics, called per output
+        self.output_hooks.append(ProgressLog().on_output)      # progress lines of long requests (INFO)
         self._thread = threading.Thread(target=self._loop, name="omnistage-engine", daemon=True)
         self._thread.start()
 
@@ -121,6 +123,12 @@ class AsyncOmni:
     @property
     def main_stage_kind(self) -> str:
         return self.orchestrator.spec.main_stage.kind
+
+    @property
+    def sampling_defaults(self) -> dict:
+        """The main stage's default request params (field -> value: the model's generation-config
+        defaults); a request's own fields win over them."""
+        return dict(self.orchestrator.spec.main_stage.params)
 
     def default_params(self, entry_stage: Optional[str] = None):
         return default_params_for(self.orchestrator, entry_stage)()
@@ -245,6 +253,9 @@ class AsyncOmni:
             self._stop_reason = cmd.reason
             return False
         if isinstance(cmd, AbortRequest):
+            if cmd.request_id in self.orchestrator.routes:      # still running: its caller left
+                logger.warning("request %s aborted: its caller left (client disconnected, job deleted or "
+                               "cancelled)", cmd.request_id)
             self.orchestrator.abort(cmd.request_id)
             return True
         if isinstance(cmd, ResetPrefixCache):

@@ -2,11 +2,14 @@
 
 `omnistage serve [MODEL]` starts the OpenAI-compatible server (no MODEL: the embedded SmolLM2; its
 API key from `--api-key-file PATH`, `$OMNISTAGE_API_KEY` or `--api-key`, the first two kept out of `ps`),
-`omnistage generate MODEL --prompt ...` runs one prompt offline and prints or writes the result
-(image / video models: `--output FILE.png|FILE.mp4`, `--size WxH`, `--steps`, `--num-frames`),
-`omnistage bench` load-tests an OpenAI-compatible server (or, `--offline`, the in-process engine;
-`entrypoints/bench/`), `omnistage make-tiny DIR --kind llm|qwen-image|wan|...` writes tiny random
-checkpoints in real formats. Heavy imports (torch, transformers) happen inside the subcommands, so `--help` is instant.
+`omnistage generate [MODEL] --prompt ...` runs one prompt offline and prints or writes the result
+(no MODEL: the embedded SmolLM2; a model with a chat template gets the prompt as a user message
+unless `--no-chat`; image / video models: `--output FILE.png|FILE.mp4`, checked before any work,
+`--size WxH`, `--steps`, `--num-frames`), `omnistage bench` load-tests an OpenAI-compatible server (or, `--offline`, the
+in-process engine; `entrypoints/bench/`), `omnistage make-tiny DIR --kind KIND` (KIND: one of
+`testing.TINY_KINDS`) writes tiny random checkpoints in real formats. Bad options end in one line
+naming the option (`--device cuda` without a GPU, a busy `--port`: checked before the model loads).
+Heavy imports (torch, transformers) happen inside the subcommands, so `--help` is instant.
 """
 
 from __future__ import annotations
@@ -23,8 +26,22 @@ _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def _json_object(option: str):
+    def parse(text: str) -> dict:
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{option} must be a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{option} must be a JSON object, got {text!r}")
+        return value
+
+    return parse
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto: the first GPU, "
+                                                    "else the CPU)")
     p.add_argument("--dtype", default="auto", choices=_DTYPES, help="weights and activations (default: auto)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per engine step at most")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens at most")
@@ -33,36 +50,37 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed of unseeded sampled requests")
     p.add_argument("--deploy-config", default=None, metavar="FILE.yaml",
                    help="pipeline overrides: per-stage devices, engine sizes, chunking (see pipeline/deploy_config.py)")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"))
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="request defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens): "
+                        "auto = the model's generation_config.json, vllm = none, or another folder's (default: auto)")
+    p.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   type=_json_object("--override-generation-config"),
+                   help="defaults over the model's, e.g. '{\"temperature\": 0.7, \"max_new_tokens\": 512}' "
+                        "(max_new_tokens: the answer cap of requests that give no max_tokens)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"),
+                   help="server / engine log level (default: info; generate: warning)")
     # -- diffusion step cache and VAE (vLLM-Omni's flags) --
     p.add_argument("--cache-backend", default=None, choices=tuple(CACHE_BACKENDS),
                    help="diffusion step cache (default: none)")
-    p.add_argument("--cache-config", default=None, type=_json_object, metavar="JSON",
+    p.add_argument("--cache-config", default=None, type=_json_object("--cache-config"), metavar="JSON",
                    help='settings of the cache backend, e.g. \'{"rel_l1_thresh": 0.2}\' (see README)')
     p.add_argument("--vae-use-tiling", action="store_true", default=None,
                    help="decode images / videos with the VAE's tiled decode (less memory)")
 
 
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}); pass an object such as "
-                                         '\'{"rel_l1_thresh": 0.2}\'') from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from omnistage import __version__
+    from omnistage.testing import TINY_KINDS
+
     parser = argparse.ArgumentParser(prog="omnistage", description="Serve and run omni-modality models.")
+    parser.add_argument("--version", action="version", version=f"omnistage {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench,make-tiny}")
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     serve.add_argument("model", nargs="?", default=None,
                        help="local model folder (transformers or diffusers layout); omit for the embedded SmolLM2")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; 0.0.0.0: all)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port; checked before the model loads (default: 8000)")
     serve.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on /v1 routes (visible in `ps`: prefer "
                             "$OMNISTAGE_API_KEY or --api-key-file)")
@@ -89,12 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
 
     gen = sub.add_parser("generate", help="run one prompt offline and print the result")
-    gen.add_argument("model", help="local model folder")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message via the chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--output", default="-", help="'-' prints text; a file path writes the result there")
+    gen.add_argument("model", nargs="?", default=None,
+                     help="local model folder (transformers or diffusers layout); omit for the embedded SmolLM2")
+    gen.add_argument("--prompt", required=True, help="the text prompt (image / video models: what to draw)")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="send the prompt as a user message through the model's chat template (default: yes when "
+                          "the model has one; --no-chat sends the raw text)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="text models: new tokens at most (default: 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="text models: 0 = greedy (default: 0)")
+    gen.add_argument("--output", default="-", help="'-' prints text; a file path writes the result there "
+                                                   "(image models: FILE.png, video models: FILE.mp4, speech: FILE.wav)")
     gen.add_argument("--size", default=None, help="image / video models: WIDTHxHEIGHT (default: the model's)")
     gen.add_argument("--steps", type=int, default=None, help="image / video models: denoising steps")
     gen.add_argument("--num-frames", type=int, default=None, help="video models: frames to generate")
@@ -110,13 +132,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("make-tiny", help="write tiny random checkpoints in real formats")
     tiny.add_argument("dir", help="output folder")
-    tiny.add_argument("--kind", default="llm", help="llm | qwen2_5_omni | qwen-image | qwen-image-edit | flux | flux-schnell | sd3 | z-image | wan | wan2.2 | wan-i2v | all")
+    tiny.add_argument("--kind", default="llm", metavar="KIND", help=f"{' | '.join(TINY_KINDS)} (default: llm)")
     return parser
 
 
 def _check_device(args: argparse.Namespace) -> None:
-    if not (args.device in _DEVICES or args.device.startswith("cuda:")):
-        raise SystemExit(f"omnistage: --device must be one of {', '.join(_DEVICES)} or cuda:N, got {args.device!r}")
+    """One line naming --device when it is malformed or names a GPU this machine does not have."""
+    device = args.device
+    if not (device in _DEVICES or device.startswith("cuda:")):
+        raise SystemExit(f"omnistage: --device must be one of {', '.join(_DEVICES)} or cuda:N, got {device!r}")
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = 0 if device == "cuda" else device.split(":", 1)[1]
+    if not str(index).isdigit() or int(index) >= count:
+        have = f"cuda:0..cuda:{count - 1}, cpu" if count else "cpu only (no CUDA device is visible to torch " \
+            f"{torch.__version__})"
+        raise SystemExit(f"omnistage: --device {device}: no such GPU; available: {have}")
+
+
+# what each kind of output is written as; `--output -` (print) suits text only
+_OUTPUT_SUFFIX = {"image": ".png", "video": ".mp4", "audio": ".wav"}
+
+
+def _check_output(args: argparse.Namespace, kind: str) -> None:
+    """Before any work: a model that makes `kind` ("image", "video", "audio") needs --output FILE."""
+    if kind in _OUTPUT_SUFFIX and args.output == "-":
+        raise SystemExit(f"omnistage: this model makes {kind}s; pass --output FILE{_OUTPUT_SUFFIX[kind]}")
 
 
 def _check_cache(args: argparse.Namespace) -> None:
@@ -136,30 +180,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     try:
         with Omni(model=args.model, device=args.device, dtype=args.dtype, **engine_kwargs_from_args(args)) as omni:
-            if omni.orchestrator.spec.main_stage.kind == "diffusion":
+            main = omni.orchestrator.spec.main_stage
+            if main.kind == "diffusion":
+                _check_output(args, getattr(omni.orchestrator.stages[main.name], "output_kind", "image"))
                 params = _diffusion_params(args)
             else:
                 params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-            if args.chat:
+            chat = args.chat
+            if chat is None:                    # instruct models answer a user turn, not raw text
+                chat = main.kind == "ar" and bool(getattr(omni.tokenizer, "chat_template", None))
+            if chat:
                 out = omni.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
             else:
                 out = omni.generate(args.prompt, params, use_tqdm=not isinstance(params, SamplingParams))[0]
     except (FileNotFoundError, ValueError) as e:                # bad model folder, prompt or option
         raise SystemExit(f"omnistage: {e}") from e
     if out.video is not None:
-        if args.output == "-":
-            raise SystemExit("omnistage: this model makes videos; pass --output FILE.mp4")
+        _check_output(args, "video")
         from omnistage.io.media import encode_mp4
 
         with open(args.output, "wb") as f:
             f.write(encode_mp4(out.video.frames, out.video.fps))
     elif out.images:
-        if args.output == "-":
-            raise SystemExit("omnistage: this model makes images; pass --output FILE.png")
+        _check_output(args, "image")
         out.images[0].save(args.output)
     elif out.audio is not None:
-        if args.output == "-":
-            raise SystemExit("omnistage: this model makes audio; pass --output FILE.wav")
+        _check_output(args, "audio")
         import soundfile
 
         soundfile.write(args.output, out.audio.samples, out.audio.sample_rate)

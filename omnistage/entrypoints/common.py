@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional, Sequence
 
 from omnistage.config import EngineConfig
@@ -25,8 +26,12 @@ def resolve_model(model: Optional[str]) -> str:
 
 
 def build_orchestrator(model: Optional[str], device: str, dtype: str, deploy_config: Any = None,
+                       generation_config: str = "auto", override_generation_config: Optional[dict] = None,
                        **engine_kwargs) -> Orchestrator:
     """`deploy_config`: a YAML path or dict of pipeline overrides (see pipeline/deploy_config.py).
+    `generation_config` ("auto" | "vllm" | FOLDER) and `override_generation_config` (HF keys) give
+    the main AR stage's request defaults (`pipeline.build.read_generation_config`); the embedded
+    default model (model None) starts from its recommended ones (`default_model.GENERATION_DEFAULTS`).
 
     The EngineConfig is built here once, its device resolved; `detect_pipeline` resolves each
     stage's copy of it (after the overrides), and everything downstream reads those values."""
@@ -36,7 +41,11 @@ def build_orchestrator(model: Optional[str], device: str, dtype: str, deploy_con
     config = EngineConfig(device=device, dtype=dtype, **engine_kwargs).resolved()
     if config.device == "cpu":
         config.apply_cpu_threads()
-    spec = detect_pipeline(resolve_model(model), config, deploy_config)
+    if model is None:
+        from omnistage.models.default_model import GENERATION_DEFAULTS
+
+        override_generation_config = {**GENERATION_DEFAULTS, **(override_generation_config or {})}
+    spec = detect_pipeline(resolve_model(model), config, deploy_config, generation_config, override_generation_config)
     spec = plan_gpu_memory(spec, pinned=pinned_stages(deploy_config))   # stages sharing a GPU split it
     return Orchestrator(spec)
 
@@ -53,12 +62,14 @@ def per_prompt(params: Any, n: int, default_factory) -> list:
 
 
 def default_params_for(orch: Orchestrator, entry_stage: Optional[str] = None):
-    """The params class of the stage a request enters at (default: the main stage)."""
+    """What builds the default params of the stage a request enters at (default: the main stage):
+    its params class with the stage's default request params (`StageSpec.params`: e.g. the model's
+    generation-config sampling defaults)."""
     spec = orch.spec.stage(entry_stage) if entry_stage else orch.spec.main_stage
-    engine_type = getattr(orch.stages[spec.name], "params_type", None)
-    if engine_type is not None:
-        return engine_type
-    return DiffusionParams if spec.kind == "diffusion" else SamplingParams
+    cls = getattr(orch.stages[spec.name], "params_type", None)
+    if cls is None:
+        cls = DiffusionParams if spec.kind == "diffusion" else SamplingParams
+    return functools.partial(cls, **spec.params) if spec.params else cls
 
 
 class ChatRenderer:
@@ -104,5 +115,6 @@ def render_chat(tokenizer, messages: Sequence[dict], chat_template_kwargs: Optio
 def engine_kwargs_from_args(args) -> dict:
     """The engine options of parsed CLI arguments (`omnistage serve` / `generate`), for Omni / AsyncOmni."""
     names = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_kv_blocks", "seed", "deploy_config",
-             "cache_backend", "cache_config", "vae_use_tiling")
+             "cache_backend", "cache_config", "vae_use_tiling",
+             "generation_config", "override_generation_config")
     return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}

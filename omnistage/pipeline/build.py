@@ -16,12 +16,14 @@ code: they are handed what they run.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Any, Optional
 
 from omnistage.adapters import EdgeAdapter, build_adapter
 from omnistage.config import EngineConfig, checkpoint_dtype
 from omnistage.models import registry
-from omnistage.params import DiffusionParams, SamplingParams
+from omnistage.params import GENERATION_CONFIG_KEYS, DiffusionParams, SamplingParams, generation_defaults
 from omnistage.pipeline.deploy_config import apply_deploy_config
 from omnistage.spec import EdgeSpec, PipelineSpec, StageSpec
 
@@ -61,12 +63,56 @@ def _registry_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
     return tts_cascade(StageSpec("llm", "ar", model_dir, engine, final_output="text"))
 
 
-def detect_pipeline(model_dir: str, engine: EngineConfig, deploy_config: Any = None) -> PipelineSpec:
+GENERATION_CONFIG_MODES = ("auto", "vllm")     # `--generation-config`: the model's file, none; or a FOLDER
+
+
+def read_generation_config(folder: str, mode: str = "auto", override: Optional[dict] = None) -> dict:
+    """SamplingParams defaults of an AR model (vLLM's `--generation-config`): "auto" reads
+    `folder/generation_config.json`, "vllm" reads nothing (the engine's own defaults), any other
+    value is a folder whose generation_config.json is read; `override` (HF key names, e.g.
+    `{"temperature": 0.2, "max_new_tokens": 256}`) wins over the file. Its `max_tokens` entry is
+    the answer cap (EngineConfig.default_max_tokens)."""
+    if override is not None and not isinstance(override, dict):
+        raise ValueError(f"override_generation_config must be a JSON object, got {override!r}")
+    unknown = sorted(set(override or {}) - set(GENERATION_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"override_generation_config keys must be among {sorted(GENERATION_CONFIG_KEYS)}; "
+                         f"got {unknown}")
+    source = folder if mode == "auto" else None if mode == "vllm" else mode
+    if source is not None and mode != "auto" and not os.path.isdir(source):
+        raise ValueError(f"generation_config must be auto, vllm or a folder with a generation_config.json; "
+                         f"got {mode!r}")
+    found: dict = {}
+    path = os.path.join(source, "generation_config.json") if source else None
+    if path and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            found = generation_defaults(json.load(f), path)
+    return {**found, **generation_defaults(override or {}, "override_generation_config")}
+
+
+def _with_generation_defaults(spec: PipelineSpec, mode: str, override: Optional[dict]) -> PipelineSpec:
+    """The main stage, when it is an AR stage, with its generation-config defaults: sampling fields
+    as its default request params, `max_new_tokens` as its answer cap."""
+    main = spec.main_stage
+    if main.kind != "ar":
+        return spec
+    defaults = read_generation_config(main.model_dir, mode, override)
+    cap = defaults.pop("max_tokens", None)
+    engine = dataclasses.replace(main.engine, default_max_tokens=cap) if cap is not None else main.engine
+    main = dataclasses.replace(main, engine=engine, params={**defaults, **main.params})
+    return dataclasses.replace(spec, stages=[main, *spec.stages[1:]])
+
+
+def detect_pipeline(model_dir: str, engine: EngineConfig, deploy_config: Any = None, generation_config: str = "auto",
+                    override_generation_config: Optional[dict] = None) -> PipelineSpec:
     """The pipeline of a local model folder, from the registry entry its config files match, with
-    `deploy_config`'s overrides (a YAML path or dict, `pipeline/deploy_config.py`) and every stage's
-    config resolved. The overrides come first, so that a stage moved to another device gets that
-    device's dtype."""
-    spec = apply_deploy_config(_registry_pipeline(model_dir, engine.resolved()), deploy_config)
+    the main AR stage's generation-config defaults (`read_generation_config`), `deploy_config`'s
+    overrides (a YAML path or dict, `pipeline/deploy_config.py`; its stage `params` win) and every
+    stage's config resolved. The overrides come first, so that a stage moved to another device gets
+    that device's dtype."""
+    spec = _registry_pipeline(model_dir, engine.resolved())
+    spec = _with_generation_defaults(spec, generation_config, override_generation_config)
+    spec = apply_deploy_config(spec, deploy_config)
     return dataclasses.replace(spec, stages=[resolve_stage(s) for s in spec.stages])
 
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from omnistage.testing.llm import _LM_CLASSES, make_tiny_lm
 
 
 def _build_llms(out_dir: str) -> list[str]:
+    from omnistage.testing.llm import _LM_CLASSES, make_tiny_lm
+
     return [make_tiny_lm(os.path.join(out_dir, f"tiny-{arch}"), arch) for arch in _LM_CLASSES]
 
 
@@ -45,6 +46,9 @@ def _build_omni(out_dir: str) -> list[str]:
 # kind -> builder(out_dir) returning the folders it wrote. Other model families register here.
 TINY_BUILDERS: dict[str, Callable[[str], list[str]]] = {"llm": _build_llms, "qwen2_5_omni": _build_omni}
 TINY_BUILDERS.update({kind: _diffusion_builder(kind) for kind in DIFFUSION_KINDS})
+# What `omnistage make-tiny --kind` accepts (its --help and README list exactly these; importing this
+# package imports no torch, so --help stays instant).
+TINY_KINDS = (*TINY_BUILDERS, "all")
 
 
 def make_tiny(out_dir: str, kind: str = "llm") -> list[str]:
@@ -52,5 +56,5 @@ def make_tiny(out_dir: str, kind: str = "llm") -> list[str]:
     if kind == "all":
         return [path for build in TINY_BUILDERS.values() for path in build(out_dir)]
     if kind not in TINY_BUILDERS:
-        raise ValueError(f"kind={kind!r} is not a tiny model kind; allowed: {sorted(TINY_BUILDERS) + ['all']}")
+        raise ValueError(f"kind={kind!r} is not a tiny model kind; allowed: {', '.join(TINY_KINDS)}")
     return TINY_BUILDERS[kind](out_dir)

@@ -55,6 +55,19 @@ def test_voices_speed_and_batched_requests(engine):
     assert len(finals["two"].prompt_token_ids) > 20   # phoneme ids: the speech usage's input tokens
 
 
+def test_a_sentence_sounds_the_same_alone_and_beside_others(engine):
+    """Piper's noise is drawn from a seed of the sentence and voice (models/piper/seeded.py): the same
+    request gives the same samples whatever ran before it or beside it."""
+    engine.add_request("alone", SENTENCE, TTSParams(voice="joe"))
+    alone = _run(engine)["alone"].audio.samples
+    engine.add_request("other", "Something else entirely, said first.", TTSParams(voice="joe-slow"))
+    engine.add_request("again", SENTENCE, TTSParams(voice="joe"))
+    engine.add_request("fast", SENTENCE, TTSParams(voice="joe", speed=2.0))
+    finals = _run(engine)
+    np.testing.assert_array_equal(finals["again"].audio.samples, alone)
+    assert len(finals["fast"].audio.samples) < len(alone)
+
+
 def test_streamed_input_unknown_voice_and_abort(engine):
     engine.add_request("s", TTSInput(["First sentence here."], finished=False), TTSParams())
     out = engine.step()

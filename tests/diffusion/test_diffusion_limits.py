@@ -48,8 +48,6 @@ def engine(tiny_dir):
 
 @pytest.mark.parametrize("kind, params, field, message", [
     ("wan", dict(height=32, width=32, num_frames=99), "num_frames", "num_frames must be at most 63 for this model, got 99"),
-    ("wan", dict(height=32, width=32), "num_frames", "num_frames must be at most 63 for this model, got 81 "
-                                                     "(the model's default)"),
     ("wan", dict(height=256, width=32, num_frames=5), "height", "height must be a positive multiple of 4 and at "
                                                                 "most 128, got 256"),
     ("wan-i2v", dict(height=32, width=132, num_frames=5), "width", "at most 128, got 132"),
@@ -86,6 +84,16 @@ def test_params_at_the_models_limits_run(engine, kind, params):
     assert shape == (params["height"], params["width"])
     if kind == "wan":                           # the most frames it takes (running them: 16 s on CPU)
         assert eng.check_params(DiffusionParams(height=32, width=32, num_frames=63)).num_frames == 63
+
+
+def test_the_models_defaults_fit_the_folder(engine):
+    """Unset size and frames take the model's defaults (Wan: 480x832, 81 frames), scaled down to
+    what the folder's position tables hold (tiny Wan: 128 px per side, 63 frames), aspect kept."""
+    p = engine("wan").check_params(DiffusionParams())
+    assert (p.height, p.width, p.num_frames) == (72, 128, 63)
+    sd3 = engine("sd3")                         # a default that fits stays as it is
+    p = sd3.check_params(DiffusionParams(width=32))
+    assert (p.height, p.width) == (sd3.family.default_size()[0], 32)
 
 
 def _run_together(eng: DiffusionEngine, prompts: dict[str, str], params: DiffusionParams) -> dict:

@@ -67,14 +67,71 @@ def test_generate_prints_text(tiny_dir, tmp_path):
     model = str(tiny_dir[0] / "tiny-qwen2")
     want = _greedy(model, "The harbour town", 8)
     r = _run("generate", model, "--prompt", "The harbour town", "--max-tokens", "8", "--device", "cpu",
-             "--dtype", "float32")
+             "--dtype", "float32", "--no-chat")
     assert r.returncode == 0, r.stderr
     assert r.stdout == want + "\n"
 
     target = tmp_path / "out.txt"
     assert cli.main(["generate", model, "--prompt", "The harbour town", "--max-tokens", "8", "--device", "cpu",
-                     "--dtype", "float32", "--output", str(target)]) == 0
+                     "--dtype", "float32", "--output", str(target), "--no-chat"]) == 0
     assert target.read_text(encoding="utf-8") == want
+
+
+def test_generate_answers_an_instruct_model_through_its_chat_template(tiny_dir, capsys):
+    from omnistage import Omni, SamplingParams
+
+    model = str(tiny_dir[0] / "tiny-qwen2")
+    with Omni(model=model, device="cpu", dtype="float32") as omni:
+        want = omni.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=8, temperature=0.0),
+                         use_tqdm=False)[0].outputs[0].text
+    assert cli.main(["generate", model, "--prompt", "hi", "--max-tokens", "8", "--device", "cpu",
+                     "--dtype", "float32"]) == 0
+    assert capsys.readouterr().out == want + "\n"
+
+
+def test_version_help_for_every_flag_and_one_list_of_tiny_kinds(capsys):
+    from omnistage import __version__
+    from omnistage.testing import TINY_KINDS
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"omnistage {__version__}"
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if a.choices and "serve" in a.choices).choices
+    for name, sub in subparsers.items():
+        for action in sub._actions:
+            assert action.help, f"omnistage {name} {action.option_strings or action.dest} has no help text"
+    listed = " | ".join(TINY_KINDS)
+    assert listed in " ".join(subparsers["make-tiny"].format_help().split())
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md"), encoding="utf-8").read()
+    assert listed in " ".join(readme.split()), "README's make-tiny kinds differ from omnistage.testing.TINY_KINDS"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_device_cuda_without_a_gpu_is_one_line(capsys):
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["generate", "--prompt", "x", "--device", "cuda"])
+    message = str(refused.value)
+    assert message.startswith("omnistage: --device cuda: no such GPU; available: cpu only") and "\n" not in message
+
+
+def test_a_busy_port_is_refused_before_the_model_loads(tmp_path):
+    """The folder does not exist: had the model been loaded first, that would be the error."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port} .*pick another --port"):
+            cli.main(["serve", str(tmp_path / "no-such-model"), "--port", str(port), "--device", "cpu"])
+
+
+def test_image_generate_without_output_is_refused_before_it_runs(tmp_path):
+    from omnistage.testing import make_tiny
+
+    folder = make_tiny(str(tmp_path), "z-image")[0]
+    with pytest.raises(SystemExit, match=r"this model makes images; pass --output FILE\.png"):
+        cli.main(["generate", folder, "--prompt", "a cube", "--device", "cpu"])
+    assert os.listdir(tmp_path) == [os.path.basename(folder)]
 
 
 def test_serve_defaults():

@@ -217,6 +217,14 @@ def test_image_requests_with_bad_fields_get_4xx(images):
     assert httpx.get(images.url + "/health").status_code == 200
 
 
+def test_text_and_speech_routes_on_an_image_model_say_what_it_serves(images):
+    chat = httpx.post(images.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 400 and "/v1/images/generations" in chat.json()["error"]["message"]
+    speech = httpx.post(images.url + "/v1/audio/speech", json={"input": "hi", "voice": "joe"})
+    message = speech.json()["error"]["message"]
+    assert speech.status_code == 400 and "image / video generation model" in message and "install" not in message
+
+
 def test_image_routes_refuse_text_models():
     from fastapi.testclient import TestClient
 

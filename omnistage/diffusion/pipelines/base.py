@@ -154,7 +154,7 @@ class DiffusionFamily:
     def limits(self) -> DiffusionLimits:
         """The model's limits and defaults as data: what `resolve` enforces and fills in (a tiny
         checkpoint's default size may lie over its largest one: then every request must set a size)."""
-        (h, w), (top_h, top_w) = self.default_size(), self.largest_size()
+        (h, w), (top_h, top_w) = self.fitted_size(self.default_size(), self.size_multiples()), self.largest_size()
         return DiffusionLimits(output_kind=self.output_kind, takes_image=self.takes_image, default_height=h,
                                default_width=w, size_multiple=self.size_multiples(), max_height=top_h,
                                max_width=top_w, default_steps=self.default_steps,
@@ -221,9 +221,12 @@ class DiffusionFamily:
     # -- shared helpers ------------------------------------------------------------------------------
     def fill_defaults(self, params: DiffusionParams, size: tuple[int, int], default_guidance: Optional[float],
                       **more) -> DiffusionParams:
-        """Unset height / width / steps / guidance take the model's defaults (`size` is (height, width));
+        """Unset height / width / steps / guidance take the model's defaults (`size` is (height, width),
+        scaled down, aspect kept, when the model's position tables are shorter: `fitted_size`);
         height and width must be multiples of `size_multiples()`, at most `largest_size()`; `more`
         sets further fields."""
+        if not (params.height and params.width):
+            size = self.fitted_size(size, self.size_multiples())
         p = params.clone(height=params.height or size[0], width=params.width or size[1],
                          num_inference_steps=params.num_inference_steps or self.default_steps,
                          guidance_scale=params.guidance_scale if params.guidance_scale is not None
@@ -232,6 +235,13 @@ class DiffusionFamily:
         check_multiple("height", p.height, mh, top_h)
         check_multiple("width", p.width, mw, top_w)
         return p
+
+    def fitted_size(self, size: tuple[int, int], multiples: tuple[int, int]) -> tuple[int, int]:
+        """`size` (height, width) scaled down by one factor until it fits `max_size` and
+        `max_pixels`, each side rounded down to its multiple (at least one multiple)."""
+        top_h, top_w = (min(self.max_pixels, m) for m in self.max_size())
+        scale = min(1.0, top_h / size[0], top_w / size[1])
+        return tuple(max(m, int(v * scale) // m * m) for v, m in zip(size, multiples))
 
     def max_size(self) -> tuple[int, int]:
         """Largest (height, width) in pixels the model's denoiser takes: families whose position

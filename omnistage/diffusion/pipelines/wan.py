@@ -68,15 +68,14 @@ class WanFamily(DiffusionFamily):
         return list(self.experts)
 
     def resolve(self, params: DiffusionParams, inputs: dict) -> DiffusionParams:
-        frames = params.num_frames or self.default_frames
+        top = self.max_frames()                                          # frames the rope table holds
+        frames = params.num_frames or min(self.default_frames, top)      # the default fits the model
         if frames % self.t_scale != 1:  # diffusers rounds to the nearest valid count the same way
             frames = max(frames // self.t_scale * self.t_scale + 1, 1)
         p = self.fill_defaults(params, self.default_size(), self.default_guidance, num_frames=frames,
                                fps=params.fps or self.default_fps)
-        top = self.max_frames()
         if frames > top:
-            given = "" if params.num_frames else " (the model's default)"
-            raise ParamError("num_frames", f"num_frames must be at most {top} for this model, got {frames}{given}")
+            raise ParamError("num_frames", f"num_frames must be at most {top} for this model, got {frames}")
         return p
 
     @property
@@ -98,7 +97,7 @@ class WanFamily(DiffusionFamily):
         return 480, 832
 
     def limits(self) -> DiffusionLimits:
-        return dataclasses.replace(super().limits(), default_num_frames=self.default_frames,
+        return dataclasses.replace(super().limits(), default_num_frames=min(self.default_frames, self.max_frames()),
                                    max_num_frames=self.max_frames(), frame_step=self.t_scale,
                                    default_fps=self.default_fps)
 

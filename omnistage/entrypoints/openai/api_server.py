@@ -15,8 +15,9 @@ route reads it (`body_limit`). With an API key, every `/v1` route and the cache 
 the page asks for the key); the key comes from `--api-key-file`, `--api-key` or `$OMNISTAGE_API_KEY`
 (`resolve_api_key`).
 `GET /health` is 503 with every stage's state while one is down (its process restarting).
-`run_server(args)` builds the engine from the CLI arguments, prints how to talk to it (never the
-key: the snippets read `$OMNISTAGE_API_KEY`), and runs uvicorn in this process until SIGTERM /
+`run_server(args)` checks that the port is free (`check_port_free`, before the model loads), builds
+the engine from the CLI arguments, prints how to talk to it (a request the model answers: chat, an
+image, a video job or speech, `banner_kind`; never the key: the snippets read `$OMNISTAGE_API_KEY`), and runs uvicorn in this process until SIGTERM /
 SIGINT, which drain the requests in flight first (`drain.py`); the engine's model forwards run in
 its own thread, so the event loop stays free for I/O. Served without `--served-model-name`, a
 model folder is called by its folder name (`default_served_name`), so its path shows in no answer
@@ -31,6 +32,7 @@ import logging
 import os
 import shlex
 import signal
+import socket
 from contextlib import asynccontextmanager
 from typing import Any, Optional
 
@@ -181,23 +183,50 @@ def build_app(engine: Any, served_model_name: str, api_key: Optional[str] = None
     return app
 
 
-def usage_banner(host: str, port: int, name: str, needs_key: bool) -> str:
-    """How to talk to the server: a curl line and an openai-client snippet. With a key they read it
-    from `$OMNISTAGE_API_KEY`: a banner ends up in logs, the key must not."""
+# what the start banner shows per kind of model: (route, JSON body without "model", openai-client call)
+_BANNER_EXAMPLES = {
+    "text": ("chat/completions",
+             {"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32},
+             "reply = client.chat.completions.create(model={name!r}, messages=[{{'role': 'user', "
+             "'content': 'What is the capital of France?'}}], max_tokens=32)\nprint(reply.choices[0].message.content)"),
+    "image": ("images/generations", {"prompt": "a red cube on a table"},
+              "import base64\nimage = client.images.generate(model={name!r}, prompt='a red cube on a table')\n"
+              "open('cube.png', 'wb').write(base64.b64decode(image.data[0].b64_json))"),
+    "video": ("videos", {"prompt": "a boat on a lake"},
+              "job = client.videos.create_and_poll(model={name!r}, prompt='a boat on a lake')\n"
+              "client.videos.download_content(job.id).write_to_file('boat.mp4')"),
+    "speech": ("audio/speech", {"input": "Hello from omnistage.", "response_format": "wav"},
+               "client.audio.speech.create(model={name!r}, voice={voice!r}, input='Hello from omnistage.', "
+               "response_format='wav').write_to_file('hello.wav')"),
+}
+
+
+def banner_kind(engine: Any) -> str:
+    """Which example the banner shows: "text" (an LM), "image" / "video" (a diffusion model), "speech"."""
+    kind = engine.main_stage_kind
+    if kind == "ar":
+        return "text"
+    if kind == "diffusion":
+        return getattr(engine.orchestrator.main, "output_kind", "image")
+    return "speech"
+
+
+def usage_banner(host: str, port: int, name: str, needs_key: bool, kind: str = "text", voice: str = "joe") -> str:
+    """How to talk to the server: a curl line and an openai-client snippet for what the model makes
+    (`kind`, see `banner_kind`; speech in `voice`). With a key they read it from `$OMNISTAGE_API_KEY`: a banner ends up
+    in logs, the key must not."""
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     base = f"http://{shown}:{port}/v1"
-    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                       "max_tokens": 32})
+    route, body, call = _BANNER_EXAMPLES[kind]
+    body = json.dumps({"model": name, **body, **({"voice": voice} if kind == "speech" else {})})
     auth = f' -H "Authorization: Bearer ${API_KEY_ENV}"' if needs_key else ""
     key = f"os.environ[{API_KEY_ENV!r}]" if needs_key else "'EMPTY'"
     client = (f"import os\nfrom openai import OpenAI\n"
-              f"client = OpenAI(base_url={base!r}, api_key={key})\n"
-              f"reply = client.chat.completions.create(model={name!r}, "
-              f"messages=[{{'role': 'user', 'content': 'What is the capital of France?'}}], max_tokens=32)\n"
-              f"print(reply.choices[0].message.content)")
+              f"client = OpenAI(base_url={base!r}, api_key={key})\n" + call.format(name=name, voice=voice))
     note = f"  (the API key is not shown: export {API_KEY_ENV}=<your key> first)\n\n" if needs_key else ""
+    out = " -o hello.wav" if kind == "speech" else ""
     return (f"\nomnistage is serving {name!r} at {base}\n  playground: http://{shown}:{port}/\n\n{note}"
-            f"  curl {base}/chat/completions -H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}\n\n"
+            f"  curl {base}/{route} -H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}{out}\n\n"
             f"  python - <<'EOF'\n{client}\nEOF\n")
 
 
@@ -230,6 +259,24 @@ def speech_options_from_args(args) -> SpeechOptions:
     return options
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Exit with one line naming --port / --host when the address cannot be bound (taken, or not
+    this machine's), before the model spends minutes loading. Binds as uvicorn will (SO_REUSEADDR)
+    and lets go at once."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise SystemExit(f"omnistage: --host {host!r} does not resolve: {e}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as e:
+            raise SystemExit(f"omnistage: cannot listen on {host}:{port} ({e.strerror}); pick another --port "
+                             f"or stop what holds it") from None
+
+
 def _exit_on_sigterm(sig, frame) -> None:
     raise SystemExit(128 + sig)
 
@@ -243,6 +290,7 @@ def run_server(args) -> None:
     from omnistage.entrypoints.openai.drain import draining_server
 
     api_key = resolve_api_key(args)
+    check_port_free(args.host, args.port)
     # outside the server's own drain (while the model loads): SIGTERM unwinds like Ctrl-C, so stage
     # processes and their folders are cleaned up
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -258,7 +306,10 @@ def run_server(args) -> None:
         drain_timeout = getattr(args, "drain_timeout", None)
         server = draining_server(app, engine, DEFAULT_DRAIN_TIMEOUT_S if drain_timeout is None else drain_timeout,
                                  host=args.host, port=args.port, log_level=args.log_level.lower())
-        print(usage_banner(args.host, args.port, name, api_key is not None), flush=True)
+        kind = banner_kind(engine)
+        voices = engine.voices() if kind == "speech" else []
+        print(usage_banner(args.host, args.port, name, api_key is not None, kind,
+                           *([voices[0]["id"]] if voices else [])), flush=True)
         server.run()                            # until SIGTERM / SIGINT and the drain (entrypoints/openai/drain.py)
         if not server.started:
             raise SystemExit(STARTUP_FAILURE)   # e.g. the port is taken: uvicorn logged why

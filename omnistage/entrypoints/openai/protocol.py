@@ -176,12 +176,14 @@ class _SamplingRequest(RequestBody):
         return StructuredOutputsParams(**self.structured_outputs)
 
     def _sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
+                         defaults: Optional[dict] = None,
                          structured: Optional[StructuredOutputsParams] = None) -> SamplingParams:
-        """Raises `ParamError` naming the SamplingParams field (see `field_names`)."""
+        """Raises `ParamError` naming the SamplingParams field (see `field_names`). `defaults`: the
+        model's generation-config defaults (SamplingParams fields), under what the request sets."""
         self.check_supported()
         given = {name: getattr(self, name) for name in _SHARED_FIELDS}
         given = {k: v for k, v in given.items() if v is not None}
-        return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs,
+        return SamplingParams(**{**(defaults or {}), **given}, max_tokens=max_tokens, logprobs=logprobs,
                               structured_outputs=structured or self.structured())
 
     def _structured_names(self) -> dict[str, str]:
@@ -199,8 +201,8 @@ class CompletionRequest(_SamplingRequest):
     echo: Optional[StrictBool] = False          # not supported: a 400 when true
     suffix: Optional[str] = None                # not supported: a 400 when set
 
-    def to_sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+    def to_sampling_params(self, defaults: Optional[dict] = None) -> SamplingParams:
+        return self._sampling_params(self.max_tokens, self.logprobs, defaults)
 
     def field_names(self) -> dict[str, str]:
         """Engine field -> the request field the user set, for error messages."""
@@ -267,12 +269,16 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None   # default: auto with tools
     parallel_tool_calls: Optional[StrictBool] = None   # false: at most one call per answer
 
-    def to_sampling_params(self, structured: Optional[StructuredOutputsParams] = None) -> SamplingParams:
-        """`structured`: the grammar of a forced tool call (`tool_calls.ToolPlan`), if any."""
+    def to_sampling_params(self, defaults: Optional[dict] = None,
+                           structured: Optional[StructuredOutputsParams] = None) -> SamplingParams:
+        """`defaults`: the model's generation-config defaults; `structured`: the grammar of a forced tool
+        call (`tool_calls.ToolPlan`), if any. None for max tokens: the engine's answer cap (the model's
+        max_new_tokens), else up to the context."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs must be used with logprobs set to true")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, structured)
+        return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults,
+                                     structured)
 
     def field_names(self) -> dict[str, str]:
         """Engine field -> the request field the user set, for error messages."""

@@ -183,7 +183,7 @@ class ServingChat(OpenAIServing):
         plan = ToolPlan.of(req, tool_parser_for(getattr(tokenizer, "chat_template", None),
                                                 getattr(self.engine, "tool_parser", None)))
         try:
-            params = req.to_sampling_params(plan.grammar())
+            params = req.to_sampling_params(getattr(self.engine, "sampling_defaults", None), plan.grammar())
         except ValueError as e:
             raise bad_request(e, req.field_names()) from e
         prompt = await self._render(messages, req.chat_template_kwargs, plan.tools)

@@ -64,7 +64,7 @@ class ServingCompletion(OpenAIServing):
             raise OpenAIError(400, "suffix is not supported", param="suffix")
         prompts = _engine_prompts(req.prompt)
         try:
-            params = req.to_sampling_params()
+            params = req.to_sampling_params(getattr(self.engine, "sampling_defaults", None))
         except ValueError as e:
             raise bad_request(e, req.field_names()) from e
         for p in prompts:

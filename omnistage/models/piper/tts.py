@@ -13,7 +13,8 @@ bundled voice), the sentences spoken so far as `prompt` and their phoneme ids as
 `prompt_token_ids`. A request finishes when its input is finished and every sentence is spoken.
 
 Voices are the stage option `voices` (`voices.py`). Models load on first use and are shared by the
-presets that name them. Piper's exported graph pads a batch to its longest item and returns no
+presets that name them; their noise is drawn from a seed of the sentence and voice (`seeded.py`), so
+the same text with the same voice and speed gives the same audio, alone or under load. Piper's exported graph pads a batch to its longest item and returns no
 per-item audio lengths, so each piece runs its own forward; the step still serves several
 requests, which is what keeps time-to-first-audio flat under load. Sentences are cleaned for
 speech once more as they arrive (`codec.speech.clean_for_speech`); `decode` changes no state until
@@ -31,6 +32,7 @@ import numpy as np
 
 from omnistage.codec.engine import CodecEngine
 from omnistage.codec.speech import SpeechCapabilities, TTSInput, TTSParams, check_speech_params, clean_for_speech
+from omnistage.models.piper.seeded import SeededVoice
 from omnistage.models.piper.voices import DEFAULT_VOICE, INSTALL_HINT, VoiceSpec, piper_available, voices_from_options
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,7 @@ class PiperTTS:
         self.max_phonemes = max_phonemes_per_step
         self.use_cuda = str(device).startswith("cuda")
         self._models: dict[str, Any] = {}       # model path -> loaded PiperVoice
+        self._seeded: dict[str, SeededVoice] = {}   # model path -> its session with the noise as inputs
         self._synth_seconds = 0.0
 
     @classmethod
@@ -102,6 +105,9 @@ class PiperTTS:
             cuda = self.use_cuda and "CUDAExecutionProvider" in onnxruntime.get_available_providers()
             start = time.perf_counter()
             model = PiperVoice.load(voice.model_path, voice.config_path, use_cuda=cuda)
+            # its noise drawn from a seed (`seeded.py`): a sentence sounds the same whatever runs beside it
+            self._seeded[voice.model_path] = seeded = SeededVoice(voice.model_path, model.session.get_providers())
+            model.session = seeded.session
             logger.info("Piper voice %s loaded in %.2f s (%s)", voice.name, time.perf_counter() - start,
                         "cuda" if cuda else "cpu")
             self._models[voice.model_path] = model
@@ -110,18 +116,20 @@ class PiperTTS:
     def _speak(self, state: PiperState, sentence: str) -> tuple[np.ndarray, list[int], list[list[str]]]:
         """Synthesizes the next piece of `sentence` (the head of `state.pending`) without changing
         `state`: (its audio, its phoneme ids, the phonemes of the sentence left after it)."""
-        from piper.config import SynthesisConfig
-
         voice, model = state.voice, self._model(state.voice)
         phonemes = state.rest if state.rest is not None else [p for p in model.phonemize(sentence) if p]
         if not phonemes:
             return np.zeros(0, np.float32), [], []
         piece, rest = next_piece(phonemes, self.max_phonemes)
         length = voice.length_scale if voice.length_scale is not None else model.config.length_scale
-        syn = SynthesisConfig(speaker_id=voice.speaker_id, length_scale=length / state.params.speed,
-                              noise_scale=voice.noise_scale, noise_w_scale=voice.noise_w_scale)
+        config = model.config
+        scales = (config.noise_scale if voice.noise_scale is None else voice.noise_scale, length / state.params.speed,
+                  config.noise_w_scale if voice.noise_w_scale is None else voice.noise_w_scale)
+        speaker = None if config.num_speakers <= 1 else (
+            config.default_speaker_id if voice.speaker_id is None else voice.speaker_id)   # as Piper picks it
         ids = model.phonemes_to_ids(piece)
-        audio = np.asarray(model.phoneme_ids_to_audio(ids, syn), np.float32).reshape(-1)
+        audio = self._seeded[voice.model_path].synthesize(ids, scales, speaker, voice.name).astype(np.float32)
+        audio = audio.reshape(-1)
         peak = float(np.abs(audio).max()) if audio.size else 0.0
         audio = audio / peak if peak > 1e-8 else np.zeros_like(audio)   # Piper's own normalization
         return np.clip(audio, -1.0, 1.0), ids, rest

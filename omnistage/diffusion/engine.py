@@ -27,6 +27,7 @@ from omnistage.config import EngineConfig
 from omnistage.diffusion.pipelines.base import DiffusionFamily, load_components, read_model_index
 from omnistage.diffusion.runner import DiffusionRunner
 from omnistage.diffusion.scheduler import DiffusionRunnerOutput, DiffusionScheduler, SchedEntry
+from omnistage.diffusion.speed import Accelerator, DiffusionSpeed
 from omnistage.diffusion.task import DiffusionTask
 from omnistage.outputs import RequestMetrics, RequestOutput, VideoOutput
 from omnistage.params import DiffusionParams
@@ -49,33 +50,42 @@ def batch_limits(config: EngineConfig) -> tuple[int, int]:
 
 
 class DiffusionEngine:
-    def __init__(self, model_dir: str, family_cls: type, config: EngineConfig, vae_tile_pixels: Optional[int] = None):
+    def __init__(self, model_dir: str, family_cls: type, config: EngineConfig, vae_tile_pixels: Optional[int] = None,
+                 speed: Optional[DiffusionSpeed] = None):
         """`config`: the stage's EngineConfig, resolved for a diffusion stage (`EngineConfig.resolved`;
-        one that is not yet, from a test or benchmark, is resolved here the same way): device, dtype
-        and batch limits (`batch_limits`)."""
+        one that is not yet, from a test or benchmark, is resolved here the same way): device, dtype,
+        batch limits (`batch_limits`) and the speed options (`DiffusionSpeed.from_config`, unless
+        `speed` is given). With offload on, the weights are loaded into host memory first, so a
+        model larger than the GPU can start."""
         config = config.resolved("diffusion")
         device, dtype = config.torch_device(), config.torch_dtype()
+        speed = speed if speed is not None else DiffusionSpeed.from_config(config)
         index = read_model_index(model_dir)
-        family = family_cls(model_dir, index, load_components(model_dir, index, dtype, device), device, dtype)
+        load_device = torch.device("cpu") if speed.offload else device
+        family = family_cls(model_dir, index, load_components(model_dir, index, dtype, load_device), device, dtype)
         if vae_tile_pixels is not None:
             family.tile_threshold = vae_tile_pixels
-        self._start(family, *batch_limits(config))
+        self._start(family, *batch_limits(config), speed=speed)
 
     @classmethod
     def from_family(cls, family: DiffusionFamily, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-                    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> "DiffusionEngine":
-        """An engine around a family whose components were built in code (benchmarks, tests)."""
+                    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                    speed: Optional[DiffusionSpeed] = None) -> "DiffusionEngine":
+        """An engine around a family whose components were built in code (benchmarks, tests);
+        `speed` None: the default attention backend only, no compile, FP8 or offload."""
         engine = cls.__new__(cls)
-        engine._start(family, max_num_seqs, max_num_batched_tokens)
+        engine._start(family, max_num_seqs, max_num_batched_tokens, speed=speed)
         return engine
 
-    def _start(self, family: DiffusionFamily, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def _start(self, family: DiffusionFamily, max_num_seqs: int, max_num_batched_tokens: int,
+               speed: Optional[DiffusionSpeed] = None) -> None:
         self.family, self.device, self.dtype = family, family.device, family.dtype
+        self.accel = Accelerator(family, speed or DiffusionSpeed(compile=False))   # phases run in its contexts
         self.output_kind = self.family.output_kind    # "image" or "video"
         self.takes_image = self.family.takes_image    # requests must bring an input image (edit, I2V)
         self.default_fps = getattr(self.family, "default_fps", None)   # video models: fps of an unset `fps`
         self.scheduler = DiffusionScheduler(max_num_seqs, max_num_batched_tokens)
-        self.runner = DiffusionRunner(self.family)
+        self.runner = DiffusionRunner(self.family, self.accel.phase)
         self.tasks: dict[str, DiffusionTask] = {}
         self._metrics: dict[str, RequestMetrics] = {}
         self._pending: list[StageOutput] = []       # outputs produced between steps (aborts)
@@ -178,7 +188,8 @@ class DiffusionEngine:
             self._metrics[t.request_id].first_scheduled_time = now
         start = time.perf_counter()
         try:
-            self.family.encode(tasks)
+            with self.accel.phase("encode"):
+                self.family.encode(tasks)
         except Exception as e:
             if len(tasks) == 1:
                 return [self._fail(tasks[0].request_id, f"prompt encoding failed: {e}")]
@@ -189,7 +200,8 @@ class DiffusionEngine:
         for t in tasks:
             t.add_time("encode", per_task)
             try:
-                self.family.prepare(t)
+                with self.accel.phase("prepare"):
+                    self.family.prepare(t)
             except Exception as e:
                 failed.append(self._fail(t.request_id, f"preparing latents failed: {e}"))
         return failed
@@ -216,7 +228,8 @@ class DiffusionEngine:
         task = self.tasks[request_id]
         start = time.perf_counter()
         try:
-            result = self.family.decode(task)
+            with self.accel.phase("decode"):
+                result = self.family.decode(task)
         except Exception as e:
             return self._fail(request_id, f"decoding failed: {e}")
         task.add_time("decode", time.perf_counter() - start)

@@ -10,7 +10,9 @@ failed: a forward that raises is retried task by task, so only the request that 
 
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Callable, Optional
 
 import torch
 
@@ -21,8 +23,11 @@ from omnistage.diffusion.task import DiffusionTask
 
 
 class DiffusionRunner:
-    def __init__(self, family: DiffusionFamily):
+    def __init__(self, family: DiffusionFamily, phase: Optional[Callable] = None):
+        """`phase(name)`: the context the denoiser call runs in (diffusion/speed.py `Accelerator.phase`:
+        its attention backend, offload moves); None runs it as is."""
         self.family = family
+        self.phase = phase or (lambda name: contextlib.nullcontext())
         self.last_batch_rows = 0                # rows of the most recent forward
         self.last_batch_tasks = 0               # tasks in the most recent forward
         self.max_batch_rows = 0                 # largest forward seen (rows)
@@ -84,7 +89,8 @@ class DiffusionRunner:
                 row_tasks.append(task)
         key = fam.key(tasks[0])
         x = torch.cat(xs)
-        out = fam.denoise(key, x, torch.cat(ts).to(x.device), conds, row_tasks)
+        with self.phase("denoise"):
+            out = fam.denoise(key, x, torch.cat(ts).to(x.device), conds, row_tasks)
         velocities, row = [], 0
         for task in tasks:
             n = task.num_images

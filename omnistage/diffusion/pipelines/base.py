@@ -93,6 +93,11 @@ class DiffusionFamily:
     takes_image = False                         # True: every request brings an input image (edit, I2V)
     default_steps = 50
     max_pixels = 4096                           # largest accepted height / width (see also `max_size`)
+    # what the speed features read (diffusion/speed.py): the components that are denoisers, and the
+    # ModuleList attributes of a denoiser that repeat one block class per layer (compiled, offloaded
+    # layer by layer, FP8-quantized)
+    dit_components: tuple[str, ...] = ("transformer", "transformer_2")
+    repeated_blocks: tuple[str, ...] = ("transformer_blocks",)
 
     def __init__(self, model_dir: str, index: dict, components: dict[str, Any], device: torch.device,
                  dtype: torch.dtype):
@@ -103,6 +108,20 @@ class DiffusionFamily:
         self.dtype = dtype
         self.scheduler_config: dict = components["scheduler"]
         self.tile_threshold = 1024 * 1024       # decode with VAE tiling above this many output pixels
+
+    def component_roles(self) -> dict[str, str]:
+        """Component name -> role ("dit" | "text_encoder" | "vae") of every module with weights."""
+        roles = {}
+        for name, comp in self.c.items():
+            if not isinstance(comp, torch.nn.Module):
+                continue
+            if name in self.dit_components:
+                roles[name] = "dit"
+            elif name.startswith(("text_encoder", "image_encoder")):
+                roles[name] = "text_encoder"
+            else:
+                roles[name] = "vae"
+        return roles
 
     # -- request side --------------------------------------------------------------------------------
     def resolve(self, params: DiffusionParams, inputs: dict) -> DiffusionParams:

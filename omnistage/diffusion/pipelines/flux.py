@@ -31,6 +31,7 @@ class FluxFamily(ImageFamily):
     class_names = ("FluxPipeline",)
     default_steps = 28
     default_guidance = 3.5
+    repeated_blocks = ("transformer_blocks", "single_transformer_blocks")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

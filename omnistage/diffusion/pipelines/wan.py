@@ -47,6 +47,7 @@ class WanFamily(DiffusionFamily):
     default_fps = 16
     default_size = (480, 832)
     default_frames = 81
+    repeated_blocks = ("blocks",)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -22,6 +22,7 @@ class ZImageFamily(ImageFamily):
     class_names = ("ZImagePipeline",)
     default_steps = 50
     default_guidance = 5.0
+    repeated_blocks = ("noise_refiner", "context_refiner", "layers")
 
     def default_size(self) -> tuple[int, int]:
         return 1024, 1024

@@ -14,7 +14,7 @@ that still run (the tests' path); outputs equal resident ones exactly either way
   LayerwiseOffload (`enable_layerwise_offload`)   a DiT's repeated blocks stay on the host; a
       forward pre-hook makes block i resident (waiting for its prefetch) and starts copying block
       i + 1 (the last one prefetches the first) on a side CUDA stream, a forward hook drops block i
-      after it ran: at most two blocks on the device. The DiT's other weights stay resident.
+      after it ran: at most two blocks of each DiT on the device. The DiT's other weights stay resident.
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ class LayerwiseOffload:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.loads = 0                         # block loads so far (tests count them)
         self.peak_resident = 0                 # most blocks on the device at once
+        self.rings = len(groups)               # DiTs streamed (each holds at most two blocks)
         for blocks in groups:
             first = len(self.copies)
             self.copies += [_HostCopy(b, device) for b in blocks]

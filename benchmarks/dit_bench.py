@@ -31,10 +31,12 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from omnistage.config import EngineConfig  # noqa: E402
 from omnistage.diffusion.engine import DiffusionEngine  # noqa: E402
@@ -43,6 +45,10 @@ from omnistage.diffusion.pipelines.wan import WanFamily  # noqa: E402
 from omnistage.diffusion.runner import DiffusionRunner  # noqa: E402
 from omnistage.diffusion.task import Conditioning  # noqa: E402
 from omnistage.params import DiffusionParams  # noqa: E402
+
+import dit_speed  # noqa: E402  (benchmarks/dit_speed.py: the speed-feature rows)
+
+OUT_PATH = None                                         # --out: results are saved after every section
 
 WAN = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
            text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
@@ -248,6 +254,8 @@ def run(smoke: bool) -> dict:
     s = SMOKE if smoke else FULL
     config = EngineConfig(device="cpu" if smoke else "auto").resolved("diffusion")   # as a diffusion stage runs
     device, dtype = config.torch_device(), config.torch_dtype()
+    bench = types.SimpleNamespace(sync=sync, timed=timed, build=build, BenchWan=BenchWan, WAN_SCHEDULER=WAN_SCHEDULER,
+                                  DEVICE=device, DTYPE=dtype)      # what dit_speed's rows use
     wan_cfg, flux_cfg = dict(WAN, **s.get("wan_cfg", {})), dict(FLUX, **s.get("flux_cfg", {}))
     res: dict = {"smoke": smoke, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                  "torch": torch.__version__, "dtype": str(dtype), "commit": _commit()}
@@ -255,6 +263,9 @@ def run(smoke: bool) -> dict:
     res["diffusers"] = diffusers.__version__
     rate = matmul_rate(device, dtype, s["matmul"])
     res["matmul_tflops"] = rate / 1e12
+    if device.type == "cuda":
+        dit_speed.guarded(res, "kernels", lambda: dit_speed.kernel_row(device, dtype))
+        print("kernels:", res["kernels"], flush=True)
 
     wan_vae = AutoencoderKLWan(**(dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1,
                                        temperal_downsample=[True], scale_factor_temporal=2, scale_factor_spatial=2)
@@ -268,6 +279,9 @@ def run(smoke: bool) -> dict:
     res["wan"] = step_bench(wan, wan_params, call, wan_flops(wan_cfg, *lat, w["text"]), rate, s,
                             counted=(lambda task: call(task, rows=("cond",))) if smoke else None)
     res["wan"]["shape"] = f"{w['width']}x{w['height']}x{w['frames']}"
+    _save(res)
+    dit_speed.guarded(res["wan"], "speed", lambda: dit_speed.speed_rows(bench, wan, wan_params, call, s, smoke))
+    _save(res)
     del wan
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -286,13 +300,29 @@ def run(smoke: bool) -> dict:
     res["flux"] = step_bench(flux, flux_params, call, flux_flops(flux_cfg, tokens, f["text"]), rate, s,
                              counted=call if smoke else None)
     res["flux"]["shape"] = f"{f['size']}x{f['size']}"
+    _save(res)
 
     t = s["thr"]
     res["throughput"] = {"shape": f"FLUX.1-dev ({flux_cfg['num_layers']}+{flux_cfg['num_single_layers']} blocks), "
                                   f"{t['size']}x{t['size']}, {t['steps']} steps, {t['n']} requests",
                          "batched": throughput(flux, t["n"], t["size"], t["steps"], batched=True),
                          "one_at_a_time": throughput(flux, t["n"], t["size"], t["steps"], batched=False)}
+    _save(res)
+    if device.type == "cuda":
+        dit_speed.guarded(res, "fusion", lambda: dit_speed.fusion_row(bench, flux))
+    dit_speed.guarded(res["flux"], "speed", lambda: dit_speed.speed_rows(bench, flux, flux_params, call, s, smoke))
+    _save(res)
+    del flux
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    dit_speed.guarded(res, "offload", lambda: dit_speed.offload_rows(bench, s, smoke))
     return res
+
+
+def _save(res: dict) -> None:
+    if OUT_PATH:
+        with open(OUT_PATH, "w") as f:
+            json.dump(res, f, indent=2)
 
 
 def _commit() -> str:
@@ -318,6 +348,7 @@ def table(res: dict) -> str:
     for key, label in (("batched", "step batching (max_num_seqs=8)"), ("one_at_a_time", "one at a time")):
         r = t[key]
         rows.append(f"| {label} | {r['seconds']:.2f} | {r['requests_per_s']:.3f} | {int(r['max_batch_tasks'])} |")
+    rows += dit_speed.table(res)
     rows.append(f"\nbf16 matmul rate (measured, {res['device']}): {res['matmul_tflops']:.3g} TFLOP/s; "
                 f"torch {res['torch']}, diffusers {res['diffusers']}, commit {res['commit']}")
     return "\n".join(rows)
@@ -328,6 +359,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script, not the GPU)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    global OUT_PATH
+    OUT_PATH = args.out
     if importlib.util.find_spec("diffusers") is None:
         raise SystemExit("dit_bench needs diffusers==0.42.1 (+ importlib_metadata, zipp): pip install --no-deps "
                          "--target DIR <wheels> and put DIR on PYTHONPATH")

@@ -1,8 +1,9 @@
 """Every Triton kernel of `omnistage.layers` against its PyTorch reference (any process, CPU or CUDA).
 
 `kernel_errors(device)` -> {check name: [max abs error, largest |reference| value]}, on random inputs: the fused
-elementwise kernels (`triton_fused`) and the varlen prefill attention (`triton_prefill`, three
-chunks with and without cached context after two decode rows, GQA). benchmarks/check_cuda.py runs
+elementwise kernels (`triton_fused`), the varlen prefill attention (`triton_prefill`, three
+chunks with and without cached context after two decode rows, GQA) and the 8-bit attention
+(`quant_attention`, 16-bit dtypes). benchmarks/check_cuda.py runs
 it on CUDA; tests/layers runs it on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`
 set before triton is imported: `python -m omnistage.layers.kernel_check`), which cannot do
 bfloat16 dots, so there the attention check takes float16.
@@ -16,7 +17,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from omnistage.layers import fused, triton_fused, triton_prefill
+from omnistage.layers import fused, quant_attention, triton_fused, triton_prefill
 from omnistage.layers.attention import AttentionMetadata, PrefillChunk, attend
 
 
@@ -62,6 +63,11 @@ def kernel_errors(device: str, dtypes=(torch.float32, torch.bfloat16), attn_dtyp
         for h, kvh, d, bs in heads:
             key = f"prefill attention {str(dtype).split('.')[-1]} H{h}/{kvh} D{d} bs{bs}"
             errs[key] = _prefill_error(h, kvh, d, bs, dtype, device, rnd, g)
+        if dtype in (torch.float16, torch.bfloat16):    # 8-bit attention: P and V are 16-bit by design
+            q, k, v = (rnd(2, 3, 150, 64, dtype=dtype) for _ in range(3))
+            q8, sq, k8, sk = quant_attention.quantize(q, k)
+            got = torch.ops.omnistage.sage_fwd(q8, sq, k8, sk, v, 0.125)
+            errs[f"sage attention {str(dtype).split('.')[-1]} D64"] = _err(got, quant_attention.reference(q, k, v))
     return errs
 
 

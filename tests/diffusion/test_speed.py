@@ -168,3 +168,22 @@ def test_cli_flags_reach_the_engine_options():
                       enforce_eager=True, enable_cpu_offload=True)
     assert EngineConfig(**kw).ignored_layers == ("img_mlp",)
     assert "enable_layerwise_offload" not in engine_kwargs_from_args(build_parser().parse_args(["serve", "m"]))
+
+
+def test_memory_plan_counts_what_offload_keeps_on_the_device(tiny_dir):
+    import os
+
+    from omnistage.pipeline.memory import offloaded_weight_bytes, weight_bytes
+    from omnistage.spec import StageSpec
+
+    path = tiny_dir("flux")
+    size = {k: weight_bytes(os.path.join(path, k), None, torch.float32)
+            for k in ("text_encoder", "text_encoder_2", "vae", "transformer")}
+
+    def est(**kw):
+        return offloaded_weight_bytes(StageSpec("dit", "diffusion", path, EngineConfig(device="cpu", **kw)),
+                                      torch.float32)
+    assert est(enable_cpu_offload=True) == size["vae"] + max(size["text_encoder"] + size["text_encoder_2"],
+                                                             size["transformer"])
+    layerwise = est(enable_layerwise_offload=True)
+    assert size["vae"] + size["text_encoder"] + size["text_encoder_2"] < layerwise < sum(size.values()) + size["transformer"]

@@ -187,3 +187,19 @@ def test_memory_plan_counts_what_offload_keeps_on_the_device(tiny_dir):
                                                              size["transformer"])
     layerwise = est(enable_layerwise_offload=True)
     assert size["vae"] + size["text_encoder"] + size["text_encoder_2"] < layerwise < sum(size.values()) + size["transformer"]
+
+
+def test_options_flow_through_omni_and_the_deploy_config(tiny_dir):
+    from omnistage.entrypoints.omni import Omni
+
+    deploy = {"stages": {"dit": {"attention_backend": "dit=flex", "enforce_eager": True}}}
+    with Omni(tiny_dir("flux"), device="cpu", dtype="float32", enable_layerwise_offload=True,
+              deploy_config=deploy) as omni:
+        accel = omni.orchestrator.stages["dit"].accel
+        assert accel.layerwise is not None and accel.routers["dit"].name == "FLEX_ATTN"
+        out = omni.generate({"prompt": "a red cube on a table", "negative_prompt": "blurry"},
+                            DiffusionParams(seed=4, num_inference_steps=2, guidance_scale=4.5, **IMAGE),
+                            use_tqdm=False)[0]
+    assert max_pixel_diff(out.images[0], _pixels(_resident(tiny_dir))) <= 2
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        Omni(tiny_dir("flux"), device="cpu", quantization="int3")

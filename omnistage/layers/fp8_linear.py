@@ -58,11 +58,15 @@ class Fp8Linear(nn.Module):
         x8, x_scale = quantize_rows(x2)
         out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
         if self._fast(x2):
-            out = torch._scaled_mm(x8, self.weight_fp8.t(), scale_a=x_scale, scale_b=self.weight_scale.t(),
-                                   bias=None if self.bias is None else self.bias.to(out_dtype), out_dtype=out_dtype)
+            out = self.scaled_mm(x8, x_scale, out_dtype)
         else:
             out = reference(x8, x_scale, self.weight_fp8, self.weight_scale, self.bias, out_dtype)
         return out.reshape(*shape[:-1], self.out_features)
+
+    def scaled_mm(self, x8: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The fast path: row-wise scaled FP8 matmul, bias fused (torch runs it on CPU too, for tests)."""
+        return torch._scaled_mm(x8, self.weight_fp8.t(), scale_a=x_scale, scale_b=self.weight_scale.t(),
+                                bias=None if self.bias is None else self.bias.to(out_dtype), out_dtype=out_dtype)
 
     def _fast(self, x2: torch.Tensor) -> bool:
         return (x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16) and self.in_features % 16 == 0

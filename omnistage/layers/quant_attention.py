@@ -29,7 +29,7 @@ try:
 except ImportError:                                  # CPU-only installs
     triton = None
 
-BLOCK_M = 64                 # query tokens per scale block (= the kernel's query tile)
+BLOCK_M = 128                # query tokens per scale block (= the kernel's query tile)
 BLOCK_N = 64                 # key tokens per scale block (= the kernel's key tile)
 
 
@@ -128,7 +128,7 @@ def _sage_fwd(q8: torch.Tensor, sq: torch.Tensor, k8: torch.Tensor, sk: torch.Te
     grid = (triton.cdiv(s_q, BLOCK_M), b * h)
     _sage_kernel[grid](q8, sq, k8, sk, v, out, scale, s_q, s_k, sq.shape[-1], sk.shape[-1],
                        *q8.stride()[:3], *k8.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-                       H=h, D=d, BM=BLOCK_M, BN=BLOCK_N, num_warps=4, num_stages=2)
+                       H=h, D=d, BM=BLOCK_M, BN=BLOCK_N, num_warps=8, num_stages=3)
     return out
 
 

@@ -105,7 +105,7 @@ def test_sage_reference_close_to_sdpa():
         assert approx.dtype == dtype
         assert ((approx.float() - exact).norm() / exact.norm()).item() < 0.03
     q8, sq, k8, sk = quant_attention.quantize(q, k)
-    assert q8.dtype == torch.int8 and sq.shape == (2, 3, 3) and sk.shape == (2, 3, 3)
+    assert q8.dtype == torch.int8 and sq.shape == (2, 3, 2) and sk.shape == (2, 3, 3)   # 128- and 64-token blocks
     with AttentionRouter("SAGE_ATTN", torch.device("cpu")):
         routed = F.scaled_dot_product_attention(q, k, v)
         mask = torch.ones(150, 150, dtype=torch.bool)
@@ -124,6 +124,11 @@ def test_fp8_reference_path(tiny_dir):
     assert q.weight_fp8.dtype == torch.float8_e4m3fn and q.weight_scale.shape == (48, 1)
     exact = linear(x)
     assert ((q(x) - exact).norm() / exact.norm()).item() < 0.05
+    x8, xs = fp8_linear.quantize_rows(x.reshape(-1, 64).bfloat16())     # the CUDA path's scaled matmul
+    qb = fp8_linear.Fp8Linear.from_linear(linear.bfloat16())
+    fast = qb.scaled_mm(x8, xs, torch.bfloat16).float()
+    ref = fp8_linear.reference(x8, xs, qb.weight_fp8, qb.weight_scale, qb.bias, torch.bfloat16).float()
+    assert ((fast - ref).norm() / ref.norm()).item() < 1e-2
     full = _resident(tiny_dir)
     eng, out = _run(tiny_dir, "flux", DiffusionSpeed(quantization="fp8", ignored_layers=("ff_context",)),
                     seed=4, steps=2)

@@ -14,11 +14,17 @@ in for the text encoders. One run measures:
     the bf16 matmul rate measured in the same run (8192^3);
   - throughput of 8 concurrent 512x512 FLUX requests through `DiffusionEngine` with step batching
     (max_num_seqs=8) versus one at a time (max_num_seqs=1), decode included.
+  - the speed features (benchmarks/dit_speed.py): per workload diffusers + regional compile, ours
+    eager with the flash / cuDNN SDPA kernels (the data behind DEFAULT_ATTENTION), ours default
+    (compile + default attention), + 8-bit attention, + FP8, each with first-call (compile) seconds
+    and its error vs the eager bf16 forward; fast-path kernels vs references; CUDA kernels of a FLUX
+    block eager vs compiled (fusion); offload modes on Wan-14B-shaped blocks.
 Also checks that our batched forward equals diffusers' separate calls and (in --smoke) that the
-analytic FLOP count equals torch's FlopCounterMode. Prints a markdown table last; --out writes JSON.
+analytic FLOP count equals torch's FlopCounterMode. Prints a markdown table last; --out writes JSON
+after every section (a run cut short keeps what finished). --no-speed skips the speed rows.
 
     PYTHONPATH=<dir with diffusers 0.42.1 + importlib_metadata + zipp>:. python benchmarks/dit_bench.py --out dit.json
-    python benchmarks/dit_bench.py --smoke      # tiny shapes on CPU in seconds (what CI runs)
+    python benchmarks/dit_bench.py --smoke      # tiny shapes on CPU (what CI runs; compile rows skipped)
 """
 
 from __future__ import annotations
@@ -248,7 +254,7 @@ def throughput(family, n: int, size: int, steps: int, batched: bool) -> dict:
 
 
 # ---- main --------------------------------------------------------------------------------------------------
-def run(smoke: bool) -> dict:
+def run(smoke: bool, speed: bool = True) -> dict:
     from diffusers import AutoencoderKL, AutoencoderKLWan, FluxTransformer2DModel, WanTransformer3DModel
 
     s = SMOKE if smoke else FULL
@@ -280,8 +286,9 @@ def run(smoke: bool) -> dict:
                             counted=(lambda task: call(task, rows=("cond",))) if smoke else None)
     res["wan"]["shape"] = f"{w['width']}x{w['height']}x{w['frames']}"
     _save(res)
-    dit_speed.guarded(res["wan"], "speed", lambda: dit_speed.speed_rows(bench, wan, wan_params, call, s, smoke))
-    _save(res)
+    if speed:
+        dit_speed.guarded(res["wan"], "speed", lambda: dit_speed.speed_rows(bench, wan, wan_params, call, s, smoke))
+        _save(res)
     del wan
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -308,6 +315,8 @@ def run(smoke: bool) -> dict:
                          "batched": throughput(flux, t["n"], t["size"], t["steps"], batched=True),
                          "one_at_a_time": throughput(flux, t["n"], t["size"], t["steps"], batched=False)}
     _save(res)
+    if not speed:
+        return res
     if device.type == "cuda":
         dit_speed.guarded(res, "fusion", lambda: dit_speed.fusion_row(bench, flux))
     dit_speed.guarded(res["flux"], "speed", lambda: dit_speed.speed_rows(bench, flux, flux_params, call, s, smoke))
@@ -358,6 +367,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script, not the GPU)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--no-speed", action="store_true", help="only the baseline rows (no compile / fp8 / offload rows)")
     args = ap.parse_args(argv)
     global OUT_PATH
     OUT_PATH = args.out
@@ -365,7 +375,7 @@ def main(argv=None) -> dict:
         raise SystemExit("dit_bench needs diffusers==0.42.1 (+ importlib_metadata, zipp): pip install --no-deps "
                          "--target DIR <wheels> and put DIR on PYTHONPATH")
     start = time.perf_counter()
-    res = run(args.smoke)
+    res = run(args.smoke, speed=not args.no_speed)
     res["wall_s"] = time.perf_counter() - start
     if args.out:
         with open(args.out, "w") as f:

@@ -208,3 +208,19 @@ def test_options_flow_through_omni_and_the_deploy_config(tiny_dir):
     assert max_pixel_diff(out.images[0], _pixels(_resident(tiny_dir))) <= 2
     with pytest.raises(ValueError, match="quantization must be one of"):
         Omni(tiny_dir("flux"), device="cpu", quantization="int3")
+
+
+def test_step_batching_with_speed_features_on(tiny_dir):
+    """Requests at different steps still share forwards with FP8, flex attention and layerwise offload
+    on, and each equals its own run alone."""
+    speed = DiffusionSpeed(attention={"dit": "FLEX_ATTN", "text_encoder": "auto"}, quantization="fp8",
+                           offload="layerwise")
+    eng = DiffusionEngine(tiny_dir("flux"), diffusion_family(tiny_dir("flux")), CFG, speed=speed)
+    reqs = {rid: ({"prompt": p}, DiffusionParams(seed=s, num_inference_steps=n, guidance_scale=4.5, **IMAGE))
+            for rid, p, s, n in [("a", "a red cube", 1, 2), ("b", "two green spheres", 2, 3)]}
+    alone = {rid: eng.generate({rid: r})[rid] for rid, r in reqs.items()}
+    eng.runner.max_batch_tasks = 0
+    together = eng.generate(reqs)
+    assert eng.runner.max_batch_tasks == 2
+    for rid in reqs:
+        assert max_pixel_diff(_pixels(together[rid]), _pixels(alone[rid])) <= 2, rid

@@ -12,7 +12,9 @@ frames [T, H, W, 3]), `videos`, `timings` (seconds per phase) and `finish_reason
 is run again request by request, so the others go on). `check_params` refuses params over the
 model's limits up front (`ParamError` naming the field). The `RequestOutput` itself carries the phase times so far in `metrics.phase_times` and, on
 failure, `error`. Built by the orchestrator through `from_stage_spec` from the stage's resolved
-`EngineConfig` (device, dtype, batch limits).
+`EngineConfig` (device, dtype, batch limits, speed options). Each phase (encode, prepare, the
+runner's denoise, decode) runs inside `Accelerator.phase` (diffusion/speed.py: attention backend,
+offload moves; FP8 and regional compile are applied to the modules once, at start).
 """
 
 from __future__ import annotations

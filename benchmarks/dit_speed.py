@@ -143,7 +143,7 @@ def speed_rows(bench, family, params, diffusers_call, s: dict, smoke: bool) -> d
 
     def ours_fp8():
         name = "transformer" if "transformer" in family.c else next(iter(family.c))
-        layers = sum(quantize_fp8(b) for blocks in dit_blocks(family, name) for b in blocks)
+        layers = sum(quantize_fp8(b) for blocks in dit_blocks(family, name).values() for b in blocks)
         first, steady = _first_and_steady(lambda: engine.runner.step([task]), bench, s)
         return {"step_s": steady, "first_s": first, "fp8_layers": layers,
                 "rel_err_vs_eager": _rel(_one_output(family, task, engine.accel.phase), eager)}

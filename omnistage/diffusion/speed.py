@@ -60,16 +60,19 @@ class DiffusionSpeed:
                    quantization=config.quantization, ignored_layers=tuple(config.ignored_layers), offload=offload)
 
 
-def dit_blocks(family, name: str) -> list[list[nn.Module]]:
-    """The repeated block lists the family declares, found in DiT component `name`."""
+def dit_blocks(family, name: str) -> dict[str, list[nn.Module]]:
+    """ModuleList attribute -> its blocks, for the repeated block lists the family declares that
+    DiT component `name` has."""
     module = family.c[name]
-    return [list(getattr(module, attr)) for attr in family.repeated_blocks if getattr(module, attr, None) is not None]
+    return {attr: list(getattr(module, attr)) for attr in family.repeated_blocks
+            if getattr(module, attr, None) is not None}
 
 
-def quantize_fp8(module: nn.Module, ignored: tuple = ()) -> int:
-    """Swap every nn.Linear under `module` whose qualified name has no `ignored` part; returns the count."""
+def quantize_fp8(module: nn.Module, ignored: tuple = (), prefix: str = "") -> int:
+    """Swap every nn.Linear under `module` whose name (`prefix` + its name inside `module`, e.g.
+    "transformer_blocks.3.img_mlp.net.2") contains none of `ignored`; returns the count."""
     swaps = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear)
-             and not any(part in name for part in ignored)]
+             and not any(part in prefix + name for part in ignored)]
     for name, linear in swaps:
         parent_name, _, child = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
@@ -91,8 +94,9 @@ class Accelerator:
         self.fp8_layers = 0                     # linear layers swapped for Fp8Linear
         if speed.quantization == "fp8":
             for name in dits:
-                for blocks in groups[name]:
-                    self.fp8_layers += sum(quantize_fp8(b, speed.ignored_layers) for b in blocks)
+                for attr, blocks in groups[name].items():
+                    self.fp8_layers += sum(quantize_fp8(b, speed.ignored_layers, f"{attr}.{i}.")
+                                           for i, b in enumerate(blocks))
             log.info("fp8: %d linear layers of the DiT blocks quantized (ignored_layers=%s)", self.fp8_layers,
                      list(speed.ignored_layers))
         self.model_offload: Optional[ModelOffload] = None
@@ -102,7 +106,8 @@ class Accelerator:
                                                for role in ("text_encoder", "dit")}, self.device)
             copies = [c for cs in self.model_offload.copies.values() for c in cs]
         elif speed.offload == "layerwise":
-            self.layerwise = LayerwiseOffload([[b for blocks in groups[n] for b in blocks] for n in dits], self.device)
+            self.layerwise = LayerwiseOffload([[b for blocks in groups[n].values() for b in blocks] for n in dits],
+                                              self.device)
             copies = self.layerwise.copies
         if speed.offload is not None:           # what is not offloaded lives on the device
             offloaded = {id(t) for c in copies for t, _ in c.tensors}
@@ -114,7 +119,7 @@ class Accelerator:
         self.compiled_blocks = 0                # blocks whose forward is compiled
         if speed.compile:
             for name in dits:
-                for blocks in groups[name]:
+                for blocks in groups[name].values():
                     compile_blocks(blocks, speed.compile_backend)
                     self.compiled_blocks += len(blocks)
             log.info("regional torch.compile (dynamic, backend %s) of %d repeated blocks", speed.compile_backend,

@@ -14,11 +14,17 @@ in for the text encoders. One run measures:
     the bf16 matmul rate measured in the same run (8192^3);
   - throughput of 8 concurrent 512x512 FLUX requests through `DiffusionEngine` with step batching
     (max_num_seqs=8) versus one at a time (max_num_seqs=1), decode included.
+  - the speed features (benchmarks/dit_speed.py): per workload diffusers + regional compile, ours
+    eager with the flash / cuDNN SDPA kernels (the data behind DEFAULT_ATTENTION), ours default
+    (compile + default attention), + 8-bit attention, + FP8, each with first-call (compile) seconds
+    and its error vs the eager bf16 forward; fast-path kernels vs references; CUDA kernels of a FLUX
+    block eager vs compiled (fusion); offload modes on Wan-14B-shaped blocks.
 Also checks that our batched forward equals diffusers' separate calls and (in --smoke) that the
-analytic FLOP count equals torch's FlopCounterMode. Prints a markdown table last; --out writes JSON.
+analytic FLOP count equals torch's FlopCounterMode. Prints a markdown table last; --out writes JSON
+after every section (a run cut short keeps what finished). --no-speed skips the speed rows.
 
     PYTHONPATH=<dir with diffusers 0.42.1 + importlib_metadata + zipp>:. python benchmarks/dit_bench.py --out dit.json
-    python benchmarks/dit_bench.py --smoke      # tiny shapes on CPU in seconds (what CI runs)
+    python benchmarks/dit_bench.py --smoke      # tiny shapes on CPU (what CI runs; compile rows skipped)
 """
 
 from __future__ import annotations
@@ -31,10 +37,12 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from omnistage.config import EngineConfig  # noqa: E402
 from omnistage.diffusion.engine import DiffusionEngine  # noqa: E402
@@ -43,6 +51,10 @@ from omnistage.diffusion.pipelines.wan import WanFamily  # noqa: E402
 from omnistage.diffusion.runner import DiffusionRunner  # noqa: E402
 from omnistage.diffusion.task import Conditioning  # noqa: E402
 from omnistage.params import DiffusionParams  # noqa: E402
+
+import dit_speed  # noqa: E402  (benchmarks/dit_speed.py: the speed-feature rows)
+
+OUT_PATH = None                                         # --out: results are saved after every section
 
 WAN = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
            text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
@@ -242,12 +254,14 @@ def throughput(family, n: int, size: int, steps: int, batched: bool) -> dict:
 
 
 # ---- main --------------------------------------------------------------------------------------------------
-def run(smoke: bool) -> dict:
+def run(smoke: bool, speed: bool = True) -> dict:
     from diffusers import AutoencoderKL, AutoencoderKLWan, FluxTransformer2DModel, WanTransformer3DModel
 
     s = SMOKE if smoke else FULL
     config = EngineConfig(device="cpu" if smoke else "auto").resolved("diffusion")   # as a diffusion stage runs
     device, dtype = config.torch_device(), config.torch_dtype()
+    bench = types.SimpleNamespace(sync=sync, timed=timed, build=build, BenchWan=BenchWan, WAN_SCHEDULER=WAN_SCHEDULER,
+                                  DEVICE=device, DTYPE=dtype)      # what dit_speed's rows use
     wan_cfg, flux_cfg = dict(WAN, **s.get("wan_cfg", {})), dict(FLUX, **s.get("flux_cfg", {}))
     res: dict = {"smoke": smoke, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                  "torch": torch.__version__, "dtype": str(dtype), "commit": _commit()}
@@ -255,6 +269,9 @@ def run(smoke: bool) -> dict:
     res["diffusers"] = diffusers.__version__
     rate = matmul_rate(device, dtype, s["matmul"])
     res["matmul_tflops"] = rate / 1e12
+    if device.type == "cuda":
+        dit_speed.guarded(res, "kernels", lambda: dit_speed.kernel_row(device, dtype))
+        print("kernels:", res["kernels"], flush=True)
 
     wan_vae = AutoencoderKLWan(**(dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1,
                                        temperal_downsample=[True], scale_factor_temporal=2, scale_factor_spatial=2)
@@ -268,6 +285,10 @@ def run(smoke: bool) -> dict:
     res["wan"] = step_bench(wan, wan_params, call, wan_flops(wan_cfg, *lat, w["text"]), rate, s,
                             counted=(lambda task: call(task, rows=("cond",))) if smoke else None)
     res["wan"]["shape"] = f"{w['width']}x{w['height']}x{w['frames']}"
+    _save(res)
+    if speed:
+        dit_speed.guarded(res["wan"], "speed", lambda: dit_speed.speed_rows(bench, wan, wan_params, call, s, smoke))
+        _save(res)
     del wan
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -286,13 +307,31 @@ def run(smoke: bool) -> dict:
     res["flux"] = step_bench(flux, flux_params, call, flux_flops(flux_cfg, tokens, f["text"]), rate, s,
                              counted=call if smoke else None)
     res["flux"]["shape"] = f"{f['size']}x{f['size']}"
+    _save(res)
 
     t = s["thr"]
     res["throughput"] = {"shape": f"FLUX.1-dev ({flux_cfg['num_layers']}+{flux_cfg['num_single_layers']} blocks), "
                                   f"{t['size']}x{t['size']}, {t['steps']} steps, {t['n']} requests",
                          "batched": throughput(flux, t["n"], t["size"], t["steps"], batched=True),
                          "one_at_a_time": throughput(flux, t["n"], t["size"], t["steps"], batched=False)}
+    _save(res)
+    if not speed:
+        return res
+    if device.type == "cuda":
+        dit_speed.guarded(res, "fusion", lambda: dit_speed.fusion_row(bench, flux))
+    dit_speed.guarded(res["flux"], "speed", lambda: dit_speed.speed_rows(bench, flux, flux_params, call, s, smoke))
+    _save(res)
+    del flux
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    dit_speed.guarded(res, "offload", lambda: dit_speed.offload_rows(bench, s, smoke))
     return res
+
+
+def _save(res: dict) -> None:
+    if OUT_PATH:
+        with open(OUT_PATH, "w") as f:
+            json.dump(res, f, indent=2)
 
 
 def _commit() -> str:
@@ -318,6 +357,7 @@ def table(res: dict) -> str:
     for key, label in (("batched", "step batching (max_num_seqs=8)"), ("one_at_a_time", "one at a time")):
         r = t[key]
         rows.append(f"| {label} | {r['seconds']:.2f} | {r['requests_per_s']:.3f} | {int(r['max_batch_tasks'])} |")
+    rows += dit_speed.table(res)
     rows.append(f"\nbf16 matmul rate (measured, {res['device']}): {res['matmul_tflops']:.3g} TFLOP/s; "
                 f"torch {res['torch']}, diffusers {res['diffusers']}, commit {res['commit']}")
     return "\n".join(rows)
@@ -327,12 +367,15 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script, not the GPU)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--no-speed", action="store_true", help="only the baseline rows (no compile / fp8 / offload rows)")
     args = ap.parse_args(argv)
+    global OUT_PATH
+    OUT_PATH = args.out
     if importlib.util.find_spec("diffusers") is None:
         raise SystemExit("dit_bench needs diffusers==0.42.1 (+ importlib_metadata, zipp): pip install --no-deps "
                          "--target DIR <wheels> and put DIR on PYTHONPATH")
     start = time.perf_counter()
-    res = run(args.smoke)
+    res = run(args.smoke, speed=not args.no_speed)
     res["wall_s"] = time.perf_counter() - start
     if args.out:
         with open(args.out, "w") as f:

@@ -30,6 +30,21 @@ CUDA_CONTEXT_BYTES = 2**29                      # CUDA context + torch kernels o
 CPU_KV_FULL_SEQUENCES = 2                       # CPU KV pool: room for this many sequences of max_model_len ...
 CPU_KV_FLOOR_BYTES = 2**28                      # ... or 256 MiB, whichever is larger (EngineConfig.cpu_kv_blocks)
 
+# Diffusion attention backends (vLLM-Omni's names; lower-case short names accepted) and the roles
+# they are chosen for: "dit" = the denoiser's self / joint (and cross) attention, "text_encoder" =
+# the prompt (and image) encoders. Lossless: the SDPA kernels and FlexAttention; SAGE_ATTN is the
+# opt-in lossy 8-bit one (INT8 QK^T, layers/quant_attention.py).
+ATTENTION_BACKENDS = ("auto", "TORCH_SDPA", "FLASH_ATTN", "EFFICIENT_ATTN", "CUDNN_ATTN", "MATH_ATTN", "FLEX_ATTN",
+                      "SAGE_ATTN")
+ATTENTION_ALIASES = {"sdpa": "TORCH_SDPA", "flash": "FLASH_ATTN", "efficient": "EFFICIENT_ATTN",
+                     "cudnn": "CUDNN_ATTN", "math": "MATH_ATTN", "flex": "FLEX_ATTN", "sage": "SAGE_ATTN"}
+ATTENTION_ROLES = ("dit", "text_encoder")
+# What "auto" means per device type: THE place to change the default. On the H200 cuDNN's SDPA was
+# the fastest lossless kernel (619 vs 355 TFLOP/s for flash at 32k tokens, shared/reference/ENVIRONMENT.md;
+# benchmarks/dit_bench.py re-measures it); where cuDNN cannot run a shape, SDPA falls back to flash.
+DEFAULT_ATTENTION = {"cuda": "CUDNN_ATTN", "cpu": "TORCH_SDPA"}
+QUANTIZATIONS = (None, "fp8")
+
 
 @dataclass
 class EngineConfig:
@@ -59,6 +74,16 @@ class EngineConfig:
     vae_use_tiling: bool = False                # decode every image / video with diffusers' VAE tiling
     # -- end of the step cache and VAE options --
 
+    # -- diffusion speed: attention, compile, FP8, offload (vLLM-Omni's names; diffusion/speed.py applies them) --
+    attention_backend: Any = "auto"             # one name for every role, "role=NAME,role=NAME" or a
+    # {role: name} dict; roles ATTENTION_ROLES, names ATTENTION_BACKENDS (case-insensitive; "auto": the
+    # device's fastest lossless backend, DEFAULT_ATTENTION)
+    quantization: Optional[str] = None          # None | "fp8": online FP8 W8A8 of the DiT blocks' linear layers
+    ignored_layers: tuple = ()                  # module-name parts FP8 leaves in the model dtype (e.g. "img_mlp")
+    enforce_eager: bool = False                 # True: no regional torch.compile of the DiT's repeated blocks
+    enable_cpu_offload: bool = False            # model-level: text encoder / DiT / VAE take turns on the GPU
+    enable_layerwise_offload: bool = False      # DiT blocks live in pinned CPU memory; one runs, the next prefetches
+
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
@@ -74,6 +99,7 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self._check_cache_options()
+        self._check_diffusion_speed()
 
     def _check_cache_options(self) -> None:
         """`cache_backend` among CACHE_BACKENDS (or None), `cache_config` valid for it."""
@@ -89,6 +115,21 @@ class EngineConfig:
                 raise ValueError(f"cache_config: {problem[1]}")
         if not isinstance(self.vae_use_tiling, bool):
             raise ValueError(f"vae_use_tiling must be true or false, got {self.vae_use_tiling!r}")
+
+    def _check_diffusion_speed(self) -> None:
+        """Start-up errors of the diffusion speed block, each naming the option and the allowed values."""
+        attention_backends(self.attention_backend)
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}; "
+                             f"got {self.quantization!r}")
+        if isinstance(self.ignored_layers, str):
+            self.ignored_layers = tuple(p for p in self.ignored_layers.split(",") if p)
+        self.ignored_layers = tuple(self.ignored_layers)
+        if self.ignored_layers and self.quantization is None:
+            raise ValueError("ignored_layers needs quantization (one of: fp8)")
+        if self.enable_cpu_offload and self.enable_layerwise_offload:
+            raise ValueError("enable_cpu_offload and enable_layerwise_offload cannot both be set: "
+                             "choose model-level (enable_cpu_offload) or layerwise (enable_layerwise_offload) offload")
 
     def max_len(self, model_max_len: int) -> int:
         """Prompt + output tokens a sequence may have: `max_model_len`, at most the model's limit."""
@@ -214,6 +255,29 @@ def cache_settings(backend: str, *layers: Optional[dict]) -> dict[str, Any]:
     out = {key: opt.default for key, opt in CACHE_BACKENDS[backend].items()}
     for layer in layers:
         out.update(layer or {})
+
+
+def attention_backends(value: Any) -> dict[str, str]:
+    """`EngineConfig.attention_backend` as {role: backend name} for every role in ATTENTION_ROLES
+    ("auto" where unset); a ValueError naming the option and the allowed roles and names else."""
+    if value is None:
+        value = "auto"
+    if isinstance(value, str) and "=" in value:
+        pairs = [item.split("=", 1) for item in value.split(",") if item.strip()]
+        value = {k.strip(): v.strip() for k, v in pairs}
+    if isinstance(value, str):
+        value = {role: value for role in ATTENTION_ROLES}
+    if not isinstance(value, dict):
+        raise ValueError(f"attention_backend must be a backend name, 'role=NAME,...' or a dict; got {value!r}")
+    out = {role: "auto" for role in ATTENTION_ROLES}
+    for role, name in value.items():
+        if role not in ATTENTION_ROLES:
+            raise ValueError(f"attention_backend: role must be one of {', '.join(ATTENTION_ROLES)}; got {role!r}")
+        canon = ATTENTION_ALIASES.get(str(name).lower(), str(name).upper() if str(name).lower() != "auto" else "auto")
+        if canon not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} (or "
+                             f"{', '.join(ATTENTION_ALIASES)}); got {name!r}")
+        out[role] = canon
     return out
 
 

@@ -13,9 +13,12 @@ frames [T, H, W, 3]), `videos`, `timings` (seconds per phase) and `finish_reason
 is run again request by request, so the others go on). `check_params` refuses params over the
 model's limits up front (`ParamError` naming the field). The `RequestOutput` itself carries the phase times so far in `metrics.phase_times` and, on
 failure, `error`. Built by the orchestrator through `from_stage_spec` from the stage's resolved
-`EngineConfig` (device, dtype, batch limits, and `cache_backend` / `cache_config` / `vae_use_tiling`:
-the step cache, `step_cache.py`, whose per-request state this engine adds and drops with its
-requests; skipped steps in `metrics.cached_steps` and `stats()["num_cached_steps"]`).
+`EngineConfig` (device, dtype, batch limits, speed options, and `cache_backend` / `cache_config` /
+`vae_use_tiling`: the step cache, `step_cache.py`, whose per-request state this engine adds and drops
+with its requests; skipped steps in `metrics.cached_steps` and `stats()["num_cached_steps"]`). Each
+phase (encode, prepare, the runner's denoise, decode) runs inside `Accelerator.phase`
+(diffusion/speed.py: attention backend, offload moves; FP8 and regional compile are applied to the
+modules once, at start, before the step cache wraps the blocks' compiled forwards).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from omnistage.diffusion.pipelines.base import DiffusionFamily, load_components,
 from omnistage.diffusion.runner import DiffusionRunner
 from omnistage.diffusion.scheduler import DiffusionRunnerOutput, DiffusionScheduler, SchedEntry
 from omnistage.diffusion.step_cache import StepCache
+from omnistage.diffusion.speed import Accelerator, DiffusionSpeed
 from omnistage.diffusion.task import DiffusionTask
 from omnistage.outputs import RequestMetrics, RequestOutput, VideoOutput
 from omnistage.params import DiffusionParams, ParamError
@@ -53,31 +57,41 @@ def batch_limits(config: EngineConfig) -> tuple[int, int]:
 
 
 class DiffusionEngine:
-    def __init__(self, model_dir: str, family_cls: type, config: EngineConfig, vae_tile_pixels: Optional[int] = None):
+    def __init__(self, model_dir: str, family_cls: type, config: EngineConfig, vae_tile_pixels: Optional[int] = None,
+                 speed: Optional[DiffusionSpeed] = None):
         """`config`: the stage's EngineConfig, resolved for a diffusion stage (`EngineConfig.resolved`;
-        one that is not yet, from a test or benchmark, is resolved here the same way): device, dtype
-        and batch limits (`batch_limits`)."""
+        one that is not yet, from a test or benchmark, is resolved here the same way): device, dtype,
+        batch limits (`batch_limits`) and the speed options (`DiffusionSpeed.from_config`, unless
+        `speed` is given). With offload on, the weights are loaded into host memory first, so a
+        model larger than the GPU can start."""
         config = config.resolved("diffusion")
         device, dtype = config.torch_device(), config.torch_dtype()
+        speed = speed if speed is not None else DiffusionSpeed.from_config(config)
         index = read_model_index(model_dir)
-        family = family_cls(model_dir, index, load_components(model_dir, index, dtype, device), device, dtype)
+        load_device = torch.device("cpu") if speed.offload else device
+        family = family_cls(model_dir, index, load_components(model_dir, index, dtype, load_device), device, dtype)
         if vae_tile_pixels is not None:
             family.tile_threshold = vae_tile_pixels
-        self._start(family, *batch_limits(config), config)
+        self._start(family, *batch_limits(config), config, speed=speed)
 
     @classmethod
     def from_family(cls, family: DiffusionFamily, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                    config: Optional[EngineConfig] = None) -> "DiffusionEngine":
+                    config: Optional[EngineConfig] = None, speed: Optional[DiffusionSpeed] = None
+                    ) -> "DiffusionEngine":
         """An engine around a family whose components were built in code (benchmarks, tests);
-        `config` gives the step-cache and VAE options (its batch limits are not read)."""
+        `config` gives the step-cache and VAE options (its batch limits are not read); `speed` None:
+        the default attention backend only, no compile, FP8 or offload."""
         engine = cls.__new__(cls)
-        engine._start(family, max_num_seqs, max_num_batched_tokens, config or EngineConfig())
+        engine._start(family, max_num_seqs, max_num_batched_tokens, config or EngineConfig(), speed=speed)
         return engine
 
     def _start(self, family: DiffusionFamily, max_num_seqs: int, max_num_batched_tokens: int,
-               config: EngineConfig) -> None:
+               config: EngineConfig, speed: Optional[DiffusionSpeed] = None) -> None:
         self.family, self.device, self.dtype = family, family.device, family.dtype
+        # First the speed features (FP8, regional compile, offload hooks), then the step cache, whose
+        # wrapper around each block's forward is outside the compiled code.
+        self.accel = Accelerator(family, speed or DiffusionSpeed(compile=False))   # phases run in its contexts
         if config.vae_use_tiling:
             family.tile_threshold = 0           # every decode tiles (diffusers' enable_tiling on the VAE)
         self.cache: Optional[StepCache] = None  # the step cache (config.cache_backend), state keyed by request
@@ -96,7 +110,7 @@ class DiffusionEngine:
         self.default_fps = getattr(self.family, "default_fps", None)   # video models: fps of an unset `fps`
         self.limits = self.family.limits()            # sizes, steps, frames a request may ask for; defaults
         self.scheduler = DiffusionScheduler(max_num_seqs, max_num_batched_tokens)
-        self.runner = DiffusionRunner(self.family, self.cache)
+        self.runner = DiffusionRunner(self.family, self.cache, self.accel.phase)
         self.tasks: dict[str, DiffusionTask] = {}
         self._metrics: dict[str, RequestMetrics] = {}
         self._pending: list[StageOutput] = []       # outputs produced between steps (aborts)
@@ -214,7 +228,8 @@ class DiffusionEngine:
             self._metrics[t.request_id].first_scheduled_time = now
         start = time.perf_counter()
         try:
-            self.family.encode(tasks)
+            with self.accel.phase("encode"):
+                self.family.encode(tasks)
         except Exception as e:
             if len(tasks) == 1:
                 return [self._fail(tasks[0].request_id, f"prompt encoding failed: {e}")]
@@ -225,7 +240,8 @@ class DiffusionEngine:
         for t in tasks:
             t.add_time("encode", per_task)
             try:
-                self.family.prepare(t)
+                with self.accel.phase("prepare"):
+                    self.family.prepare(t)
             except Exception as e:
                 failed.append(self._fail(t.request_id, f"preparing latents failed: {e}"))
         return failed
@@ -265,7 +281,8 @@ class DiffusionEngine:
         for tasks in groups.values():
             start = time.perf_counter()
             try:
-                results = self.family.decode_batch(tasks)
+                with self.accel.phase("decode"):
+                    results = self.family.decode_batch(tasks)
             except Exception as e:
                 if len(tasks) == 1:
                     outputs.append(self._fail(tasks[0].request_id, f"decoding failed: {e}"))

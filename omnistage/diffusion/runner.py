@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -24,9 +24,13 @@ from omnistage.diffusion.task import DiffusionTask
 
 
 class DiffusionRunner:
-    def __init__(self, family: DiffusionFamily, cache: Optional[StepCache] = None):
+    def __init__(self, family: DiffusionFamily, cache: Optional[StepCache] = None, phase: Optional[Callable] = None):
+        """`cache`: the step cache consulted inside the denoiser's blocks, or None. `phase(name)`: the
+        context the denoiser call runs in (diffusion/speed.py `Accelerator.phase`: its attention
+        backend, offload moves); None runs it as is."""
         self.family = family
-        self.cache = cache                      # step cache consulted inside the denoiser's blocks, or None
+        self.cache = cache
+        self.phase = phase or (lambda name: contextlib.nullcontext())
         self.last_batch_rows = 0                # rows of the most recent forward
         self.last_batch_tasks = 0               # tasks in the most recent forward
         self.max_batch_rows = 0                 # largest forward seen (rows)
@@ -89,7 +93,7 @@ class DiffusionRunner:
         key = fam.key(tasks[0])
         x = torch.cat(xs)
         cached = self.cache.forward(tasks) if self.cache is not None else contextlib.nullcontext()
-        with cached:
+        with self.phase("denoise"), cached:
             out = fam.denoise(key, x, torch.cat(ts).to(x.device), conds, row_tasks)
         velocities, row = [], 0
         for task in tasks:

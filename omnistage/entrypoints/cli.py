@@ -66,6 +66,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='settings of the cache backend, e.g. \'{"rel_l1_thresh": 0.2}\' (see README)')
     p.add_argument("--vae-use-tiling", action="store_true", default=None,
                    help="decode images / videos with the VAE's tiled decode (less memory)")
+    # -- diffusion speed (EngineConfig's block of the same names; checked there) --
+    p.add_argument("--attention-backend", default=None, metavar="NAME|ROLE=NAME,...",
+                   help="diffusion attention: auto, TORCH_SDPA, FLASH_ATTN, EFFICIENT_ATTN, CUDNN_ATTN, MATH_ATTN, "
+                        "FLEX_ATTN, SAGE_ATTN (lossy 8-bit); per role: dit=...,text_encoder=... (default: auto)")
+    p.add_argument("--quantization", default=None, help="fp8: online FP8 W8A8 of the DiT blocks' linear layers")
+    p.add_argument("--ignored-layers", default=None, metavar="NAME,...",
+                   help="module-name parts --quantization leaves unquantized (e.g. img_mlp)")
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="no regional torch.compile of the DiT blocks (compiled by default on CUDA)")
+    p.add_argument("--enable-cpu-offload", action="store_true", default=None,
+                   help="model-level offload: text encoders and DiT take turns on the GPU")
+    p.add_argument("--enable-layerwise-offload", action="store_true", default=None,
+                   help="layerwise offload: DiT blocks stream from pinned host memory, the next one prefetched")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,6 +186,19 @@ def _check_cache(args: argparse.Namespace) -> None:
         raise SystemExit(f"omnistage: --cache-config: {problem[1]}")
 
 
+def _check_engine_options(args: argparse.Namespace) -> None:
+    """Bad engine options (an unknown attention backend, offload modes together, ...) end the command
+    at once with EngineConfig's message, which names the option and the allowed values."""
+    from omnistage.config import EngineConfig
+    from omnistage.entrypoints.common import engine_kwargs_from_args
+
+    kwargs = {k: v for k, v in engine_kwargs_from_args(args).items() if k != "deploy_config"}
+    try:
+        EngineConfig(**kwargs)
+    except ValueError as e:
+        raise SystemExit(f"omnistage: {e}") from e
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from omnistage import SamplingParams
     from omnistage.entrypoints.common import engine_kwargs_from_args
@@ -267,6 +293,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if hasattr(args, "device"):
         _check_device(args)
+        _check_engine_options(args)
     if hasattr(args, "cache_backend"):
         _check_cache(args)
     commands = {"serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench, "make-tiny": cmd_make_tiny}

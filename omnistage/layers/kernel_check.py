@@ -2,8 +2,9 @@
 
 `kernel_errors(device)` -> {check name: [max abs error, largest |reference| value]}, on random inputs: the fused
 elementwise kernels (`triton_fused`), the varlen prefill attention (`triton_prefill`, three
-chunks with and without cached context after two decode rows, GQA) and the paged decode attention
-(`triton_attention`, a batch and a lone row). benchmarks/check_cuda.py runs
+chunks with and without cached context after two decode rows, GQA), the paged decode attention
+(`triton_attention`, a batch and a lone row) and the 8-bit attention (`quant_attention`, 16-bit
+dtypes). benchmarks/check_cuda.py runs
 it on CUDA; tests/layers runs it on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`
 set before triton is imported: `python -m omnistage.layers.kernel_check`), which cannot do
 bfloat16 dots, so there the attention check takes float16.
@@ -17,7 +18,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from omnistage.layers import fused, triton_attention, triton_fused, triton_prefill
+from omnistage.layers import fused, quant_attention, triton_attention, triton_fused, triton_prefill
 from omnistage.layers.attention import AttentionMetadata, PrefillChunk, attend
 
 
@@ -66,6 +67,11 @@ def kernel_errors(device: str, dtypes=(torch.float32, torch.bfloat16), attn_dtyp
             if bs >= 16:                                  # the decode kernel's tensor-core dots need it
                 key = f"decode attention {str(dtype).split('.')[-1]} H{h}/{kvh} D{d} bs{bs}"
                 errs[key] = _decode_error(h, kvh, d, bs, dtype, device, rnd, g)
+        if dtype in (torch.float16, torch.bfloat16):    # 8-bit attention: P and V are 16-bit by design
+            q, k, v = (rnd(2, 3, 150, 64, dtype=dtype) for _ in range(3))
+            q8, sq, k8, sk = quant_attention.quantize(q, k)
+            got = torch.ops.omnistage.sage_fwd(q8, sq, k8, sk, v, 0.125)
+            errs[f"sage attention {str(dtype).split('.')[-1]} D64"] = _err(got, quant_attention.reference(q, k, v))
     return errs
 
 

@@ -88,6 +88,35 @@ def weight_bytes(model_dir: str, prefixes: Optional[tuple[str, ...]] = None,
     return total
 
 
+def offloaded_weight_bytes(stage: StageSpec, dtype) -> int:
+    """Weights a diffusion stage with CPU offload keeps on the device at once (diffusion/speed.py):
+    model-level: the larger of its text encoders and its DiTs, + the rest (VAE); layerwise: all but
+    the DiTs' repeated blocks, + two blocks of each DiT (one running, one prefetched)."""
+    from omnistage.models.registry import diffusion_family
+
+    family = diffusion_family(stage.model_dir)
+    with open(os.path.join(stage.model_dir, "model_index.json"), encoding="utf-8") as f:
+        subs = [k for k, v in json.load(f).items() if isinstance(v, list) and os.path.isdir(
+            os.path.join(stage.model_dir, k))]
+    sizes = {k: weight_bytes(os.path.join(stage.model_dir, k), None, dtype) for k in subs
+             if any(n.endswith(".safetensors") for n in os.listdir(os.path.join(stage.model_dir, k)))}
+    subs = list(sizes)
+    dits = {k for k in subs if k in family.dit_components}
+    encoders = {k for k in subs if k.startswith(("text_encoder", "image_encoder"))}
+    rest = sum(v for k, v in sizes.items() if k not in dits | encoders)
+    if stage.engine.enable_cpu_offload:
+        return rest + max(sum(sizes[k] for k in encoders), sum(sizes[k] for k in dits))
+    resident = rest + sum(sizes[k] for k in encoders)
+    for k in dits:
+        path = os.path.join(stage.model_dir, k)
+        names = {n for f in _weight_files(path) for n in safetensors_header(f)}
+        block_ids = {".".join(n.split(".")[:2]) + "." for n in names
+                     if n.split(".")[0] in family.repeated_blocks and n.split(".")[1].isdigit()}
+        per_block = [weight_bytes(path, (b,), dtype) for b in block_ids]
+        resident += sizes[k] - sum(per_block) + 2 * max(per_block, default=0)
+    return resident
+
+
 @dataclass
 class StageCost:
     context: int                                # CUDA context of the stage's own process (runner "process")
@@ -121,6 +150,9 @@ def stage_cost(stage: StageSpec, device: str) -> StageCost:
     dtype = _weights_dtype(stage)
     context = CUDA_CONTEXT_BYTES if stage.runner == "process" else 0
     weights = weight_bytes(stage.model_dir, _prefixes(stage), dtype) if stage.model_dir else 0
+    if stage.kind == "diffusion" and stage.model_dir and (stage.engine.enable_cpu_offload
+                                                          or stage.engine.enable_layerwise_offload):
+        weights = offloaded_weight_bytes(stage, dtype)
     if stage.kind != "ar":
         return StageCost(context, weights, int(stage.memory.get("workspace_bytes", WORKSPACE_BYTES)))
     shape = stage.memory.get("lm_shape")

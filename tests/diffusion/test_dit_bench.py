@@ -33,6 +33,12 @@ def test_smoke_run(bench, tmp_path, capsys):
     thr = res["throughput"]
     assert thr["batched"]["max_batch_tasks"] == 4 and thr["one_at_a_time"]["max_batch_tasks"] == 1
     assert "| step batching (max_num_seqs=8) |" in capsys.readouterr().out
+    for key in ("wan", "flux"):                 # the speed rows ran (eager on CPU), fast paths near eager
+        speed = res[key]["speed"]
+        assert all("error" not in r for r in speed.values()), speed
+        assert speed["ours default"]["rel_err_vs_eager"] < 1e-5
+        assert speed["ours + sage"]["rel_err_vs_eager"] < 0.05 and speed["ours + fp8"]["rel_err_vs_eager"] < 0.1
+    assert all("error" not in res["offload"][mode] for mode in ("resident", "model", "layerwise"))
 
 
 def test_flop_formulas_at_real_shapes(bench):

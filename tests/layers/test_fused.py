@@ -86,7 +86,7 @@ def test_triton_kernels_match_references_in_the_interpreter():
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     errs = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(errs) == 20
+    assert len(errs) == 21                      # every check ran (the last: 8-bit attention, float16)
     for name, (err, peak) in errs.items():
         assert err <= kernel_check.limit(name) * peak, (name, err, peak)
 

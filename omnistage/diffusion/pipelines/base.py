@@ -118,6 +118,11 @@ class DiffusionFamily:
     default_guidance: Optional[float] = None    # None: guidance_scale stays unset unless a request sets it
     max_pixels = 4096                           # largest accepted height / width (see also `max_size`)
     block_cache: Optional[BlockCacheSpec] = None  # the denoiser's repeated blocks, for step caches (None: no cache)
+    # what the speed features read (diffusion/speed.py): the components that are denoisers, and the
+    # ModuleList attributes of a denoiser that repeat one block class per layer (compiled, offloaded
+    # layer by layer, FP8-quantized)
+    dit_components: tuple[str, ...] = ("transformer", "transformer_2")
+    repeated_blocks: tuple[str, ...] = ("transformer_blocks",)
 
     def __init__(self, model_dir: str, index: dict, components: dict[str, Any], device: torch.device,
                  dtype: torch.dtype):
@@ -132,6 +137,20 @@ class DiffusionFamily:
     def denoisers(self) -> list:
         """The denoiser modules whose `block_cache` blocks a step cache wraps."""
         return [self.c["transformer"]]
+
+    def component_roles(self) -> dict[str, str]:
+        """Component name -> role ("dit" | "text_encoder" | "vae") of every module with weights."""
+        roles = {}
+        for name, comp in self.c.items():
+            if not isinstance(comp, torch.nn.Module):
+                continue
+            if name in self.dit_components:
+                roles[name] = "dit"
+            elif name.startswith(("text_encoder", "image_encoder")):
+                roles[name] = "text_encoder"
+            else:
+                roles[name] = "vae"
+        return roles
 
     # -- request side --------------------------------------------------------------------------------
     def resolve(self, params: DiffusionParams, inputs: dict) -> DiffusionParams:

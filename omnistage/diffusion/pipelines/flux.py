@@ -38,6 +38,7 @@ class FluxFamily(ImageFamily):
                                  # TeaCache's published FLUX.1 fit (the paper's; vLLM-Omni uses the same)
                                  coefficients=(4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00,
                                                2.64230861e-01))
+    repeated_blocks = ("transformer_blocks", "single_transformer_blocks")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

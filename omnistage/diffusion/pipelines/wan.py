@@ -50,6 +50,7 @@ class WanFamily(DiffusionFamily):
     default_frames = 81
     block_cache = BlockCacheSpec(lists=("blocks",), batched=("hidden_states", "encoder_hidden_states", "temb"),
                                  outputs=("hidden_states",), modulated="temb")
+    repeated_blocks = ("blocks",)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

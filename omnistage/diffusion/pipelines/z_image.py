@@ -27,6 +27,7 @@ class ZImageFamily(ImageFamily):
     block_cache = BlockCacheSpec(lists=("layers",), batched=("x", "attn_mask", "freqs_cis", "adaln_input", "noise_mask",
                                                              "adaln_noisy", "adaln_clean"),
                                  outputs=("x",), modulated="adaln_input")
+    repeated_blocks = ("noise_refiner", "context_refiner", "layers")
 
     def default_size(self) -> tuple[int, int]:
         return 1024, 1024

@@ -1,0 +1,287 @@
+"""The speed-feature rows of `dit_bench.py` (imported by it; one GPU run, or --smoke on CPU).
+
+Per workload (a family built by dit_bench with random bf16 weights at real shapes), one task, per-step
+seconds of:
+  diffusers + compile   diffusers' own regional compile (`compile_repeated_blocks`) of the same
+                        module, the pipeline's module calls per step (undone afterwards)
+  ours eager / SDPA kernel   our runner's step with the attention backend pinned, no compile
+  ours default          `DiffusionSpeed.from_config` for CUDA: regional compile + DEFAULT_ATTENTION
+  ours + sage           the default with SAGE_ATTN for the DiT (8-bit attention; lossy)
+  ours + fp8            the default with the DiT blocks' linear layers in FP8 (lossy; applied last)
+each with its first-call seconds (compile included) and the relative error of one denoiser output vs
+the eager bf16 forward (the correctness block: compiled vs eager, sage vs SDPA, fp8 vs bf16).
+`offload_rows`: peak memory and step time of a Wan-14B-shaped DiT with fewer blocks (stated in the
+row) resident / model-level / layerwise. `fusion_row`: CUDA kernels of one FLUX single block, eager vs
+compiled (what the compile fuses). Every row runs in try/except: a failing row prints its error
+and the others still run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+
+import torch
+
+from omnistage.config import EngineConfig
+from omnistage.diffusion.attention import AttentionRouter
+from omnistage.diffusion.engine import DiffusionEngine
+from omnistage.diffusion.speed import DiffusionSpeed, dit_blocks, quantize_fp8
+
+WAN14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+              out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+              qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+
+
+def guarded(rows: dict, name: str, fn) -> None:
+    """rows[name] = fn(), or {"error": ...} (printed) when it raises."""
+    try:
+        rows[name] = fn()
+    except Exception as e:                      # one failing row must not lose the table
+        traceback.print_exc()
+        rows[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _one_output(family, task, phase=None) -> torch.Tensor:
+    """One denoiser output at the task's saved start state (`task.static["bench_start"]`), so that rows
+    run after steps advanced the task still compare the same forward."""
+    latents, index = task.latents, task.step_index
+    task.latents, task.step_index = task.static["bench_start"]
+    try:
+        return _forward(family, task, phase)
+    finally:
+        task.latents, task.step_index = latents, index
+
+
+def _forward(family, task, phase) -> torch.Tensor:
+    x = torch.cat([family.model_input(task)] * (2 if task.do_cfg else 1))
+    t = family.model_timestep(task).reshape(1).expand(x.shape[0]).to(x.device)
+    conds = [task.cond] + ([task.uncond] if task.do_cfg else [])
+    with torch.no_grad(), (phase("denoise") if phase else contextlib.nullcontext()):
+        return family.denoise(family.key(task), x, t, conds, [task] * len(conds)).float()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _first_and_steady(fn, bench, s) -> tuple[float, float]:
+    bench.sync(bench.DEVICE)
+    start = time.perf_counter()
+    fn()
+    bench.sync(bench.DEVICE)
+    first = time.perf_counter() - start
+    return first, bench.timed(fn, bench.DEVICE, s["iters"], 0)
+
+
+def speed_rows(bench, family, params, diffusers_call, s: dict, smoke: bool) -> dict:
+    """The rows above for one workload; mutates `family` (compile, FP8): run it last on that family."""
+    rows: dict = {}
+    task = family.new_task("speed", {"prompt": "x"}, params)
+    family.encode([task])
+    family.prepare(task)
+    task.static["bench_start"] = (task.latents.clone(), task.step_index)
+    eager = _one_output(family, task)
+    on_gpu = family.device.type == "cuda"
+
+    def diffusers_compiled():
+        model = family.experts[0] if hasattr(family, "experts") else family.transformer
+        model.compile_repeated_blocks(dynamic=True)
+        try:
+            with torch.no_grad():
+                first, steady = _first_and_steady(lambda: diffusers_call(task), bench, s)
+                latents, index = task.latents, task.step_index
+                task.latents, task.step_index = task.static["bench_start"]
+                out = diffusers_call(task).float()
+                task.latents, task.step_index = latents, index
+        finally:
+            for m in model.modules():           # undo: the next rows run our own compile
+                m._compiled_call_impl = None
+        return {"step_s": steady, "first_s": first, "rel_err_vs_eager": _rel(out[: eager.shape[0]], eager)}
+    if on_gpu:
+        guarded(rows, "diffusers + compile", diffusers_compiled)
+
+    def ours(attention: str):
+        def row():
+            engine = DiffusionEngine.from_family(family, speed=DiffusionSpeed(
+                attention={"dit": attention, "text_encoder": "auto"}, compile=False))
+            first, steady = _first_and_steady(lambda: engine.runner.step([task]), bench, s)
+            return {"step_s": steady, "first_s": first,
+                    "rel_err_vs_eager": _rel(_one_output(family, task, engine.accel.phase), eager)}
+        return row
+    for name in (("FLASH_ATTN", "CUDNN_ATTN") if on_gpu else ("MATH_ATTN",)):
+        guarded(rows, f"ours eager, {name}", ours(name))
+
+    default = DiffusionSpeed.from_config(EngineConfig(device=str(family.device)))   # compile: CUDA only
+    holder: dict = {}
+
+    def ours_default():
+        engine = DiffusionEngine.from_family(family, speed=default)
+        holder["engine"] = engine
+        first, steady = _first_and_steady(lambda: engine.runner.step([task]), bench, s)
+        return {"step_s": steady, "first_s": first, "compiled_blocks": engine.accel.compiled_blocks,
+                "attention": engine.accel.routers["dit"].name,
+                "rel_err_vs_eager": _rel(_one_output(family, task, engine.accel.phase), eager)}
+    guarded(rows, "ours default", ours_default)
+    engine = holder.get("engine")
+    if engine is None:
+        return rows
+    base_router = engine.accel.routers["dit"]
+
+    def ours_sage():
+        engine.accel.routers["dit"] = AttentionRouter("SAGE_ATTN", family.device)
+        try:
+            first, steady = _first_and_steady(lambda: engine.runner.step([task]), bench, s)
+            return {"step_s": steady, "first_s": first,
+                    "rel_err_vs_eager": _rel(_one_output(family, task, engine.accel.phase), eager)}
+        finally:
+            engine.accel.routers["dit"] = base_router
+    guarded(rows, "ours + sage", ours_sage)
+
+    def ours_fp8():
+        name = "transformer" if "transformer" in family.c else next(iter(family.c))
+        layers = sum(quantize_fp8(b) for blocks in dit_blocks(family, name).values() for b in blocks)
+        first, steady = _first_and_steady(lambda: engine.runner.step([task]), bench, s)
+        return {"step_s": steady, "first_s": first, "fp8_layers": layers,
+                "rel_err_vs_eager": _rel(_one_output(family, task, engine.accel.phase), eager)}
+    guarded(rows, "ours + fp8", ours_fp8)
+    return rows
+
+
+def offload_rows(bench, s: dict, smoke: bool) -> dict:
+    """Wan-14B-shaped DiT (first `layers` of its 40 blocks; per-block work and weights are the real
+    ones, so step time and offloaded memory scale with the block count), one row, no CFG."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+    cfg = dict(WAN14B, num_layers=2 if smoke else 8)
+    if smoke:
+        cfg.update(s["wan_cfg"], num_layers=2)
+    w = s["wan"]
+    rows: dict = {"shape": f"Wan2.1-14B blocks ({cfg['num_layers']} of 40), {w['width']}x{w['height']}x{w['frames']}, 1 row"}
+    vae_kw = dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
+                  scale_factor_temporal=2, scale_factor_spatial=2) if smoke else {}
+    from omnistage.params import DiffusionParams
+    params = DiffusionParams(height=w["height"], width=w["width"], num_frames=w["frames"], num_inference_steps=50,
+                             guidance_scale=1.0, seed=0)
+    for mode in (None, "model", "layerwise"):
+        def row(mode=mode):
+            family = bench.build(bench.BenchWan, WanTransformer3DModel, cfg, AutoencoderKLWan(**vae_kw),
+                                 bench.WAN_SCHEDULER, w["text"], bench.DEVICE, bench.DTYPE)
+            engine = DiffusionEngine.from_family(family, speed=DiffusionSpeed(compile=False, offload=mode))
+            task = family.new_task("o", {"prompt": "x"}, params)
+            family.encode([task])
+            family.prepare(task)
+            if bench.DEVICE.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            step = bench.timed(lambda: engine.runner.step([task]), bench.DEVICE, s["iters"], s["warmup"])
+            peak = torch.cuda.max_memory_allocated() / 2**30 if bench.DEVICE.type == "cuda" else 0.0
+            block = family.experts[0].blocks[0]
+            block_gib = sum(t.numel() * t.element_size() for t in list(block.parameters())) / 2**30
+            out = {"step_s": step, "peak_gib": peak, "block_gib": block_gib, "blocks": cfg["num_layers"]}
+            if mode == "model":                 # what a phase change costs: the DiT off and back on
+                off = engine.accel.model_offload
+                start = time.perf_counter()
+                off.use(["text_encoder"])
+                off.use(["dit"])
+                bench.sync(bench.DEVICE)
+                out["dit_swap_s"] = time.perf_counter() - start
+            return out
+        guarded(rows, mode or "resident", row)
+    return rows
+
+
+def fusion_row(bench, flux_family) -> dict:
+    """CUDA kernels per call of one FLUX single-stream block at 1024^2, eager vs compiled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    block = flux_family.transformer.single_transformer_blocks[0]
+    d = block.attn.to_q.in_features if hasattr(block.attn, "to_q") else 3072
+    n = 4608
+    x = torch.randn(1, n, d, device=bench.DEVICE, dtype=bench.DTYPE)
+    temb = torch.randn(1, d, device=bench.DEVICE, dtype=bench.DTYPE)
+    half = block.attn.heads and (d // block.attn.heads)
+    rot = (torch.randn(n, half, device=bench.DEVICE), torch.randn(n, half, device=bench.DEVICE))
+    txt = torch.randn(1, 512, d, device=bench.DEVICE, dtype=bench.DTYPE)
+    x = x[:, 512:]
+
+    def kernels(fn) -> int:
+        with torch.no_grad():
+            fn()
+            fn()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                bench.sync(bench.DEVICE)
+        return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+    eager = kernels(lambda: block(x, txt, temb, rot))
+    compiled = torch.compile(block, dynamic=True)
+    fused = kernels(lambda: compiled(x, txt, temb, rot))
+    return {"eager_kernels": eager, "compiled_kernels": fused}
+
+
+def table(res: dict) -> list[str]:
+    """Markdown lines of the speed rows (whatever of them ran)."""
+    lines = []
+    for key, label in (("wan", "Wan2.1-1.3B CFG"), ("flux", "FLUX.1-dev")):
+        speed = res.get(key, {}).get("speed")
+        if not speed:
+            continue
+        base = res[key]
+        lines += ["", f"| {label} {base.get('shape', '')} | s/step | first call s | rel. err vs eager bf16 | floor s/step |",
+                  "|---|---|---|---|---|",
+                  f"| diffusers (eager) | {base['diffusers_s']:.4f} | - | - | {base['floor_s']:.4f} |"]
+        for name, r in speed.items():
+            if "error" in r:
+                lines.append(f"| {name} | error: {r['error'][:120]} | | | |")
+                continue
+            lines.append(f"| {name} | {r['step_s']:.4f} | {r['first_s']:.1f} | {r['rel_err_vs_eager']:.1e} | |")
+    kern = res.get("kernels")
+    if kern:
+        lines.append("\nfast paths vs references (FLUX shapes, rel. error): " +
+                     ", ".join(f"{k} {v:.2e}" if isinstance(v, float) else f"{k} {v}" for k, v in kern.items()))
+    fusion = res.get("fusion")
+    if fusion and "error" not in fusion:
+        lines.append(f"\nCUDA kernels per FLUX single block call: eager {fusion['eager_kernels']}, "
+                     f"compiled {fusion['compiled_kernels']}")
+    off = res.get("offload")
+    if off:
+        lines += ["", f"| offload: {off.get('shape', '')} | s/step | peak GiB | peak GiB at 40 blocks (extrapolated) |",
+                  "|---|---|---|---|"]
+        for mode in ("resident", "model", "layerwise"):
+            r = off.get(mode)
+            if r is None:
+                continue
+            if "error" in r:
+                lines.append(f"| {mode} | error: {r['error'][:120]} | | |")
+                continue
+            extra = 0.0 if mode == "layerwise" else (40 - r["blocks"]) * r["block_gib"]
+            swap = f" (DiT off + on: {r['dit_swap_s']:.2f} s)" if "dit_swap_s" in r else ""
+            lines.append(f"| {mode}{swap} | {r['step_s']:.4f} | {r['peak_gib']:.2f} | {r['peak_gib'] + extra:.2f} |")
+    return lines
+
+
+def kernel_row(device, dtype) -> dict:
+    """Fast paths vs their references on one real shape (FLUX attention, a FLUX MLP projection)."""
+    import torch.nn.functional as F
+
+    from omnistage.layers import fp8_linear, quant_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 24, 4608, 128, device=device, dtype=dtype) for _ in range(3))
+    exact = F.scaled_dot_product_attention(q, k, v).float()
+    fast = quant_attention.sage_attention(q, k, v).float()
+    ref = quant_attention.reference(q, k, v).float()
+    lin = torch.nn.Linear(3072, 12288, device=device, dtype=dtype)
+    x = torch.randn(4608, 3072, device=device, dtype=dtype)
+    f8 = fp8_linear.Fp8Linear.from_linear(lin)
+    x8, xs = fp8_linear.quantize_rows(x)
+    fp8_ref = fp8_linear.reference(x8, xs, f8.weight_fp8, f8.weight_scale, f8.bias, dtype).float()
+    with torch.no_grad():
+        fp8_fast, full = f8(x).float(), lin(x).float()
+    return {"sage_kernel_vs_reference": _rel(fast, ref), "sage_vs_sdpa": _rel(fast, exact),
+            "sage_kernel_used": quant_attention.kernel_supports(q, k, v),
+            "fp8_scaled_mm_vs_reference": _rel(fp8_fast, fp8_ref), "fp8_vs_bf16": _rel(fp8_fast, full),
+            "fp8_fast_path_used": f8._fast(x)}

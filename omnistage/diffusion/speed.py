@@ -1,0 +1,145 @@
+"""Speed features of a diffusion stage, applied generically to a family (stage process; no model names).
+
+In: a `DiffusionSpeed` (from the stage's `EngineConfig`: attention_backend, quantization,
+ignored_layers, enforce_eager, enable_cpu_offload, enable_layerwise_offload) and a family, which
+declares what the code reads: its component roles (`component_roles()`: "dit" / "text_encoder" /
+"vae") and each DiT's repeated block lists (`repeated_blocks`). `Accelerator(family, speed)`
+changes the family's modules in place, in this order:
+  1. FP8 (`quantization="fp8"`): every `nn.Linear` inside the DiTs' repeated blocks becomes an
+     `Fp8Linear` (layers/fp8_linear.py) unless its name contains one of `ignored_layers`; text
+     encoders, VAE and the DiT's embedders / head stay in the model dtype.
+  2. offload (diffusion/offload.py): model-level or layerwise.
+  3. regional compile: each repeated block's `forward` goes through `torch.compile(dynamic=True)`
+     (one compiled code object per block class, reused by every block of it and by every
+     resolution); module hooks (layerwise offload) stay outside the compiled code. On by default
+     on CUDA, off with `enforce_eager=True`; the time of the first DiT forward (which compiles) is
+     logged and kept in `first_denoise_s`.
+Out: `accelerator.phase(name)` for name in PHASE_ROLES: the context the engine runs each phase in
+(that role's weights on the device, its attention backend; diffusion/attention.py). Fused
+elementwise work (AdaLN modulation + norm, gated residuals, rotary) comes from the compile of the
+blocks (inductor fuses those pointwise chains into the neighbouring kernels; dit_bench shows it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from omnistage.config import EngineConfig, attention_backends
+from omnistage.diffusion.attention import AttentionRouter
+from omnistage.diffusion.offload import LayerwiseOffload, ModelOffload
+from omnistage.layers.fp8_linear import Fp8Linear
+
+log = logging.getLogger(__name__)
+
+# engine phase -> the component role it runs
+PHASE_ROLES = {"encode": "text_encoder", "prepare": "vae", "denoise": "dit", "decode": "vae"}
+
+
+@dataclass
+class DiffusionSpeed:
+    attention: dict = field(default_factory=lambda: attention_backends("auto"))   # role -> backend name
+    compile: bool = False                       # regional torch.compile of the DiTs' repeated blocks
+    compile_backend: str = "inductor"           # torch.compile backend ("eager" / "aot_eager": CPU tests)
+    quantization: Optional[str] = None          # None | "fp8"
+    ignored_layers: tuple = ()                  # module-name parts FP8 leaves alone
+    offload: Optional[str] = None               # None | "model" | "layerwise"
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "DiffusionSpeed":
+        """What a stage's (resolved) config asks for; compile is on for CUDA unless enforce_eager."""
+        offload = "model" if config.enable_cpu_offload else "layerwise" if config.enable_layerwise_offload else None
+        return cls(attention=attention_backends(config.attention_backend),
+                   compile=config.torch_device().type == "cuda" and not config.enforce_eager,
+                   quantization=config.quantization, ignored_layers=tuple(config.ignored_layers), offload=offload)
+
+
+def dit_blocks(family, name: str) -> dict[str, list[nn.Module]]:
+    """ModuleList attribute -> its blocks, for the repeated block lists the family declares that
+    DiT component `name` has."""
+    module = family.c[name]
+    return {attr: list(getattr(module, attr)) for attr in family.repeated_blocks
+            if getattr(module, attr, None) is not None}
+
+
+def quantize_fp8(module: nn.Module, ignored: tuple = (), prefix: str = "") -> int:
+    """Swap every nn.Linear under `module` whose name (`prefix` + its name inside `module`, e.g.
+    "transformer_blocks.3.img_mlp.net.2") contains none of `ignored`; returns the count."""
+    swaps = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear)
+             and not any(part in prefix + name for part in ignored)]
+    for name, linear in swaps:
+        parent_name, _, child = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        setattr(parent, child, Fp8Linear.from_linear(linear))
+    return len(swaps)
+
+
+def compile_blocks(blocks: list[nn.Module], backend: str = "inductor") -> None:
+    for block in blocks:
+        block.forward = torch.compile(block.forward, dynamic=True, backend=backend)
+
+
+class Accelerator:
+    def __init__(self, family, speed: DiffusionSpeed):
+        self.speed, self.device = speed, family.device
+        roles = family.component_roles()
+        dits = [name for name, role in roles.items() if role == "dit"]
+        groups = {name: dit_blocks(family, name) for name in dits}
+        self.fp8_layers = 0                     # linear layers swapped for Fp8Linear
+        if speed.quantization == "fp8":
+            for name in dits:
+                for attr, blocks in groups[name].items():
+                    self.fp8_layers += sum(quantize_fp8(b, speed.ignored_layers, f"{attr}.{i}.")
+                                           for i, b in enumerate(blocks))
+            log.info("fp8: %d linear layers of the DiT blocks quantized (ignored_layers=%s)", self.fp8_layers,
+                     list(speed.ignored_layers))
+        self.model_offload: Optional[ModelOffload] = None
+        self.layerwise: Optional[LayerwiseOffload] = None
+        if speed.offload == "model":
+            self.model_offload = ModelOffload({role: [family.c[n] for n, r in roles.items() if r == role]
+                                               for role in ("text_encoder", "dit")}, self.device)
+            copies = [c for cs in self.model_offload.copies.values() for c in cs]
+        elif speed.offload == "layerwise":
+            self.layerwise = LayerwiseOffload([[b for blocks in groups[n].values() for b in blocks] for n in dits],
+                                              self.device)
+            copies = self.layerwise.copies
+        if speed.offload is not None:           # what is not offloaded lives on the device
+            offloaded = {id(t) for c in copies for t, _ in c.tensors}
+            for name in roles:
+                module = family.c[name]
+                for t in list(module.parameters()) + list(module.buffers()):
+                    if id(t) not in offloaded:
+                        t.data = t.data.to(self.device)
+        self.compiled_blocks = 0                # blocks whose forward is compiled
+        if speed.compile:
+            for name in dits:
+                for blocks in groups[name].values():
+                    compile_blocks(blocks, speed.compile_backend)
+                    self.compiled_blocks += len(blocks)
+            log.info("regional torch.compile (dynamic, backend %s) of %d repeated blocks", speed.compile_backend,
+                     self.compiled_blocks)
+        self.routers = {role: AttentionRouter(name, self.device) for role, name in speed.attention.items()}
+        log.info("diffusion attention: %s", {role: r.name for role, r in self.routers.items()})
+        self.first_denoise_s: Optional[float] = None    # seconds of the first DiT forward (compiles, if on)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        role = PHASE_ROLES[name]
+        if self.model_offload is not None:
+            self.model_offload.use([role])
+        router = self.routers.get(role)
+        start = time.perf_counter()
+        with router if router is not None else contextlib.nullcontext():
+            yield
+        if name == "denoise" and self.first_denoise_s is None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.first_denoise_s = time.perf_counter() - start
+            log.info("first DiT forward took %.2f s%s", self.first_denoise_s,
+                     " (includes the regional compile)" if self.speed.compile else "")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import unicodedata
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from omnistage.params import check_param
 from omnistage.stage import StageOutput
@@ -46,12 +46,21 @@ class TTSParams:
     voice: Optional[str] = None                 # voice name; None = the stage's default voice
     speed: float = 1.0                          # speech-rate multiplier in [0.25, 4.0]; 2.0 = twice as fast
     instructions: Optional[str] = None          # style prompt; accepted, ignored by voices that take none
+    # Qwen3-TTS fields (vLLM-Omni's names, PEER-REFERENCE.md D.3); voices that take none ignore them.
+    task_type: Optional[str] = None             # "CustomVoice" | "VoiceDesign" | "Base"; None = the model's own
+    language: Optional[str] = None              # "Auto" or a language the model names; None = "Auto"
+    ref_audio: Any = None                       # Base: reference voice, (float32 mono samples, Hz) or a data URL / base64 string
+    ref_text: Optional[str] = None              # Base: transcript of ref_audio (in-context cloning)
+    x_vector_only_mode: bool = False            # Base: clone from the speaker embedding alone (no ref_text needed)
+    max_new_tokens: Optional[int] = None        # most codec frames to generate; None = the model's limit
 
     def __post_init__(self) -> None:
         lo, hi = SPEED_RANGE
         check_param(isinstance(self.speed, (int, float)) and lo <= self.speed <= hi, "speed", f"in [{lo}, {hi}]",
                     self.speed)
         check_param(self.voice is None or isinstance(self.voice, str), "voice", "a string", self.voice)
+        check_param(self.max_new_tokens is None or (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1),
+                    "max_new_tokens", "an integer >= 1", self.max_new_tokens)
 
 
 @dataclass

@@ -4,7 +4,8 @@ The runner knows no model names: it needs a model with `attention_layers`, `forw
 positions, meta)` and `compute_logits(hidden)`. It owns the KV-cache tensors, builds the step's
 flattened inputs (decodes first, then prefill chunks), runs one forward over all of them,
 computes logits only for rows that sample, and moves the sampled ids (plus logprobs when asked
-for) to the host in one transfer.
+for) to the host in one transfer. A model with a `frame_head` (multi-codebook talkers) has it
+predict the rest of each sampled token's frame right after sampling.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class RunnerOutput:
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]]  # seq_id -> (chosen, [(id, logprob)])
     # seq_id -> the rows computed this step, for sequences that asked for them (device tensors)
     hidden: dict[str, HiddenStates] = field(default_factory=dict)
+    # seq_id -> the sampled token's frame codes (codebooks 1..G-1), for a model with a `frame_head`
+    codes: dict[str, list[int]] = field(default_factory=dict)
 
 
 def kv_block_bytes(model, block_size: int, dtype: torch.dtype) -> int:
@@ -136,7 +139,8 @@ class ModelRunner:
                 sampling.append(s.seq)
         if not sampling:
             return RunnerOutput({}, {}, reports)
-        logits = self.model.compute_logits(hidden[self._to_device(rows)])
+        last = hidden[self._to_device(rows)]
+        logits = self.model.compute_logits(last)
         batch = SamplingBatch(
             params=[q.params for q in sampling],
             generators=[self._generator_for(q) for q in sampling],
@@ -145,9 +149,28 @@ class ModelRunner:
             banned=[_banned(q, eos_ids) for q in sampling])
         num_logprobs = max((q.params.logprobs for q in sampling if q.params.logprobs is not None), default=-1)
         out = sample(logits, batch, self.generator, num_logprobs)
+        codes = self._frames(sampling, last, out.token_ids, batch)
         res = self._to_host(sampling, out, num_logprobs)
         res.hidden = reports
+        if codes is not None:
+            res.codes = dict(zip((q.seq_id for q in sampling), codes.tolist()))
         return res
+
+    def _frames(self, seqs: list[Sequence], last: torch.Tensor, token_ids: torch.Tensor,
+                batch: SamplingBatch) -> Optional[torch.Tensor]:
+        """A multi-codebook model's frame head (Qwen3-TTS' code predictor): from each sampled row's
+        last hidden state and its sampled code, the frame's other codes [S, G-1] (to the host) and
+        the row its next position adds (kept by the sequence, `Conditioning.add_frame`). None for
+        models without one. The head keeps no state between calls: each frame is its own."""
+        head = getattr(self.model, "frame_head", None)
+        if head is None:
+            return None
+        codes, rows = head(last, token_ids, batch)
+        for q, row in zip(seqs, rows):
+            if q.cond is None or not q.cond.frame_feedback:
+                raise ValueError(f"sequence {q.seq_id} of a frame-head model was added without frame_feedback")
+            q.cond.add_frame(row)
+        return codes.cpu()
 
     def _to_host(self, seqs: list[Sequence], out: SamplerOutput, num_logprobs: int) -> RunnerOutput:
         if num_logprobs < 0:

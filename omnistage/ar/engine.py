@@ -68,6 +68,9 @@ class AREngine:
         # is then what the stage's requests carry.
         self.make_request = getattr(self.model, "make_request", None)
         self.params_type = getattr(self.model, "params_type", None)
+        for verb in ("voices", "check_params"):  # such a model's own voices and request checks, when it has them
+            if hasattr(self.model, verb):
+                setattr(self, verb, getattr(self.model, verb))
         max_len = self._max_len()
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size, config.seed)
         num_blocks = self._num_kv_blocks(max_len)

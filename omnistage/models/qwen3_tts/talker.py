@@ -97,7 +97,7 @@ class CodePredictor(nn.Module):
             raise ValueError(f"code predictor weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
     def _step(self, x: torch.Tensor, cache) -> torch.Tensor:
-        return self.model(inputs_embeds=self.project(x), past_key_values=cache, use_cache=True).last_hidden_state[:, -1]
+        return self.model(inputs_embeds=self.project(x), cache=cache, use_cache=True).last_hidden_state[:, -1]
 
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, code0: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:

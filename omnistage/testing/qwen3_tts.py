@@ -29,23 +29,33 @@ VARIANTS = ("custom_voice", "voice_design", "base")
 SAMPLE_RATE = 24000
 CODEBOOK = 128                                  # codes per codebook (decoder `codebook_size`)
 NUM_GROUPS = 4                                  # codebooks per frame (talker group 0 + predictor 1..3)
-TALKER_VOCAB = CODEBOOK + 1024
 TEXT_VOCAB = 800
 CODEC_IDS = {"codec_pad_id": 1100, "codec_bos_id": 1101, "codec_eos_token_id": 1102, "codec_think_id": 1103,
              "codec_nothink_id": 1104, "codec_think_bos_id": 1105, "codec_think_eos_id": 1106}
 SPEAKERS = {"vivian": 1110, "ryan": 1111}
 LANGUAGES = {"english": 1120, "chinese": 1121}
 TTS_TEXT_IDS = {"tts_pad_token_id": 790, "tts_bos_token_id": 791, "tts_eos_token_id": 792}
-TALKER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=8, text_hidden_size=32)
-PREDICTOR = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=8)
-DECODER = dict(codebook_size=CODEBOOK, codebook_dim=8, hidden_size=16, latent_dim=16, num_attention_heads=2,
-               num_key_value_heads=2, head_dim=8, intermediate_size=32, num_hidden_layers=2, sliding_window=8,
-               num_quantizers=NUM_GROUPS, upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2], decoder_dim=32,
-               layer_scale_initial_scale=0.01, rms_norm_eps=1e-5, rope_theta=10000, max_position_embeddings=8000,
-               hidden_act="silu", attention_bias=False)
-SPEAKER_ENCODER = dict(mel_dim=128, enc_dim=TALKER["hidden_size"], enc_channels=[16, 16, 16, 16, 48],
+_RATES = dict(upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2], layer_scale_initial_scale=0.01, rms_norm_eps=1e-5,
+              rope_theta=10000, max_position_embeddings=8000, hidden_act="silu", attention_bias=False)
+# Network shapes: the tiny one of the tests, and Qwen3-TTS-12Hz-1.7B's (benchmarks, random weights).
+TINY = dict(
+    codebook=CODEBOOK, groups=NUM_GROUPS, text_vocab=TEXT_VOCAB,
+    talker=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, text_hidden_size=32),
+    predictor=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=8),
+    decoder=dict(codebook_dim=8, hidden_size=16, latent_dim=16, num_attention_heads=2, num_key_value_heads=2,
+                 head_dim=8, intermediate_size=32, num_hidden_layers=2, sliding_window=8, decoder_dim=32, **_RATES))
+SHAPE_1_7B = dict(
+    codebook=2048, groups=16, text_vocab=151936,
+    talker=dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                num_key_value_heads=8, head_dim=128, text_hidden_size=2048),
+    predictor=dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=5, num_attention_heads=16,
+                   num_key_value_heads=8, head_dim=128),
+    decoder=dict(codebook_dim=512, hidden_size=512, latent_dim=1024, num_attention_heads=16, num_key_value_heads=16,
+                 head_dim=64, intermediate_size=1024, num_hidden_layers=8, sliding_window=72, decoder_dim=1536,
+                 **_RATES))
+SPEAKER_ENCODER = dict(mel_dim=128, enc_dim=TINY["talker"]["hidden_size"], enc_channels=[16, 16, 16, 16, 48],
                        enc_kernel_sizes=[5, 3, 3, 3, 1], enc_dilations=[1, 2, 3, 4, 1], enc_attention_channels=8,
                        enc_res2net_scale=4, enc_se_channels=8, sample_rate=SAMPLE_RATE)
 
@@ -61,14 +71,16 @@ def make_text_tokenizer():
     return tokenizer
 
 
-def make_config(variant: str, tokenizer) -> dict:
+def make_config(variant: str, tokenizer, shape: dict = TINY, dtype: str = "float32") -> dict:
     """config.json of a tiny Qwen3-TTS folder (the reference's `Qwen3TTSConfig` fields)."""
-    head = TALKER["head_dim"]
-    talker = dict(TALKER, vocab_size=TALKER_VOCAB, text_vocab_size=TEXT_VOCAB, num_code_groups=NUM_GROUPS,
+    head = shape["talker"]["head_dim"]
+    talker = dict(shape["talker"], vocab_size=shape["codebook"] + 1024, text_vocab_size=shape["text_vocab"],
+                  num_code_groups=shape["groups"],
                   hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000,
                   rope_scaling={"rope_type": "default", "mrope_section": [head // 4, head // 8, head // 8],
                                 "interleaved": True},
-                  code_predictor_config=dict(PREDICTOR, vocab_size=CODEBOOK, num_code_groups=NUM_GROUPS,
+                  code_predictor_config=dict(shape["predictor"], vocab_size=shape["codebook"],
+                                             num_code_groups=shape["groups"],
                                              hidden_act="silu", max_position_embeddings=64, rms_norm_eps=1e-6,
                                              rope_theta=10000),
                   spk_id=dict(SPEAKERS) if variant == "custom_voice" else {},
@@ -78,7 +90,7 @@ def make_config(variant: str, tokenizer) -> dict:
                 tokenizer_type="qwen3_tts_tokenizer_12hz", tts_model_size="1b7", tts_model_type=variant,
                 im_start_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
                 im_end_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), **TTS_TEXT_IDS,
-                talker_config=talker, speaker_encoder_config=dict(SPEAKER_ENCODER), torch_dtype="float32")
+                talker_config=talker, speaker_encoder_config=dict(SPEAKER_ENCODER), torch_dtype=dtype)
 
 
 def _mimi_config():
@@ -94,14 +106,19 @@ def _mimi_config():
                       use_cache=False, layer_scale_initial_scale=0.01, upsample_groups=16)
 
 
-def speech_tokenizer_config() -> dict:
+def speech_tokenizer_config(shape: dict = TINY) -> dict:
     mimi = _mimi_config().to_dict()
     for key in ("architectures", "transformers_version", "_name_or_path", "dtype", "torch_dtype"):
         mimi.pop(key, None)
     return dict(architectures=["Qwen3TTSTokenizerV2Model"], model_type="qwen3_tts_tokenizer_12hz",
-                encoder_config=mimi, decoder_config=dict(DECODER), encoder_valid_num_quantizers=NUM_GROUPS,
+                encoder_config=mimi, decoder_config=_decoder_config(shape),
+                encoder_valid_num_quantizers=NUM_GROUPS,
                 input_sample_rate=SAMPLE_RATE, output_sample_rate=SAMPLE_RATE, decode_upsample_rate=1920,
                 encode_downsample_rate=1920)
+
+
+def _decoder_config(shape: dict) -> dict:
+    return dict(shape["decoder"], codebook_size=shape["codebook"], num_quantizers=shape["groups"])
 
 
 # ---- weights ------------------------------------------------------------------------------------
@@ -123,11 +140,11 @@ def _qwen3_layer(prefix: str, hidden: int, inter: int, heads: int, kv: int, head
     yield prefix + "post_attention_layernorm.weight", (hidden,), "one"
 
 
-def talker_shapes() -> Iterator[tuple[str, tuple, str]]:
-    t, p = TALKER, PREDICTOR
+def talker_shapes(shape: dict = TINY) -> Iterator[tuple[str, tuple, str]]:
+    t, p, book, vocab = shape["talker"], shape["predictor"], shape["codebook"], shape["codebook"] + 1024
     h, th = t["hidden_size"], t["text_hidden_size"]
-    yield "talker.model.codec_embedding.weight", (TALKER_VOCAB, h), "e"
-    yield "talker.model.text_embedding.weight", (TEXT_VOCAB, th), "e"
+    yield "talker.model.codec_embedding.weight", (vocab, h), "e"
+    yield "talker.model.text_embedding.weight", (shape["text_vocab"], th), "e"
     for i in range(t["num_hidden_layers"]):
         yield from _qwen3_layer(f"talker.model.layers.{i}.", h, t["intermediate_size"], t["num_attention_heads"],
                                 t["num_key_value_heads"], t["head_dim"])
@@ -136,15 +153,15 @@ def talker_shapes() -> Iterator[tuple[str, tuple, str]]:
     yield "talker.text_projection.linear_fc1.bias", (th,), "b"
     yield "talker.text_projection.linear_fc2.weight", (h, th), "w"
     yield "talker.text_projection.linear_fc2.bias", (h,), "b"
-    yield "talker.codec_head.weight", (TALKER_VOCAB, h), "e"
+    yield "talker.codec_head.weight", (vocab, h), "e"
     cp = "talker.code_predictor."
     for i in range(p["num_hidden_layers"]):
         yield from _qwen3_layer(f"{cp}model.layers.{i}.", p["hidden_size"], p["intermediate_size"],
                                 p["num_attention_heads"], p["num_key_value_heads"], p["head_dim"])
     yield cp + "model.norm.weight", (p["hidden_size"],), "one"
-    for g in range(NUM_GROUPS - 1):
-        yield f"{cp}model.codec_embedding.{g}.weight", (CODEBOOK, h), "e"
-        yield f"{cp}lm_head.{g}.weight", (CODEBOOK, p["hidden_size"]), "e"
+    for g in range(shape["groups"] - 1):
+        yield f"{cp}model.codec_embedding.{g}.weight", (book, h), "e"
+        yield f"{cp}lm_head.{g}.weight", (book, p["hidden_size"]), "e"
     yield cp + "small_to_mtp_projection.weight", (p["hidden_size"], h), "w"
     yield cp + "small_to_mtp_projection.bias", (p["hidden_size"],), "b"
 
@@ -180,10 +197,10 @@ def speaker_encoder_shapes() -> Iterator[tuple[str, tuple, str]]:
     yield f"{pre}fc.bias", (s["enc_dim"],), "b"
 
 
-def decoder_shapes() -> Iterator[tuple[str, tuple, str]]:
+def decoder_shapes(shape: dict = TINY) -> Iterator[tuple[str, tuple, str]]:
     """The speech tokenizer's decoder (`decoder.*`): RVQ tables, pre-conv, sliding-window transformer,
     ConvNeXt upsampling, snake-activated transposed-conv blocks."""
-    d = DECODER
+    d = _decoder_config(shape)
     dim, cdim, latent, hid = d["codebook_dim"] // 2, d["codebook_dim"], d["latent_dim"], d["hidden_size"]
     for part, n in (("rvq_first", 1), ("rvq_rest", d["num_quantizers"] - 1)):
         q = f"decoder.quantizer.{part}."
@@ -259,8 +276,9 @@ def _init(shape: tuple, how: str, g: torch.Generator) -> torch.Tensor:
     return std * torch.randn(shape, generator=g)
 
 
-def random_weights(shapes: Iterator[tuple[str, tuple, str]], g: torch.Generator) -> dict[str, torch.Tensor]:
-    return {name: _init(shape, how, g).contiguous() for name, shape, how in shapes}
+def random_weights(shapes: Iterator[tuple[str, tuple, str]], g: torch.Generator,
+                   dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    return {name: _init(shape, how, g).to(dtype).contiguous() for name, shape, how in shapes}
 
 
 # transformers 5 groups Mimi's encoder half under `encoder.`; checkpoints (and qwen-tts' pin) name them flat.
@@ -287,8 +305,10 @@ def _mimi_encoder_weights(seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def make_tiny_qwen3_tts(out_dir: str, variant: str = "custom_voice", seed: int = 0) -> str:
-    """Writes a tiny Qwen3-TTS folder of `variant` (one of `VARIANTS`) to `out_dir`; returns it."""
+def make_tiny_qwen3_tts(out_dir: str, variant: str = "custom_voice", seed: int = 0, shape: dict = TINY,
+                        dtype: torch.dtype = torch.float32) -> str:
+    """Writes a Qwen3-TTS folder of `variant` (one of `VARIANTS`) to `out_dir`, random weights of
+    `shape` (TINY, or SHAPE_1_7B for benchmarks) in `dtype`; returns the folder."""
     from safetensors.torch import save_file
 
     if variant not in VARIANTS:
@@ -297,20 +317,20 @@ def make_tiny_qwen3_tts(out_dir: str, variant: str = "custom_voice", seed: int =
     g = torch.Generator().manual_seed(seed)
     tokenizer = make_text_tokenizer()
     tokenizer.save_pretrained(out_dir)
-    _write_json(os.path.join(out_dir, "config.json"), make_config(variant, tokenizer))
+    _write_json(os.path.join(out_dir, "config.json"), make_config(variant, tokenizer, shape, str(dtype).removeprefix("torch.")))
     _write_json(os.path.join(out_dir, "generation_config.json"), {
         "do_sample": True, "repetition_penalty": 1.05, "temperature": 0.9, "top_p": 1.0, "top_k": 50,
         "subtalker_dosample": True, "subtalker_temperature": 0.9, "subtalker_top_k": 50, "subtalker_top_p": 1.0,
         "max_new_tokens": 2048})
-    shapes = list(talker_shapes()) + (list(speaker_encoder_shapes()) if variant == "base" else [])
-    save_file(random_weights(iter(shapes), g), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    shapes = list(talker_shapes(shape)) + (list(speaker_encoder_shapes()) if variant == "base" else [])
+    save_file(random_weights(iter(shapes), g, dtype), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     st = os.path.join(out_dir, "speech_tokenizer")
-    _write_json(os.path.join(st, "config.json"), speech_tokenizer_config())
+    _write_json(os.path.join(st, "config.json"), speech_tokenizer_config(shape))
     _write_json(os.path.join(st, "preprocessor_config.json"), {
         "feature_extractor_type": "EncodecFeatureExtractor", "feature_size": 1, "padding_side": "right",
         "padding_value": 0.0, "return_attention_mask": True, "sampling_rate": SAMPLE_RATE,
         "chunk_length_s": None, "overlap": None})
-    weights = {**_mimi_encoder_weights(seed), **random_weights(decoder_shapes(), g)}
+    weights = {**_mimi_encoder_weights(seed), **random_weights(decoder_shapes(shape), g)}
     save_file(weights, os.path.join(st, "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 

@@ -168,7 +168,10 @@ def load_talker(model_dir: str, device: torch.device, dtype: torch.dtype, max_po
     model.rotary.build(device)
     th = talker_cfg["text_hidden_size"]
     text_embedding = nn.Embedding(talker_cfg["text_vocab_size"], th)
-    text_projection = nn.Sequential(nn.Linear(th, th), nn.SiLU(), nn.Linear(th, talker_cfg["hidden_size"]))
+    from transformers.activations import ACT2FN
+
+    text_projection = nn.Sequential(nn.Linear(th, th), ACT2FN[talker_cfg.get("hidden_act", "silu")],
+                                    nn.Linear(th, talker_cfg["hidden_size"]))
     text_embedding.weight.data.copy_(tensors["model.text_embedding.weight"])
     for i, part in ((0, "linear_fc1"), (2, "linear_fc2")):
         text_projection[i].weight.data.copy_(tensors[f"text_projection.{part}.weight"])

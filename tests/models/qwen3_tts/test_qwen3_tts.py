@@ -125,3 +125,37 @@ def test_bad_input_names_the_field(talkers):
         assert err.value.field == field
     with torch.inference_mode():
         assert cv.voices() and {v["id"] for v in cv.voices()} == {"vivian", "ryan"}
+
+
+def test_speech_route_speaks_with_a_preset_voice(tts_folders, tmp_path):
+    """`/v1/audio/speech` through the real server and openai client: the talker is the speech stage."""
+    import io
+    import json
+    import shutil
+
+    import openai
+    import soundfile as sf
+    from live_server import live_server
+
+    from omnistage.entrypoints.async_omni import AsyncOmni
+    from omnistage.entrypoints.openai.api_server import build_app
+
+    folder = str(tmp_path / "short")                        # the model's own limit, small: 7 frames at most
+    shutil.copytree(tts_folders["custom_voice"], folder)
+    with open(f"{folder}/generation_config.json", encoding="utf-8") as f:
+        gen = json.load(f)
+    with open(f"{folder}/generation_config.json", "w", encoding="utf-8") as f:
+        json.dump(dict(gen, max_new_tokens=8), f)
+    engine = AsyncOmni(folder, device="cpu", dtype="float32")
+    try:
+        assert engine.speech_stage == "talker"
+        with live_server(build_app(engine, "qwen3-tts"), timeout=180.0) as url, \
+                openai.OpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0, timeout=180) as client:
+            audio = client.audio.speech.create(model="qwen3-tts", voice="ryan", input="Hello there.")
+            samples, rate = sf.read(io.BytesIO(audio.content), dtype="float32")
+            assert rate == 24000 and 0 < len(samples) <= 7 * 1920 and len(samples) % 1920 == 0
+            with pytest.raises(openai.BadRequestError) as err:
+                client.audio.speech.create(model="qwen3-tts", voice="nobody", input="Hello there.")
+            assert "voice" in str(err.value)
+    finally:
+        engine.close()

@@ -258,7 +258,7 @@ def decoder_shapes(shape: dict = TINY) -> Iterator[tuple[str, tuple, str]]:
     n = len(rates) + 1
     yield f"decoder.decoder.{n}.alpha", (out,), "snake"
     yield f"decoder.decoder.{n}.beta", (out,), "snake"
-    yield f"decoder.decoder.{n + 1}.conv.weight", (1, out, 7), "c"
+    yield f"decoder.decoder.{n + 1}.conv.weight", (1, out, 7), "out"
     yield f"decoder.decoder.{n + 1}.conv.bias", (1,), "b"
 
 
@@ -272,7 +272,8 @@ def _init(shape: tuple, how: str, g: torch.Generator) -> torch.Tensor:
     if how == "snake":
         return 0.1 * torch.randn(shape, generator=g)
     fan_in = max(1, int(torch.tensor(shape[1:]).prod().item())) if len(shape) > 1 else 1
-    std = {"w": fan_in ** -0.5, "c": fan_in ** -0.5, "e": 0.5, "e1": 1.0, "b": 0.02}[how]
+    # "out": the decoder's last conv, small, so the tiny waveform stays mostly inside the [-1, 1] clamp
+    std = {"w": fan_in ** -0.5, "c": fan_in ** -0.5, "out": 0.02 * fan_in ** -0.5, "e": 0.5, "e1": 1.0, "b": 0.02}[how]
     return std * torch.randn(shape, generator=g)
 
 

@@ -4,7 +4,7 @@ Greedy: the talker's codes of every codebook equal the reference exactly. Seeded
 not: the reference draws with `torch.multinomial` from torch's global generator, interleaving the
 talker's and the code predictor's draws, while our sampler uses the exponential race on a
 per-request generator (so a request's tokens do not depend on its batch); the sampled tests check
-that property instead. Waveforms: within 1e-3 of the reference (float32; the reference decodes
+that property instead. Waveforms: within 1e-4 of the reference (signal std ~0.1) (float32; the reference decodes
 with transformers' attention kernels, we with our own plain-PyTorch decoder).
 """
 
@@ -20,7 +20,7 @@ from omnistage.params import ParamError
 from tts_testutil import frames_of, params_of, reference, run_all
 
 GREEDY = ["custom_voice_greedy", "custom_voice_instruct_streaming_text", "voice_design_greedy"]
-WAV_ATOL = 1e-3
+WAV_ATOL = 1e-4
 
 
 def test_reference_token_ids_match_ours(tts_folders, cases):

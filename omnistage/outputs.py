@@ -32,6 +32,7 @@ class CompletionOutput:
     logprobs: Optional[list[TokenLogprobs]] = None  # one entry per token id when asked for
     finish_reason: Optional[str] = None         # "stop" | "length" | "abort" | None while running
     stop_reason: Optional[Any] = None           # the stop string or token id that ended it
+    codes: Optional[list[list[int]]] = None     # multi-codebook talkers: per token id, the codes of its frame's other codebooks
 
 
 @dataclass

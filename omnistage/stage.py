@@ -45,6 +45,9 @@ class ARPrompt:
     mrope_delta: int = 0                        # with mrope_positions: generated position p is rotated as p + delta
     return_hidden_states: bool = False          # report every computed row as `StageOutput.hidden`; n = 1
     stream_extra: bool = False                  # generated position P + j adds streamed row j (`ExtraRows`); n = 1
+    extra_rows: Any = None                      # [k, H] rows added to generated positions P..P+k-1, given up front; n = 1
+    extra_pad: Any = None                       # with extra_rows: [H] row added to every later generated position
+    frame_feedback: bool = False                # the model's `frame_head` feeds each sampled token's frame row to the next position; n = 1
 
     def __post_init__(self) -> None:
         if self.prompt is None and self.prompt_token_ids is None:

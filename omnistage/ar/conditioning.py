@@ -2,7 +2,9 @@
 
 Some stages are fed embeddings: an omni thinker's prompt carries encoder outputs merged into its
 embedding rows and 3-D multimodal-rope positions; a talker adds one streamed vector from the
-upstream stage to each generated row. In: the request's `ARPrompt` (`Conditioning.of`, at
+upstream stage to each generated row; a multi-codebook talker (Qwen3-TTS) adds to each generated row
+the text row given up front for it (`extra_rows`) and the frame row its model's frame head made
+when the row's token was sampled (`frame_feedback`). In: the request's `ARPrompt` (`Conditioning.of`, at
 `add_request`) and its streamed `ExtraRows` (`add`, at `add_input`). Out, for the positions the
 scheduler picked: their rope positions (`positions`), their input rows (`fill`, on the token
 embeddings), and whether they can run yet (`max_computable`). A plain token-id prompt has none
@@ -30,11 +32,22 @@ class Conditioning:
     position_delta: int = 0                     # generated position p is rotated as p + delta (multimodal rope)
     return_hidden: bool = False                 # report last hidden states + input rows of every computed row
     stream_extra: bool = False                  # generated position P + j adds streamed row j (fed by `add`)
+    frame_feedback: bool = False                # generated position P + j adds frame row j (`add_frame`, the model's frame head)
+    given_rows: Optional[torch.Tensor] = None   # [k, H] extra rows given up front (a finished stream from the start)
+    given_pad: Optional[torch.Tensor] = None    # [H] with given_rows: the row past them
     # Streamed-row state, fresh for every sequence (not an __init__ argument).
     extra_chunks: list = field(default_factory=list, init=False)   # received rows, in order ([k, H] each)
     num_extra: int = field(default=0, init=False)                  # rows received so far
     extra_finished: bool = field(default=False, init=False)        # no more rows will come; pad_embed follows them
     pad_embed: Optional[torch.Tensor] = field(default=None, init=False)  # [H] row added past the stream's end
+    frame_rows: list = field(default_factory=list, init=False)     # frame rows so far ([H] each), one per sampled token
+
+    def __post_init__(self) -> None:
+        if self.given_rows is not None:         # every copy (`dataclasses.replace`) starts with them
+            self.extra_chunks = [self.given_rows]
+            self.num_extra = len(self.given_rows)
+            self.pad_embed = self.given_pad
+            self.extra_finished = True
 
     @classmethod
     def of(cls, prompt: ARPrompt, prompt_len: int, hidden_size: int, has_mrope: bool,
@@ -42,7 +55,18 @@ class Conditioning:
         """The conditioning of a prompt of `prompt_len` tokens, checked against the model (width
         `hidden_size`, multimodal rope or not); None for a plain token prompt."""
         n = prompt_len
-        cond = cls(n, return_hidden=bool(prompt.return_hidden_states), stream_extra=bool(prompt.stream_extra))
+        given = prompt.extra_rows is not None
+        if given and prompt.stream_extra:
+            raise ValueError("extra_rows (given up front) and stream_extra (streamed) exclude each other")
+        rows = pad = None
+        if given:                               # the whole stream at once: rows, then the pad row
+            rows, pad = prompt.extra_rows, prompt.extra_pad
+            if rows.ndim != 2 or rows.shape[1] != hidden_size or pad is None or tuple(pad.shape) != (hidden_size,):
+                raise ParamError("extra_rows", f"extra_rows must be [k, {hidden_size}] with an extra_pad of "
+                                               f"[{hidden_size}], got {list(rows.shape)}")
+            rows, pad = rows.to(device, dtype), pad.to(device, dtype)
+        cond = cls(n, return_hidden=bool(prompt.return_hidden_states), stream_extra=bool(prompt.stream_extra) or given,
+                   frame_feedback=bool(prompt.frame_feedback), given_rows=rows, given_pad=pad)
         embeds = prompt.prompt_embeds
         if embeds is not None:
             if tuple(embeds.shape) != (n, hidden_size):
@@ -56,7 +80,8 @@ class Conditioning:
                 raise ParamError("mrope_positions", f"mrope_positions must be [3, {n}], got {list(positions.shape)}")
             cond.mrope_positions = positions.cpu()
             cond.position_delta = int(prompt.mrope_delta)
-        plain = embeds is None and positions is None and not cond.return_hidden and not cond.stream_extra
+        plain = (embeds is None and positions is None and not cond.return_hidden and not cond.stream_extra
+                 and not cond.frame_feedback)
         return None if plain else cond
 
     @property
@@ -64,12 +89,12 @@ class Conditioning:
         """Only plain token-id sequences may share KV blocks through the prefix cache (a sequence that
         reports hidden states must compute every position itself)."""
         return (self.prompt_embeds is None and self.mrope_positions is None and not self.stream_extra
-                and not self.return_hidden)
+                and not self.return_hidden and not self.frame_feedback)
 
     @property
     def needs_embeds(self) -> bool:
         """True when the sequence's rows are not just the embedding of its token ids (or must be reported)."""
-        return self.prompt_embeds is not None or self.stream_extra or self.return_hidden
+        return self.prompt_embeds is not None or self.stream_extra or self.return_hidden or self.frame_feedback
 
     def max_computable(self, start: int, n: int) -> int:
         """How many of the n positions from `start` on have all their inputs (streamed rows) available."""
@@ -88,6 +113,12 @@ class Conditioning:
             if self.pad_embed is None:
                 raise ValueError("a finished extra stream needs a pad row (ExtraRows.pad)")
             self.extra_finished = True
+
+    def add_frame(self, row: torch.Tensor) -> None:
+        """The frame row of the token just sampled (the runner, from the model's frame head): it is
+        added to that token's own position, the next one computed. Kept, so a recomputed position
+        (after preemption) gets it again."""
+        self.frame_rows.append(row)
 
     def extra_rows(self, i: int, j: int) -> torch.Tensor:
         """Streamed rows i..j-1 (the pad row past the end of a finished stream)."""
@@ -121,3 +152,6 @@ class Conditioning:
         if self.stream_extra and b > n:
             lo = max(a, n)
             x[lo - a:] += self.extra_rows(lo - n, b - n).to(x)
+        if self.frame_feedback and b > n:
+            lo = max(a, n)
+            x[lo - a:] += torch.stack(self.frame_rows[lo - n:b - n]).to(x)

@@ -67,6 +67,14 @@ class AREngine:
         self.dtype = config.torch_dtype()
         self.model, self.hf_config, self.tokenizer, self.eos_ids = loader(
             model_dir, self.device, self.dtype, config.max_model_len)
+        # A model may take its own request type: `make_request(inputs, params) -> (ARPrompt, SamplingParams)`
+        # turns it into the AR request (e.g. Qwen3-TTS: text + `TTSParams` -> prompt rows); `params_type`
+        # is then what the stage's requests carry.
+        self.make_request = getattr(self.model, "make_request", None)
+        self.params_type = getattr(self.model, "params_type", None)
+        for verb in ("voices", "check_params"):  # such a model's own voices and request checks, when it has them
+            if hasattr(self.model, verb):
+                setattr(self, verb, getattr(self.model, verb))
         max_len = self._max_len()
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size, config.seed)
         num_blocks = self._num_kv_blocks(max_len)
@@ -160,6 +168,8 @@ class AREngine:
         """`inputs`: an `ARPrompt`, or what a user passes (a string, token ids, a dict of `ARPrompt` fields)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.make_request is not None:       # a model that takes requests in its own terms (TTS text + voice)
+            inputs, params = self.make_request(inputs, params)
         params = params or SamplingParams()
         vocab = self.hf_config.vocab_size
         for name in ("stop_token_ids", "bad_token_ids", "logit_bias"):   # ids index the logits
@@ -180,8 +190,9 @@ class AREngine:
                              f"minus {len(ids)} prompt tokens), got {params.max_tokens}")
         cond = Conditioning.of(prompt, len(ids), self.model.embed_tokens.weight.shape[1],
                                self.model.rotary.section_rows is not None, self.device, self.dtype)
-        if cond is not None and (cond.return_hidden or cond.stream_extra) and params.n != 1:
-            raise ParamError("n", "n must be 1 for requests with return_hidden_states or stream_extra")
+        if cond is not None and (cond.return_hidden or cond.stream_extra or cond.frame_feedback) and params.n != 1:
+            raise ParamError("n", "n must be 1 for requests with return_hidden_states, stream_extra, extra_rows "
+                                  "or frame_feedback")
         grammar = None if params.structured_outputs is None else self._grammars().prepare(params.structured_outputs)
         now = arrival_time or time.time()
         seqs = []
@@ -310,7 +321,7 @@ class AREngine:
         by_id = {q.seq_id: q for q in launched.seqs}
         for seq_id, pos in where.items():
             by_id[seq_id].token_ids[pos] = sampled[seq_id]
-        return self._step_outputs(sched, RunnerOutput(sampled, {}, result.hidden))
+        return self._step_outputs(sched, dataclasses.replace(result, sampled=sampled))
 
     def _step_outputs(self, sched: SchedulerOutput, result: RunnerOutput) -> list[StageOutput]:
         """Stop checks and outputs for a step whose sampled ids are in `result` (and in the sequences)."""
@@ -326,6 +337,8 @@ class AREngine:
             if req is None or req.request_id in failed:     # aborted while its step was queued
                 continue
             req.metrics.first_token_time = req.metrics.first_token_time or now
+            if seq_id in result.codes:
+                seq.codes.append(result.codes[seq_id])
             try:
                 if seq_id in result.logprobs:
                     seq.logprobs.append(self._logprobs(token, *result.logprobs[seq_id]))
@@ -405,7 +418,8 @@ class AREngine:
             outs.append(CompletionOutput(
                 index=seq.index, text=text, token_ids=seq.output_token_ids,   # a fresh list (a slice)
                 logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                codes=[list(c) for c in seq.codes] if seq.codes else None))
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
                              outputs=outs, finished=finished, metrics=req.metrics,
                              num_cached_tokens=req.seqs[0].num_cached_tokens)

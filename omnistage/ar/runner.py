@@ -4,13 +4,14 @@ The runner knows no model names: it needs a model with `attention_layers`, `forw
 positions, meta)` and `compute_logits(hidden)`. It owns the KV-cache tensors, builds the step's
 flattened inputs (decodes first, then prefill chunks), runs one forward over all of them,
 computes logits only for rows that sample, and moves the sampled ids (plus logprobs when asked
-for) to the host in one transfer.
+for) to the host in one transfer. A model with a `frame_head` (multi-codebook talkers) has it
+predict the rest of each sampled token's frame right after sampling.
 
 A step is `launch`ed (queued on the device, nothing waits) and later `collect`ed (waits for its ids
 only), so the engine can queue step N+1 before it reads step N's ids (async scheduling). Step
 N+1's rows for tokens step N sampled hold `sequence.PLACEHOLDER` in `Sequence.token_ids`; the
-runner takes their ids from step N's device tensor. Every host-to-device copy goes through pinned memory without a wait, so
-queueing a step never waits for the one before it.
+runner takes their ids from step N's device tensor. Every host-to-device copy goes through pinned
+memory without a wait, so queueing a step never waits for the one before it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class RunnerOutput:
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]]  # seq_id -> (chosen, [(id, logprob)])
     # seq_id -> the rows computed this step, for sequences that asked for them (device tensors)
     hidden: dict[str, HiddenStates] = field(default_factory=dict)
+    # seq_id -> the sampled token's frame codes (codebooks 1..G-1), for a model with a `frame_head`
+    codes: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -203,9 +206,12 @@ class ModelRunner:
             token_bitmask=None if bitmask is None else bitmask.to(self.device, non_blocking=True))
         num_logprobs = max((q.params.logprobs for q in sampling if q.params.logprobs is not None), default=-1)
         out = sample(logits, batch, self.generator, num_logprobs)
+        codes = self._frames(sampling, picked, out.token_ids, batch)
         done = Launched(sampling, tokens=out.token_ids, hidden=reports)
-        if num_logprobs >= 0:
+        if num_logprobs >= 0 or codes is not None:      # frame heads: conditioned rows, never queued ahead
             done.result = self._to_host(sampling, out, num_logprobs)
+            if codes is not None:
+                done.result.codes = dict(zip((q.seq_id for q in sampling), codes.tolist()))
         elif out.token_ids.is_cuda:
             done.host = torch.empty(out.token_ids.shape, dtype=out.token_ids.dtype, pin_memory=True)
             done.host.copy_(out.token_ids, non_blocking=True)
@@ -223,6 +229,22 @@ class ModelRunner:
             step.result = RunnerOutput(dict(zip((q.seq_id for q in step.seqs), step.host.tolist())), {})
         step.result.hidden = step.hidden
         return step.result
+
+    def _frames(self, seqs: list[Sequence], last: torch.Tensor, token_ids: torch.Tensor,
+                batch: SamplingBatch) -> Optional[torch.Tensor]:
+        """A multi-codebook model's frame head (Qwen3-TTS' code predictor): from each sampled row's
+        last hidden state and its sampled code, the frame's other codes [S, G-1] (to the host) and
+        the row its next position adds (kept by the sequence, `Conditioning.add_frame`). None for
+        models without one. The head keeps no state between calls: each frame is its own."""
+        head = getattr(self.model, "frame_head", None)
+        if head is None:
+            return None
+        codes, rows = head(last, token_ids, batch)
+        for q, row in zip(seqs, rows):
+            if q.cond is None or not q.cond.frame_feedback:
+                raise ValueError(f"sequence {q.seq_id} of a frame-head model was added without frame_feedback")
+            q.cond.add_frame(row)
+        return codes.cpu()
 
     def _to_host(self, seqs: list[Sequence], out: SamplerOutput, num_logprobs: int) -> RunnerOutput:
         if num_logprobs < 0:

@@ -46,6 +46,7 @@ class Sequence:
         self.finish_reason: Optional[str] = None
         self.stop_reason: Any = None
         self.logprobs: list = []                # TokenLogprobs per generated token, when asked for
+        self.codes: list[list[int]] = []        # per generated token: its frame's other codebooks (models with a frame head)
         self.detok: Any = None                  # incremental detokenizer state (engine-owned)
         self.num_preemptions = 0
         # inputs beyond token ids (prompt embeddings, multimodal rope, streamed rows), or None

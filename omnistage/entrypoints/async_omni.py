@@ -143,6 +143,10 @@ class AsyncOmni:
         """Name of the stage that turns text into speech (entry stage for /v1/audio/speech), or None."""
         from omnistage.codec.speech import TTSParams
 
+        main = self.orchestrator.spec.main_stage     # a model whose entry stage takes text + TTSParams (Qwen3-TTS)
+        engine = self.orchestrator.stages[main.name]
+        if getattr(engine, "params_type", None) is TTSParams and hasattr(engine, "voices"):
+            return main.name
         found = self.orchestrator.stage_for("audio")          # a vocoder fed codec ids does not read text
         if found is None or not hasattr(found[1], "voices") or getattr(found[1], "params_type", None) is not TTSParams:
             return None
@@ -150,6 +154,9 @@ class AsyncOmni:
 
     def voices(self) -> list[dict]:
         """Voices of the speech stage: [{id, name, sample_rate, language, ...}] (empty without one)."""
+        speech = self.speech_stage
+        if speech is not None:
+            return self.orchestrator.stages[speech].voices()
         found = self.orchestrator.stage_for("audio")
         return found[1].voices() if found is not None and hasattr(found[1], "voices") else []
 

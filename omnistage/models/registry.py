@@ -55,6 +55,7 @@ class ModelEntry:
 _LLAMA = "omnistage.models.llama"
 _DIFFUSERS = "omnistage.diffusion.pipelines"
 _OMNI = "omnistage.models.qwen2_5_omni"
+_TTS = "omnistage.models.qwen3_tts"
 
 MODELS: tuple[ModelEntry, ...] = (
     ModelEntry("llama", "llm", ("LlamaForCausalLM", "MistralForCausalLM"), decoder=f"{_LLAMA}:LlamaForCausalLM",
@@ -70,6 +71,12 @@ MODELS: tuple[ModelEntry, ...] = (
                   "qwen2_5_omni.talker_to_code2wav": f"{_OMNI}.adapters:talker_to_code2wav"},
         codecs={"qwen2_5_omni_code2wav": f"{_OMNI}.code2wav:Code2Wav"},
         chat_renderer=f"{_OMNI}.pipeline:OmniChatRenderer", tool_parser="hermes"),
+    ModelEntry(
+        "qwen3_tts", "omni", ("qwen3_tts",),
+        components={"qwen3_tts.talker": f"{_TTS}.talker:load_talker"},
+        pipeline=f"{_TTS}.pipeline:qwen3_tts_pipeline",
+        adapters={"qwen3_tts.talker_to_decoder": f"{_TTS}.pipeline:talker_to_decoder"},
+        codecs={"qwen3_tts_decoder": f"{_TTS}.codec:Qwen3TTSDecoderStage"}),
     ModelEntry("qwen_image", "diffusion", ("QwenImagePipeline",), family=f"{_DIFFUSERS}.qwen_image:QwenImageFamily"),
     ModelEntry("qwen_image_edit", "diffusion", ("QwenImageEditPipeline",),
                family=f"{_DIFFUSERS}.qwen_image_edit:QwenImageEditFamily"),

@@ -1,0 +1,149 @@
+"""Qwen3-TTS streaming speech on one GPU: time to first audio packet, RTF and audio-s per wall-s.
+
+Builds once (under --work, default /tmp/ttsbench) a random-weight bf16 CustomVoice folder in the
+real layout with Qwen3-TTS-12Hz-1.7B's shape (`omnistage.testing.qwen3_tts.SHAPE_1_7B`: talker
+2048 x 28 layers, code predictor 1024 x 5 layers, 16 codebooks, speech-tokenizer decoder; the
+tiny text tokenizer, ids below 800) -- random weights time like real ones. Then, through
+`AsyncOmni` (talker and decoder stages on one GPU, each in its own process: the pipeline's default
+on a GPU), N concurrent requests (N = 1, 8, 32, 64), each: one sentence, --frames frames
+(max_new_tokens = frames + 1; a random talker rarely samples eos early) = frames / 12.5 s of audio:
+  TTFP  request arrival -> its first audio samples reach the caller (mean, p90)
+  RTF   (last audio - arrival) / seconds of audio (mean); below 1 = faster than real time
+  audio-s/s  all requests' audio seconds / wall seconds of the whole round
+and the floor: the audio-s/s if every frame of a step cost only reading the talker and code
+predictor weights once at the device's measured copy bandwidth (all requests of a step share that
+read; decoder compute left out). The reference library (qwen-tts) pins transformers 4.57 and
+cannot run beside omnistage's; its numbers are not in this table (vLLM-Omni reports 47 ms / 75 ms
+TTFP at 1 / 8 and ~70 audio-s/s on two H100s). Prints a markdown table last.
+
+    python benchmarks/tts_bench.py [--work /tmp/ttsbench] [--frames 100] [--out results.json]
+    python benchmarks/tts_bench.py --smoke          # the tiny folder on the CPU, 1 and 2 requests
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+
+import torch
+
+FRAME_S = 1920 / 24000                          # seconds of audio per frame
+
+
+def build(work: str, smoke: bool) -> str:
+    from omnistage.testing.qwen3_tts import SHAPE_1_7B, TINY, make_tiny_qwen3_tts
+
+    folder = os.path.join(work, "tiny" if smoke else "qwen3-tts-1.7b-bf16")
+    if not os.path.exists(os.path.join(folder, "speech_tokenizer", "model.safetensors")):
+        t = time.perf_counter()
+        make_tiny_qwen3_tts(folder, "custom_voice", shape=TINY if smoke else SHAPE_1_7B,
+                            dtype=torch.float32 if smoke else torch.bfloat16)
+        print(f"built {folder} in {time.perf_counter() - t:.0f} s")
+    return folder
+
+
+def weight_bytes(folder: str) -> int:
+    """Bytes of the talker decoder and code predictor (what one step must read at least once)."""
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(os.path.join(folder, "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            if name.startswith(("talker.model.layers.", "talker.code_predictor.", "talker.codec_head.")):
+                t = f.get_slice(name)
+                total += (2 if t.get_dtype() in ("BF16", "F16") else 4) * _numel(t.get_shape())
+    return total
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted as one read of each byte x2)."""
+    if not device.startswith("cuda"):
+        return float("nan")
+    x = torch.empty(2**28, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * 10 * x.numel() / (time.perf_counter() - t)
+
+
+async def one(engine, i: int, frames: int, arrival: float) -> dict:
+    from omnistage.models.qwen3_tts.prompt import Qwen3TTSParams
+
+    params = Qwen3TTSParams(voice="vivian", language="English", max_new_tokens=frames + 1)
+    first = last = None
+    samples = 0
+    async for out in engine.generate("The harbour town woke slowly, and the market filled with voices.",
+                                     params, f"tts-{i}-{arrival}"):
+        if out.audio is not None and len(out.audio.samples) > samples:
+            now = time.perf_counter()
+            first = first or now
+            last, samples = now, len(out.audio.samples)
+    seconds = samples / 24000
+    return {"ttfp": first - arrival, "rtf": (last - arrival) / max(seconds, 1e-9), "audio_s": seconds}
+
+
+async def round_of(engine, n: int, frames: int) -> dict:
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(engine, i, frames, start) for i in range(n)))
+    wall = time.perf_counter() - start
+    ttfp = sorted(r["ttfp"] for r in results)
+    return {"n": n, "ttfp_mean_ms": 1e3 * statistics.mean(ttfp), "ttfp_p90_ms": 1e3 * ttfp[int(0.9 * (n - 1))],
+            "rtf_mean": statistics.mean(r["rtf"] for r in results),
+            "audio_s_per_s": sum(r["audio_s"] for r in results) / wall}
+
+
+async def main_async(args) -> list[dict]:
+    from omnistage.entrypoints.async_omni import AsyncOmni
+
+    folder = build(args.work, args.smoke)
+    device = "cpu" if args.smoke else "cuda"
+    engine = AsyncOmni(folder, device=device, dtype="float32" if args.smoke else "bfloat16", max_num_seqs=64)
+    try:
+        await round_of(engine, 1, 4)            # warm-up (graphs, allocator, first chunk paths)
+        rows = [await round_of(engine, n, args.frames) for n in ((1, 2) if args.smoke else (1, 8, 32, 64))]
+    finally:
+        engine.close()
+    per_step = weight_bytes(folder) / copy_bandwidth(device)    # seconds to read the weights once
+    for r in rows:
+        r["floor_audio_s_per_s"] = r["n"] * FRAME_S / per_step
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", default="/tmp/ttsbench")
+    ap.add_argument("--frames", type=int, default=100)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.smoke:
+        args.frames = min(args.frames, 6)
+    rows = asyncio.run(main_async(args))
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(rows, f, indent=2)
+    print("| concurrent | TTFP mean (ms) | TTFP p90 (ms) | RTF mean | audio-s / wall-s | floor audio-s / wall-s |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['n']} | {r['ttfp_mean_ms']:.1f} | {r['ttfp_p90_ms']:.1f} | {r['rtf_mean']:.3f} | "
+              f"{r['audio_s_per_s']:.1f} | {r['floor_audio_s_per_s']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

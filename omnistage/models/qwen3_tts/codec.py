@@ -1,0 +1,125 @@
+"""`Qwen3TTSDecoderStage`: the speech-tokenizer decoder as the codec model of a `CodecEngine` stage
+(registry back end "qwen3_tts_decoder"; the decoder stage's process).
+
+In: `FramesInput` pieces (every codebook of each talker frame, streamed from the talker by the
+`qwen3_tts.talker_to_decoder` adapter; `finished` with the last one). A chunk is the next
+`first_chunk_frames` (the request's first) or `chunk_frames` frames, or what is left once the input
+is done; it is decoded with up to `left_context_frames` frames before it, whose samples are cut
+off again. One step decodes the chunks of up to `max_batch` requests in one forward: their frame
+windows are padded on the right (the decoder is causal, so padding never reaches the real
+samples). Out (through the engine): float32 mono at 24 kHz, chunk by chunk; `prompt_token_ids`
+are the group-0 codes decoded so far.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from omnistage.codec.engine import CodecEngine
+from omnistage.codec.speech import TTSParams
+from omnistage.models.qwen3_tts.decoder import UPSAMPLE, load_decoder
+
+SAMPLE_RATE = 24000
+
+
+@dataclass
+class FramesInput:
+    frames: list[list[int]] = field(default_factory=list)  # per frame: its code in every codebook (group 0 first)
+    finished: bool = True                       # no frames follow the last one given so far
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+    def slice(self, start: int, end: int, finished: bool) -> "FramesInput":
+        return FramesInput([list(f) for f in self.frames[start:end]], finished)
+
+
+class DecoderState:
+    """One request's frames: those received and how many are decoded."""
+
+    def __init__(self):
+        self.frames: list[list[int]] = []       # every frame received, in order
+        self.done = 0                           # frames decoded so far
+
+
+class Qwen3TTSDecoderStage:
+    """The codec model (`codec/engine.py: CodecModel`) of the Qwen3-TTS decoder stage."""
+
+    params_type = TTSParams
+
+    def __init__(self, model_dir: str, device: Any = "cpu", first_chunk_frames: int = 4, chunk_frames: int = 24,
+                 left_context_frames: int = 25, max_batch: int = 16):
+        for name, value, low in (("first_chunk_frames", first_chunk_frames, 1), ("chunk_frames", chunk_frames, 1),
+                                 ("left_context_frames", left_context_frames, 0), ("max_batch", max_batch, 1)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        self.decoder = load_decoder(model_dir, torch.device(device))
+        self.first_chunk, self.chunk, self.context = first_chunk_frames, chunk_frames, left_context_frames
+        self.max_batch = max_batch
+        self._batches = 0
+
+    @classmethod
+    def from_stage_spec(cls, spec) -> CodecEngine:
+        """Options: `first_chunk_frames`, `chunk_frames`, `left_context_frames`, `max_batch`."""
+        return CodecEngine(cls(spec.model_dir, device=spec.engine.torch_device(), **spec.options))
+
+    def voices(self) -> list[dict[str, Any]]:
+        return []                               # the talker stage knows the voices
+
+    def check_params(self, params: Any) -> None:
+        return None
+
+    def new_state(self, params: Any) -> DecoderState:
+        return DecoderState()
+
+    def batch_key(self, state: DecoderState) -> None:
+        return None
+
+    def take(self, state: DecoderState, piece: Any) -> bool:
+        if not isinstance(piece, FramesInput):
+            raise ValueError("the Qwen3-TTS decoder takes FramesInput (talker frames)")
+        width = self.decoder.groups
+        bad = [f for f in piece.frames if len(f) != width]
+        if bad:
+            raise ValueError(f"every frame must have {width} codes, got {len(bad[0])}")
+        state.frames.extend(piece.frames)
+        return piece.finished
+
+    def ready(self, state: DecoderState, input_done: bool) -> Optional[tuple[int, int]]:
+        pending = len(state.frames) - state.done
+        size = self.first_chunk if state.done == 0 else self.chunk
+        if pending >= size or (input_done and pending > 0):
+            return state.done, state.done + min(pending, size)
+        return None
+
+    def decode(self, states: list[DecoderState], chunks: list[tuple[int, int]]) -> list[np.ndarray]:
+        windows, contexts = [], []
+        for state, (start, end) in zip(states, chunks):
+            ctx = min(self.context, start)
+            windows.append(state.frames[start - ctx:end])
+            contexts.append(ctx)
+        longest = max(len(w) for w in windows)
+        codes = torch.zeros(len(windows), self.decoder.groups, longest, dtype=torch.long)
+        for i, w in enumerate(windows):
+            codes[i, :, :len(w)] = torch.tensor(w, dtype=torch.long).T
+        wav = self.decoder(codes).float().cpu().numpy()
+        self._batches += 1
+        audio = []
+        for i, (state, (start, end)) in enumerate(zip(states, chunks)):
+            audio.append(np.ascontiguousarray(wav[i, contexts[i] * UPSAMPLE:(contexts[i] + end - start) * UPSAMPLE]))
+        for state, (_, end) in zip(states, chunks):    # only once every chunk is decoded (engine retries)
+            state.done = end
+        return audio
+
+    def sample_rate(self, state: DecoderState) -> int:
+        return SAMPLE_RATE
+
+    def prompt(self, state: DecoderState) -> tuple[Optional[str], list[int]]:
+        return None, [f[0] for f in state.frames[:state.done]]
+
+    def stats(self) -> dict[str, float]:
+        return {"decoder_batches_total": float(self._batches)}

@@ -1,0 +1,187 @@
+"""Qwen3-TTS' talker and code predictor as one AR-stage component (the talker stage's process).
+
+Registered as component "qwen3_tts.talker" (`models/registry.py`); `load_talker(model_dir, device,
+dtype, max_positions)` follows the AR loader contract and returns `(Qwen3TTSTalker, config, None,
+{codec eos})`:
+
+  * the talker: a Qwen3 decoder (`talker.model.*`) over codec group 0 -- our native
+    `Qwen3ForCausalLM` with `embed_tokens` = the codec embedding and `lm_head` = `codec_head`, so
+    the AR engine gives it paged KV, continuous batching and CUDA graphs. Its multimodal rope gets
+    equal positions in all three sections for speech, which is plain 1-D rope;
+  * `frame_head`: the code predictor (`CodePredictor`), run by the AR runner right after each step's
+    sampling for every sampled row at once: from the row's last hidden state and its group-0 code
+    it predicts codebooks 1..G-1 (G-1 small AR steps over a KV cache made fresh for that frame, so
+    nothing is kept or shared between requests or frames) and returns the row its next position
+    adds (the sum of their embeddings);
+  * `make_request`: text + `TTSParams` -> the AR request (`prompt.py`, with the talker's text
+    embedding and projection, which live here, on the talker's device).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+from torch import nn
+
+from omnistage.ar.sampler import SamplingBatch, sample
+from omnistage.codec.speech import TTSParams, TTSInput
+from omnistage.models.llama import Qwen3ForCausalLM
+from omnistage.models.loader import safetensors_files
+from omnistage.models.qwen3_tts.prompt import PromptBuilder, TTSConfig
+
+TALKER = "qwen3_tts.talker"
+
+
+def read_tensors(model_dir: str, prefix: str) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors under `prefix`, the prefix dropped."""
+    from safetensors import safe_open
+
+    out = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if name.startswith(prefix):
+                    out[name[len(prefix):]] = f.get_tensor(name)
+    return out
+
+
+def qwen3_config(cfg: dict, vocab_size: int, max_positions: int):
+    """A transformers `Qwen3Config` of a Qwen3-TTS sub-config (talker or code predictor), 1-D rope."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=vocab_size, hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+                       num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
+                       num_key_value_heads=cfg["num_key_value_heads"],
+                       head_dim=cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]),
+                       rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), max_position_embeddings=max_positions,
+                       rope_parameters={"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 10000))},
+                       tie_word_embeddings=False, hidden_act=cfg.get("hidden_act", "silu"),
+                       architectures=["Qwen3ForCausalLM"])
+
+
+class CodePredictor(nn.Module):
+    """Codebooks 1..G-1 of a frame from the talker's hidden state and code 0 (batched over rows)."""
+
+    def __init__(self, cfg: dict, talker_hidden: int):
+        from transformers import Qwen3Model
+
+        super().__init__()
+        groups = cfg["num_code_groups"]
+        config = qwen3_config(cfg, 1, groups + 1)
+        config._attn_implementation = "sdpa"
+        self.model = Qwen3Model(config)         # its 1-row embed_tokens is unused: inputs are embeddings
+        self.project = (nn.Linear(talker_hidden, cfg["hidden_size"]) if cfg["hidden_size"] != talker_hidden
+                        else nn.Identity())
+        self.embeds = nn.ModuleList(nn.Embedding(cfg["vocab_size"], talker_hidden) for _ in range(groups - 1))
+        self.heads = nn.ModuleList(nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+                                   for _ in range(groups - 1))
+        self.code0_embed: Optional[nn.Embedding] = None   # the talker's codec embedding (set by the loader)
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        state = {}
+        for name, tensor in tensors.items():
+            if name.startswith("model.codec_embedding."):
+                state["embeds." + name[len("model.codec_embedding."):]] = tensor
+            elif name.startswith("lm_head."):
+                state["heads." + name[len("lm_head."):]] = tensor
+            elif name.startswith("small_to_mtp_projection."):
+                state["project." + name[len("small_to_mtp_projection."):]] = tensor
+            else:
+                state[name] = tensor
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        missing = [m for m in missing if m != "model.embed_tokens.weight" and not m.startswith("code0_embed")]
+        if missing or unexpected:
+            raise ValueError(f"code predictor weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+    def _step(self, x: torch.Tensor, cache) -> torch.Tensor:
+        return self.model(inputs_embeds=self.project(x), cache=cache, use_cache=True).last_hidden_state[:, -1]
+
+    @torch.inference_mode()
+    def forward(self, hidden: torch.Tensor, code0: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [S, H] (talker rows that sampled), code0 [S]: (codes [S, G-1], frame rows [S, H]).
+        Each row samples with its request's temperature / top-k / top-p (no penalties) and generator."""
+        from transformers import DynamicCache
+
+        plain = SamplingBatch(params=[p.clone(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                                              bad_token_ids=[], stop_token_ids=[], min_tokens=0) for p in batch.params],
+                              generators=batch.generators, prompt_ids=[[] for _ in batch.params],
+                              output_ids=[[] for _ in batch.params])
+        cache = DynamicCache()
+        x = torch.stack([hidden, self.code0_embed(code0).to(hidden)], dim=1)
+        h = self._step(x, cache)
+        codes = []
+        for g, head in enumerate(self.heads):
+            code = sample(head(h).float(), plain).token_ids
+            codes.append(code)
+            if g + 1 < len(self.heads):
+                h = self._step(self.embeds[g](code)[:, None].to(hidden), cache)
+        codes = torch.stack(codes, dim=1)
+        rows = sum(embed(codes[:, g]) for g, embed in enumerate(self.embeds))
+        return codes, rows
+
+
+class Qwen3TTSTalker(Qwen3ForCausalLM):
+    """The talker decoder plus what the AR engine asks of a TTS talker (see the module docstring)."""
+
+    params_type = TTSParams
+
+    def attach(self, predictor: CodePredictor, prompts: PromptBuilder) -> None:
+        self.frame_head = predictor
+        self.prompts = prompts
+
+    def make_request(self, inputs, params: Optional[TTSParams]):
+        """Text (a string, a `TTSInput` or {"prompt": text}) + TTSParams -> (ARPrompt, SamplingParams)."""
+        if isinstance(inputs, dict):
+            inputs = inputs.get("prompt", inputs.get("input"))
+        if isinstance(inputs, TTSInput):
+            inputs = " ".join(inputs.sentences)
+        if not isinstance(inputs, str) or not inputs.strip():
+            raise ValueError("a Qwen3-TTS request is the text to speak")
+        return self.prompts.build(inputs, params)
+
+    def check_params(self, params: Optional[TTSParams]) -> None:
+        self.prompts.config.check(params)
+
+    def voices(self) -> list[dict]:
+        cfg = self.prompts.config
+        return [{"id": name, "name": name, "sample_rate": 24000, "backend": "qwen3_tts"} for name in cfg.speakers]
+
+
+def load_talker(model_dir: str, device: torch.device, dtype: torch.dtype, max_positions: Optional[int]):
+    from transformers import AutoTokenizer
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        talker_cfg = json.load(f)["talker_config"]
+    most = min(max_positions or talker_cfg["max_position_embeddings"], talker_cfg["max_position_embeddings"])
+    config = qwen3_config(talker_cfg, talker_cfg["vocab_size"], talker_cfg["max_position_embeddings"])
+    tensors = read_tensors(model_dir, "talker.")
+    with torch.device("meta"):
+        model = Qwen3TTSTalker(config, most)
+    model = model.to_empty(device=device).to(dtype=dtype)
+    decoder = {"model.embed_tokens.weight": tensors["model.codec_embedding.weight"],
+               "lm_head.weight": tensors["codec_head.weight"]}
+    decoder.update({k: v for k, v in tensors.items() if k.startswith(("model.layers.", "model.norm."))})
+    model.load_weights(decoder.items())
+    model.rotary.build(device)
+    th = talker_cfg["text_hidden_size"]
+    text_embedding = nn.Embedding(talker_cfg["text_vocab_size"], th)
+    from transformers.activations import ACT2FN
+
+    text_projection = nn.Sequential(nn.Linear(th, th), ACT2FN[talker_cfg.get("hidden_act", "silu")],
+                                    nn.Linear(th, talker_cfg["hidden_size"]))
+    text_embedding.weight.data.copy_(tensors["model.text_embedding.weight"])
+    for i, part in ((0, "linear_fc1"), (2, "linear_fc2")):
+        text_projection[i].weight.data.copy_(tensors[f"text_projection.{part}.weight"])
+        text_projection[i].bias.data.copy_(tensors[f"text_projection.{part}.bias"])
+    predictor = CodePredictor(talker_cfg["code_predictor_config"], talker_cfg["hidden_size"])
+    predictor.load({k[len("code_predictor."):]: v for k, v in tensors.items() if k.startswith("code_predictor.")})
+    predictor = predictor.to(device=device, dtype=dtype).eval()
+    predictor.code0_embed = model.embed_tokens
+    prompts = PromptBuilder(TTSConfig.read(model_dir), AutoTokenizer.from_pretrained(model_dir),
+                            text_embedding.to(device, dtype).eval(), text_projection.to(device, dtype).eval(),
+                            model.embed_tokens)
+    model.attach(predictor, prompts)
+    return model.eval(), config, None, frozenset({prompts.config.eos})

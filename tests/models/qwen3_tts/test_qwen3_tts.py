@@ -1,0 +1,161 @@
+"""Qwen3-TTS on the tiny folders against qwen-tts 0.1.1's outputs for the same inputs (fixtures/).
+
+Greedy: the talker's codes of every codebook equal the reference exactly. Seeded sampling does
+not: the reference draws with `torch.multinomial` from torch's global generator, interleaving the
+talker's and the code predictor's draws, while our sampler uses the exponential race on a
+per-request generator (so a request's tokens do not depend on its batch); the sampled tests check
+that property instead. Waveforms: within 1e-4 of the reference (signal std ~0.1) (float32; the reference decodes
+with transformers' attention kernels, we with our own plain-PyTorch decoder).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from omnistage.params import ParamError
+from tts_testutil import frames_of, params_of, reference, run_all
+
+GREEDY = ["custom_voice_greedy", "custom_voice_instruct_streaming_text", "voice_design_greedy"]
+WAV_ATOL = 1e-4
+
+
+def test_reference_token_ids_match_ours(tts_folders, cases):
+    from transformers import AutoTokenizer
+
+    for name in GREEDY:
+        tok = AutoTokenizer.from_pretrained(tts_folders[cases[name]["variant"]])
+        text = f"<|im_start|>assistant\n{cases[name]['text']}<|im_end|>\n<|im_start|>assistant\n"
+        assert tok.encode(text, add_special_tokens=False) == reference(name)["input_ids"].tolist()
+
+
+@pytest.mark.parametrize("name", GREEDY)
+def test_greedy_codes_equal_reference(name, talkers, cases):
+    case = cases[name]
+    out = run_all(talkers[case["variant"]], {name: (case["text"], params_of(case))})[name]
+    np.testing.assert_array_equal(frames_of(out), reference(name)["codes"])
+
+
+def test_batched_and_staggered_requests_equal_each_alone(talkers, cases):
+    engine = talkers["custom_voice"]
+    names = ["custom_voice_greedy", "custom_voice_instruct_streaming_text"]
+    reqs = {n: (cases[n]["text"], params_of(cases[n])) for n in names}
+    reqs["other"] = ("Two plus two is four.", params_of(cases[names[0]], voice="ryan", language="Chinese"))
+    for stagger in (0, 2):                      # together, and joining a running batch
+        outs = run_all(engine, {f"{k}@{stagger}": v for k, v in reqs.items()}, stagger=stagger)
+        for n in names:
+            np.testing.assert_array_equal(frames_of(outs[f"{n}@{stagger}"]), reference(n)["codes"])
+    alone = run_all(engine, {"other-alone": reqs["other"]})["other-alone"]
+    np.testing.assert_array_equal(frames_of(outs["other@2"]), frames_of(alone))
+
+
+def test_seeded_sampling_is_per_request(talkers, cases):
+    engine = talkers["custom_voice"]
+    case = cases["custom_voice_sampled"]
+    seeded = params_of(case, do_sample=True, seed=1234)
+    solo = frames_of(run_all(engine, {"s": (case["text"], seeded)})["s"])
+    mixed = run_all(engine, {"s2": (case["text"], seeded), "noise": (case["text"], params_of(case, do_sample=True)),
+                             "g": (case["text"], params_of(case))})
+    np.testing.assert_array_equal(frames_of(mixed["s2"]), solo)
+    assert solo.shape[1] == 4 and (solo >= 0).all() and (solo < 128).all()
+
+
+def test_omni_waveform_equals_reference(tts_folders, cases):
+    from omnistage import Omni
+
+    case = cases["custom_voice_greedy"]
+    with Omni(tts_folders["custom_voice"], device="cpu", dtype="float32") as omni:
+        out = omni.generate([case["text"]], params_of(case))[0]
+    ref = reference("custom_voice_greedy")["wav"]
+    assert out.audio.sample_rate == 24000
+    np.testing.assert_allclose(out.audio.samples, ref, atol=WAV_ATOL)
+
+
+def _decode(folder: str, items: dict[str, np.ndarray], **options) -> dict[str, np.ndarray]:
+    """Frames per request -> audio, through a decoder CodecEngine fed all frames at once."""
+    from omnistage.codec.engine import CodecEngine
+    from omnistage.models.qwen3_tts.codec import FramesInput, Qwen3TTSDecoderStage
+
+    engine = CodecEngine(Qwen3TTSDecoderStage(folder, **options))
+    for rid, frames in items.items():
+        engine.add_request(rid, FramesInput(frames.tolist(), finished=True))
+    audio = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                audio[out.request_id] = out.output.audio.samples
+    return audio
+
+
+def test_decoder_streamed_batched_equals_whole(tts_folders):
+    a = reference("voice_design_greedy")["codes"]          # 11 frames
+    b = reference("custom_voice_greedy")["codes"]          # 5 frames
+    folder = tts_folders["custom_voice"]
+    whole = _decode(folder, {"a": a}, first_chunk_frames=64) | _decode(folder, {"b": b}, first_chunk_frames=64)
+    np.testing.assert_allclose(whole["a"], reference("voice_design_greedy")["wav"], atol=WAV_ATOL)
+    streamed = _decode(folder, {"a": a, "b": b}, first_chunk_frames=1, chunk_frames=3, left_context_frames=25)
+    for k in ("a", "b"):
+        assert streamed[k].shape == whole[k].shape
+        np.testing.assert_allclose(streamed[k], whole[k], atol=WAV_ATOL)
+
+
+def test_bad_input_names_the_field(talkers):
+    from omnistage.models.qwen3_tts.prompt import Qwen3TTSParams
+
+    cv, vd = talkers["custom_voice"], talkers["voice_design"]
+    bad = [(cv, Qwen3TTSParams(voice="nobody"), "voice"),
+           (cv, Qwen3TTSParams(task_type="VoiceDesign"), "task_type"),
+           (cv, Qwen3TTSParams(task_type="Whisper"), "task_type"),
+           (cv, Qwen3TTSParams(language="Klingon"), "language"),
+           (cv, Qwen3TTSParams(max_new_tokens=2), "max_new_tokens"),
+           (vd, Qwen3TTSParams(), "instructions")]
+    for engine, params, field in bad:
+        with pytest.raises(ParamError) as err:
+            engine.add_request("bad", "Hello there.", params)
+        assert err.value.field == field, (params, err.value)
+        assert not engine.has_unfinished()
+    base = dataclasses.replace(cv.model.prompts.config, task="base")
+    for params, field in ((Qwen3TTSParams(), "ref_audio"),
+                          (Qwen3TTSParams(ref_audio=(np.zeros(2400, np.float32), 24000)), "task_type")):
+        with pytest.raises(ParamError) as err:
+            base.check(params)
+        assert err.value.field == field
+    with torch.inference_mode():
+        assert cv.voices() and {v["id"] for v in cv.voices()} == {"vivian", "ryan"}
+
+
+def test_speech_route_speaks_with_a_preset_voice(tts_folders, tmp_path):
+    """`/v1/audio/speech` through the real server and openai client: the talker is the speech stage."""
+    import io
+    import json
+    import shutil
+
+    import openai
+    import soundfile as sf
+    from live_server import live_server
+
+    from omnistage.entrypoints.async_omni import AsyncOmni
+    from omnistage.entrypoints.openai.api_server import build_app
+
+    folder = str(tmp_path / "short")                        # the model's own limit, small: 7 frames at most
+    shutil.copytree(tts_folders["custom_voice"], folder)
+    with open(f"{folder}/generation_config.json", encoding="utf-8") as f:
+        gen = json.load(f)
+    with open(f"{folder}/generation_config.json", "w", encoding="utf-8") as f:
+        json.dump(dict(gen, max_new_tokens=8), f)
+    engine = AsyncOmni(folder, device="cpu", dtype="float32")
+    try:
+        assert engine.speech_stage == "talker"
+        with live_server(build_app(engine, "qwen3-tts"), timeout=180.0) as url, \
+                openai.OpenAI(base_url=url + "/v1", api_key="EMPTY", max_retries=0, timeout=180) as client:
+            audio = client.audio.speech.create(model="qwen3-tts", voice="ryan", input="Hello there.")
+            samples, rate = sf.read(io.BytesIO(audio.content), dtype="float32")
+            assert rate == 24000 and 0 < len(samples) <= 7 * 1920 and len(samples) % 1920 == 0
+            with pytest.raises(openai.BadRequestError) as err:
+                client.audio.speech.create(model="qwen3-tts", voice="nobody", input="Hello there.")
+            assert "voice" in str(err.value)
+    finally:
+        engine.close()

@@ -255,6 +255,7 @@ def cache_settings(backend: str, *layers: Optional[dict]) -> dict[str, Any]:
     out = {key: opt.default for key, opt in CACHE_BACKENDS[backend].items()}
     for layer in layers:
         out.update(layer or {})
+    return out
 
 
 def attention_backends(value: Any) -> dict[str, str]:

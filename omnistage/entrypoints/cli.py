@@ -1,4 +1,4 @@
-"""The `omnistage` command: `serve`, `generate`, `make-tiny` (runs in the user's process).
+"""The `omnistage` command: `serve`, `generate`, `bench`, `make-tiny` (runs in the user's process).
 
 `omnistage serve [MODEL]` starts the OpenAI-compatible server (no MODEL: the embedded SmolLM2; its
 API key from `--api-key-file PATH`, `$OMNISTAGE_API_KEY` or `--api-key`, the first two kept out of `ps`),
@@ -15,6 +15,7 @@ Heavy imports (torch, transformers) happen inside the subcommands, so `--help` i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -31,12 +32,21 @@ def _json_object(option: str):
         try:
             value = json.loads(text)
         except ValueError as e:
-            raise argparse.ArgumentTypeError(f"{option} must be a JSON object: {e}") from None
+            raise argparse.ArgumentTypeError(f"{option}: not valid JSON ({e}); pass a JSON object") from None
         if not isinstance(value, dict):
             raise argparse.ArgumentTypeError(f"{option} must be a JSON object, got {text!r}")
         return value
 
     return parse
+
+
+class _WholeWordsHelp(argparse.HelpFormatter):
+    """Help text wrapped at spaces only, so names with hyphens (flux-schnell) stay whole."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -143,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(bench)                     # used with --offline
     bench.set_defaults(log_level="warning")
 
-    tiny = sub.add_parser("make-tiny", help="write tiny random checkpoints in real formats")
+    tiny = sub.add_parser("make-tiny", help="write tiny random checkpoints in real formats",
+                          formatter_class=_WholeWordsHelp)
     tiny.add_argument("dir", help="output folder")
     tiny.add_argument("--kind", default="llm", metavar="KIND", help=f"{' | '.join(TINY_KINDS)} (default: llm)")
     return parser
@@ -192,7 +203,8 @@ def _check_engine_options(args: argparse.Namespace) -> None:
     from omnistage.config import EngineConfig
     from omnistage.entrypoints.common import engine_kwargs_from_args
 
-    kwargs = {k: v for k, v in engine_kwargs_from_args(args).items() if k != "deploy_config"}
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}      # not deploy_config, generation_config
+    kwargs = {k: v for k, v in engine_kwargs_from_args(args).items() if k in fields}
     try:
         EngineConfig(**kwargs)
     except ValueError as e:
@@ -291,11 +303,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if hasattr(args, "log_level"):
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if hasattr(args, "cache_backend"):
+        _check_cache(args)                      # first: its messages name the --cache-* flags
     if hasattr(args, "device"):
         _check_device(args)
         _check_engine_options(args)
-    if hasattr(args, "cache_backend"):
-        _check_cache(args)
     commands = {"serve": cmd_serve, "generate": cmd_generate, "bench": cmd_bench, "make-tiny": cmd_make_tiny}
     return commands[args.command](args)
 

@@ -173,7 +173,7 @@ def test_cli_flags_reach_the_engine_options():
     want = dict(attention_backend="FLASH_ATTN", quantization="fp8", ignored_layers="img_mlp",
                 enforce_eager=True, enable_cpu_offload=True)
     assert {k: kw.get(k) for k in kw if k not in ("generation_config",)} == want   # generation_config has a default of its own ("auto")
-    assert EngineConfig(**kw).ignored_layers == ("img_mlp",)
+    assert EngineConfig(**want).ignored_layers == ("img_mlp",)
     assert "enable_layerwise_offload" not in engine_kwargs_from_args(build_parser().parse_args(["serve", "m"]))
 
 

@@ -35,14 +35,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="model id to send (default: the server's first); with --offline a local folder "
                         "(default: the embedded SmolLM2)")
     p.add_argument("--api-key", default=None, help="bearer key (default: $OPENAI_API_KEY or $OMNISTAGE_API_KEY)")
-    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send (default: 100)")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no cap)")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals (default: inf = all at once)")
     p.add_argument("--random-input-len", type=int, default=128, help="words (about tokens) per random prompt")
     p.add_argument("--random-output-len", type=int, default=128, help="max_tokens per text request")
     p.add_argument("--dataset-path", default=None, help="prompts: a .txt (one per line) or .jsonl (prompt field)")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="text tasks: sampling temperature (default: 0)")
     p.add_argument("--ignore-eos", action="store_true", help="text tasks: always generate --random-output-len tokens")
     p.add_argument("--voice", default=None, help="speech: voice name")
     p.add_argument("--audio-format", default="wav", choices=SPEECH_FORMATS, help="speech: response_format")

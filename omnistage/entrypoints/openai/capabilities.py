@@ -83,7 +83,8 @@ def capabilities(engine: Any, served_model_name: str, limits: MediaLimits) -> di
         speech = {"formats": list(AUDIO_FORMATS), "stream_formats": list(SPEECH_STREAM_FORMATS),
                   "speed": {"min": SPEED_RANGE[0], "max": SPEED_RANGE[1]}, "max_input_chars": MAX_INPUT_CHARS}
     if tasks & {"chat_audio", "speech"}:
-        audio = {"voices": engine.voices(), "formats": list(AUDIO_FORMATS)}
+        # the model's preset voices, as `GET /v1/audio/voices` lists them (which adds the uploaded ones)
+        audio = {"voices": [{**v, "uploaded": False} for v in engine.voices()], "formats": list(AUDIO_FORMATS)}
     stage = diffusion_stage(engine)
     lim: Optional[Any] = getattr(stage, "limits", None)
     if lim is not None and lim.output_kind == "image":

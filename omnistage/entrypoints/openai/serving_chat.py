@@ -276,10 +276,10 @@ class ServingChat(OpenAIServing):
             return ChatCompletionChunk(id=rid, created=created, model=self.served_model_name, choices=choices,
                                        usage=usage_of([last]) if req.continuous_usage else None)
 
+        last: Optional[RequestOutput] = firsts[0]
         yield chunk([ChatStreamChoice(index=i, delta={"role": "assistant", "content": ""}) for i in range(n)])
         tracker = DeltaTracker(n)
         tools = {i: plan.stream() for i in range(n)} if plan is not None else {}
-        last: Optional[RequestOutput] = firsts[0]
         async with aclosing(self.merge(gens, firsts)) as merged:
             async for _, out in merged:
                 last = out

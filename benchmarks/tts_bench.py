@@ -67,19 +67,12 @@ def _numel(shape) -> int:
 
 
 def copy_bandwidth(device: str) -> float:
-    """Bytes/s of a large device-to-device copy (read + write counted as one read of each byte x2)."""
+    """Bytes/s of a large device-to-device copy (ar_bench's measurement); NaN off the GPU."""
     if not device.startswith("cuda"):
         return float("nan")
-    x = torch.empty(2**28, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return 2 * 10 * x.numel() / (time.perf_counter() - t)
+    from ar_bench import copy_bandwidth as measured      # benchmarks/ is on sys.path when run as a script
+
+    return measured()
 
 
 async def one(engine, i: int, frames: int, arrival: float) -> dict:

@@ -258,6 +258,9 @@ def main() -> None:
     res["ours"] = bench_ours(path, fused_on=True)
     res["ours_sync"] = bench_ours(path, fused_on=True, async_scheduling=False)
     if args.only_ours:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
         print(json.dumps(res, indent=1))
         return
     res["ours_unfused"] = bench_ours(path, fused_on=False)

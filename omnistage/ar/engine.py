@@ -88,9 +88,9 @@ class AREngine:
         self.requests: dict[str, _Request] = {}
         self._compiling: dict[str, Future] = {}  # request id -> its grammar being compiled (not yet scheduled)
         self._steps, self._step_seconds = 0, 0.0   # model steps run, and their time (schedule excluded)
-        # The step queued on the device whose ids the host has not read yet (async scheduling):
-        # (its schedule, its launch, seq_id -> where its placeholder token sits in token_ids)
-        self._pending: Optional[tuple[SchedulerOutput, Launched, dict[str, int]]] = None
+        # The step queued on the device whose ids the host has not read yet (async scheduling): its
+        # schedule, its launch, and the sequences whose last token is its placeholder (those still running)
+        self._pending: Optional[tuple[SchedulerOutput, Launched, set[str]]] = None
         logger.info("AR engine: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
                     type(self.model).__name__, self.device, self.dtype, num_blocks, config.block_size,
                     self.max_model_len)
@@ -294,8 +294,8 @@ class AREngine:
             launched = self.runner.launch(sched, self.eos_ids, self._pending[1] if self._pending else None)
             outputs = self._collect_pending()       # step N-1's ids, read while step N runs
             self.scheduler.update(sched, {q.seq_id: PLACEHOLDER for q in launched.seqs})
-            where = {q.seq_id: len(q.token_ids) - 1 for q in launched.seqs if q.status == SeqStatus.RUNNING}
-            self._pending = (sched, launched, where)
+            waiting = {q.seq_id for q in launched.seqs if q.status == SeqStatus.RUNNING}
+            self._pending = (sched, launched, waiting)
         else:
             outputs = self._collect_pending()
             live = [s for s in sched.scheduled if not s.seq.is_finished]   # finished by the step just read
@@ -313,14 +313,15 @@ class AREngine:
         """Read the queued step's ids into its sequences' placeholders and build its outputs."""
         if self._pending is None:
             return []
-        sched, launched, where = self._pending
+        sched, launched, waiting = self._pending
         self._pending = None
         result = self.runner.collect(launched)
         # A sequence finished or aborted before its placeholder was appended has none: its id is dropped.
-        sampled = {seq_id: result.sampled[seq_id] for seq_id in where}
-        by_id = {q.seq_id: q for q in launched.seqs}
-        for seq_id, pos in where.items():
-            by_id[seq_id].token_ids[pos] = sampled[seq_id]
+        # The placeholder is still its last token: the next one is appended only after this.
+        sampled = {}
+        for q in launched.seqs:
+            if q.seq_id in waiting:
+                q.token_ids[-1] = sampled[q.seq_id] = result.sampled[q.seq_id]
         return self._step_outputs(sched, dataclasses.replace(result, sampled=sampled))
 
     def _step_outputs(self, sched: SchedulerOutput, result: RunnerOutput) -> list[StageOutput]:

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from omnistage.ar.sampler import SamplerOutput, SamplingBatch, sample
+from omnistage.ar.sampler import SamplerOutput, SamplingBatch, sample, to_device
 from omnistage.ar.scheduler import ScheduledSeq, SchedulerOutput
 from omnistage.ar.sequence import PLACEHOLDER, Sequence
 from omnistage.layers.attention import AttentionMetadata, PrefillChunk
@@ -261,12 +261,6 @@ class ModelRunner:
                 top = [(int(host[i, 2 + j]), float(host[i, 2 + num_logprobs + j])) for j in range(k)]
                 res.logprobs[q.seq_id] = (float(host[i, 1]), top)
         return res
-
-
-def to_device(data, device: torch.device, dtype=torch.long) -> torch.Tensor:
-    """A host list as a device tensor, copied from pinned memory so the host does not wait for the
-    device's queued work (a copy from pageable memory would)."""
-    return torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
 def _positions(order: list[ScheduledSeq]) -> tuple[list[int], Optional[list[list[int]]]]:

@@ -47,8 +47,10 @@ class SamplerOutput:
     top_logprobs: Optional[torch.Tensor] = None  # [S, K] float32
 
 
-def _on(values: list, device: torch.device, dtype=None) -> torch.Tensor:
-    """Per-row values as a device tensor, copied from pinned memory without waiting."""
+def to_device(values: list, device: torch.device, dtype=None) -> torch.Tensor:
+    """A host list as a device tensor, copied from pinned memory so the host does not wait for the
+    device's queued work (a copy from pageable memory would). The sampler's per-row values and the
+    runner's step inputs both go this way."""
     return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
@@ -56,22 +58,22 @@ def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     s, v = logits.shape
     dev = logits.device
     if any(p.repetition_penalty != 1 for p in b.params):
-        rep = _on([p.repetition_penalty for p in b.params], dev)
+        rep = to_device([p.repetition_penalty for p in b.params], dev)
         seen = torch.zeros(s, v, dtype=torch.bool, device=dev)
         for i, p in enumerate(b.params):
             if p.repetition_penalty != 1:
-                seen[i, _on(b.prompt_ids[i] + b.output_ids[i], dev, torch.long)] = True
+                seen[i, to_device(b.prompt_ids[i] + b.output_ids[i], dev, torch.long)] = True
         r = rep[:, None]
         # a tiny penalty would push a logit to +inf, and softmax to NaN (a masked token could win)
         boosted = (logits / r).clamp(max=torch.finfo(logits.dtype).max)
         logits = torch.where(seen, torch.where(logits > 0, boosted, logits * r), logits)
     if any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in b.params):
-        pres = _on([p.presence_penalty for p in b.params], dev)
-        freq = _on([p.frequency_penalty for p in b.params], dev)
+        pres = to_device([p.presence_penalty for p in b.params], dev)
+        freq = to_device([p.frequency_penalty for p in b.params], dev)
         counts = torch.zeros(s, v, device=dev)
         for i, out in enumerate(b.output_ids):
             if out:
-                ids = _on(out, dev, torch.long)
+                ids = to_device(out, dev, torch.long)
                 counts[i].scatter_add_(0, ids, torch.ones_like(ids, dtype=counts.dtype))
         logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).float()
     return logits
@@ -82,8 +84,8 @@ def _apply_logit_bias(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     cols = [t for p in b.params for t in (p.logit_bias or ())]
     vals = [v for p in b.params for v in (p.logit_bias or {}).values()]
     dev = logits.device
-    return logits.index_put((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-                            torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+    return logits.index_put((to_device(rows, dev), to_device(cols, dev)),
+                            to_device(vals, dev, logits.dtype), accumulate=True)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
@@ -96,7 +98,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
 def _filter(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks (-inf for dropped tokens)."""
     dev = logits.device
-    temp = _on([1.0 if p.greedy else p.temperature for p in b.params], dev)
+    temp = to_device([1.0 if p.greedy else p.temperature for p in b.params], dev)
     logits = logits / temp[:, None]
     top_k = [p.top_k for p in b.params]
     top_p = [p.top_p for p in b.params]
@@ -104,15 +106,15 @@ def _filter(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         v = logits.shape[-1]
         ranks = torch.arange(v, device=dev)[None, :]
-        k = _on([k if k > 0 else v for k in top_k], dev)
+        k = to_device([k if k > 0 else v for k in top_k], dev)
         drop = ranks >= k[:, None]
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
         mass_before = probs.cumsum(-1) - probs                         # probability above each token
-        drop |= mass_before >= _on(top_p, dev)[:, None]
+        drop |= mass_before >= to_device(top_p, dev)[:, None]
         drop[:, 0] = False                                             # always keep the best token
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     if any(p.min_p > 0 for p in b.params):
-        min_p = _on([p.min_p for p in b.params], dev)
+        min_p = to_device([p.min_p for p in b.params], dev)
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
     return logits
@@ -129,7 +131,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch, default_generator: Optional[t
     if any(b.banned):
         rows = [i for i, ids in enumerate(b.banned) for _ in ids]
         cols = [t for ids in b.banned for t in ids]
-        logits = logits.index_put((_on(rows, logits.device), _on(cols, logits.device)),
+        logits = logits.index_put((to_device(rows, logits.device), to_device(cols, logits.device)),
                                   logits.new_full((), float("-inf")))
     if any(p.logit_bias for p in b.params):
         logits = _apply_logit_bias(logits, b)
@@ -148,12 +150,12 @@ def sample(logits: torch.Tensor, b: SamplingBatch, default_generator: Optional[t
             noise.exponential_(generator=default_generator)
         elif unseeded:
             draws = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
-            noise[_on(unseeded, probs.device)] = draws.exponential_(generator=default_generator)
+            noise[to_device(unseeded, probs.device)] = draws.exponential_(generator=default_generator)
         for i, g in enumerate(b.generators):
             if g is not None:
                 noise[i].exponential_(generator=g)
         sampled = (probs / noise).argmax(-1)
-        greedy = _on([p.greedy for p in b.params], logits.device)
+        greedy = to_device([p.greedy for p in b.params], logits.device)
         out.token_ids = torch.where(greedy, greedy_ids, sampled)
     if num_logprobs >= 0:
         out.chosen_logprobs = raw.gather(-1, out.token_ids[:, None])[:, 0]

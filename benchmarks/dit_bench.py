@@ -374,13 +374,18 @@ def main(argv=None) -> dict:
     if importlib.util.find_spec("diffusers") is None:
         raise SystemExit("dit_bench needs diffusers==0.42.1 (+ importlib_metadata, zipp): pip install --no-deps "
                          "--target DIR <wheels> and put DIR on PYTHONPATH")
+    return report(lambda: run(args.smoke, speed=not args.no_speed), table, args.out)
+
+
+def report(run_fn, table_fn, out) -> dict:
+    """A benchmark's ending: run it, add its wall time, write the JSON to `out` (if given), print its table."""
     start = time.perf_counter()
-    res = run(args.smoke, speed=not args.no_speed)
+    res = run_fn()
     res["wall_s"] = time.perf_counter() - start
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             json.dump(res, f, indent=2)
-    print(table(res))
+    print(table_fn(res))
     return res
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import sys
 import time
@@ -161,14 +160,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if importlib.util.find_spec("diffusers") is None:
         raise SystemExit("step_cache_bench needs diffusers==0.42.1 (+ importlib_metadata, zipp) on PYTHONPATH")
-    start = time.perf_counter()
-    res = run(args.smoke)
-    res["wall_s"] = time.perf_counter() - start
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2)
-    print(table(res))
-    return res
+    return dit_bench.report(lambda: run(args.smoke), table, args.out)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ shape; nothing downloaded). Per setting: seconds (denoise + decode, after a warm
 over uncached, steps computed / cached, and PSNR of the image against the uncached one of the same
 seed. Random weights cannot judge a lossy method's image quality: PSNR is a mechanism check only.
 Also: four requests with different cache settings batched into shared forwards, each against itself
-run alone (largest pixel difference), and threshold 0 against no cache (must be 0).
+run alone (largest pixel difference), and threshold 0 against no cache (must be 0). When the
+`cache-dit` library is importable (carried as a wheel), the same weights run through diffusers'
+`FluxPipeline` uncached and with cache-dit's DBCache at its four static step masks (8 / 11 / 15 / 18
+computed steps of 28) and its dynamic default, so the two caches compare at equal computed steps.
 
     PYTHONPATH=<dir with diffusers 0.42.1 + importlib_metadata + zipp>:. python benchmarks/step_cache_bench.py --out sc.json
     python benchmarks/step_cache_bench.py --smoke      # tiny shapes on CPU (what CI runs)
@@ -35,7 +38,7 @@ SETTINGS = [("tea_cache", {"rel_l1_thresh": t}) for t in (0.25, 0.4, 0.6, 0.8)] 
            [("cache_dit", {"residual_diff_threshold": t}) for t in (0.12, 0.24, 0.4)] + \
            [("cache_dit", {"residual_diff_threshold": 0.4, "max_continuous_cached_steps": -1})]
 FULL = dict(size=1024, steps=28, text=512, batch_size=512)
-SMOKE = dict(size=32, steps=5, text=16, batch_size=32)
+SMOKE = dict(size=32, steps=8, text=16, batch_size=32)
 
 
 class FixedTextFlux(dit_bench.BenchFlux):
@@ -132,7 +135,56 @@ def run(smoke: bool) -> dict:
                     "cached_steps_equal_alone": all(together[r].metrics.cached_steps == alone[r].metrics.cached_steps
                                                     for r in mixed)}
     res["shape"] = f"FLUX.1-dev shape, {size}x{size}, {steps} steps"
+    if importlib.util.find_spec("cache_dit") is not None:
+        del cached, plain, eng
+        res["cache_dit_lib"] = cache_dit_library(_flux(smoke, device, dtype), size, steps)
     return res
+
+
+def cache_dit_library(family, size: int, steps: int) -> dict:
+    """diffusers' FluxPipeline on a fresh copy of the same weights (no omnistage hooks on it): uncached,
+    then cache-dit's DBCache with each static step mask and with its dynamic default. Seconds are
+    end to end (denoise + decode) after a 2-step warm-up; PSNR against diffusers' own uncached image.
+    Both caches run their first block always and none at the end (Fn=1, Bn=0: our defaults)."""
+    import cache_dit
+    from cache_dit import DBCacheConfig
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    sched = FlowMatchEulerDiscreteScheduler.from_config({k: v for k, v in dit_bench.FLUX_SCHEDULER.items()
+                                                          if k != "_class_name"})
+    pipe = FluxPipeline(scheduler=sched, vae=family.vae, text_encoder=None, tokenizer=None, text_encoder_2=None,
+                        tokenizer_2=None, transformer=family.transformer)
+    cond = family.random_cond()
+
+    def call(n=steps):
+        gen = torch.Generator(family.device).manual_seed(0)
+        dit_bench.sync(family.device)
+        start = time.perf_counter()
+        img = pipe(prompt_embeds=cond.embeds[None], pooled_prompt_embeds=cond.pooled[None], height=size,
+                   width=size, num_inference_steps=n, guidance_scale=3.5, generator=gen).images[0]
+        dit_bench.sync(family.device)
+        return time.perf_counter() - start, img
+
+    call(2)
+    base_s, base_img = call()
+    out = {"diffusers_uncached_s": base_s, "version": getattr(cache_dit, "__version__", "?"), "rows": []}
+    same = dict(num_inference_steps=steps, Fn_compute_blocks=1, Bn_compute_blocks=0)   # our cache_dit's defaults
+    settings = [(f"static {p}", DBCacheConfig(**same, steps_computation_policy="static",
+                                              steps_computation_mask=cache_dit.steps_mask(total_steps=steps,
+                                                                                          mask_policy=p)))
+                for p in ("ultra", "fast", "medium", "slow")]
+    settings.append(("dynamic, threshold 0.24", DBCacheConfig(**same, residual_diff_threshold=0.24)))
+    for name, cfg in settings:
+        cache_dit.enable_cache(pipe, cache_config=cfg)
+        call(2)
+        seconds, img = call()
+        stats = cache_dit.summary(pipe, logging=False)
+        cached_steps = len(stats[0].cached_steps) if stats else 0
+        cache_dit.disable_cache(pipe)
+        out["rows"].append({"setting": name, "seconds": seconds, "speedup": base_s / seconds,
+                            "computed_steps": steps - cached_steps, "cached_steps": cached_steps,
+                            "psnr_db": psnr(img, base_img)})
+    return out
 
 
 def table(res: dict) -> str:
@@ -148,6 +200,13 @@ def table(res: dict) -> str:
                 f"{len(res['mixed_thresholds'])} requests with different thresholds batched ({m['max_batch_tasks']} per forward) vs alone: "
                 f"largest pixel difference {m['max_pixel_diff_vs_alone']}, cached steps equal: "
                 f"{m['cached_steps_equal_alone']}")
+    lib = res.get("cache_dit_lib")
+    if lib:
+        rows += ["", f"| cache-dit {lib['version']} on diffusers FluxPipeline: setting | seconds | speed-up vs diffusers "
+                 "uncached | computed / cached steps | PSNR vs uncached (dB) |", "|---|---|---|---|---|",
+                 f"| diffusers, no cache | {lib['diffusers_uncached_s']:.2f} | 1.00 | all / 0 | - |"]
+        rows += [f"| {r['setting']} | {r['seconds']:.2f} | {r['speedup']:.2f} | {r['computed_steps']} / "
+                 f"{r['cached_steps']} | {r['psnr_db']:.1f} |" for r in lib["rows"]]
     rows.append(f"{res['device']}, torch {res['torch']}, {res['dtype']}, commit {res['commit']}; random weights: "
                 "PSNR is a mechanism check, not image quality")
     return "\n".join(rows)

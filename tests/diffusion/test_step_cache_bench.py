@@ -13,7 +13,7 @@ def test_smoke_run(capsys):
     spec.loader.exec_module(bench)
     res = bench.main(["--smoke"])
     assert res["tea_cache_threshold0_max_diff"] == 0 and res["cache_dit_threshold0_max_diff"] == 0
-    assert res["rows"] and all(r["computed_steps"] + r["cached_steps"] == 5 for r in res["rows"])
+    assert res["rows"] and all(r["computed_steps"] + r["cached_steps"] == bench.SMOKE["steps"] for r in res["rows"])
     assert any(r["cached_steps"] > 0 for r in res["rows"])
     assert res["mixed"]["max_batch_tasks"] == 2 and res["mixed"]["cached_steps_equal_alone"]
     assert res["mixed"]["max_pixel_diff_vs_alone"] <= 2

@@ -182,6 +182,8 @@ def offload_rows(bench, s: dict, smoke: bool) -> dict:
             block = family.experts[0].blocks[0]
             block_gib = sum(t.numel() * t.element_size() for t in list(block.parameters())) / 2**30
             out = {"step_s": step, "peak_gib": peak, "block_gib": block_gib, "blocks": cfg["num_layers"]}
+            if mode == "layerwise" and bench.DEVICE.type == "cuda":
+                out["peak_by_part_gib"] = peak_by_part(block, lambda: engine.runner.step([task]))
             if mode == "model":                 # what a phase change costs: the DiT off and back on
                 off = engine.accel.model_offload
                 start = time.perf_counter()
@@ -192,6 +194,44 @@ def offload_rows(bench, s: dict, smoke: bool) -> dict:
             return out
         guarded(rows, mode or "resident", row)
     return rows
+
+
+def peak_by_part(block, step) -> dict:
+    """Where a step's activation memory peaks: for each child of one block, the most memory allocated
+    while it ran above what was allocated when it started (GiB), and the step's peak over its start."""
+    import torch
+
+    marks: dict = {}
+
+    def pre(name):
+        def hook(module, args):
+            torch.cuda.synchronize()
+            marks[name] = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        return hook
+
+    def post(name):
+        def hook(module, args, output):
+            torch.cuda.synchronize()
+            marks[name] = (torch.cuda.max_memory_allocated() - marks[name]) / 2**30
+        return hook
+
+    handles = []
+    for name, child in block.named_children():
+        handles += [child.register_forward_pre_hook(pre(name)), child.register_forward_hook(post(name))]
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        step()
+        torch.cuda.synchronize()
+    finally:
+        for h in handles:
+            h.remove()
+    out = {k: round(v, 3) for k, v in marks.items() if isinstance(v, float)}
+    out["step_over_start"] = round((torch.cuda.max_memory_allocated() - start) / 2**30, 3)
+    out["start"] = round(start / 2**30, 3)
+    return out
 
 
 def fusion_row(bench, flux_family) -> dict:
@@ -260,6 +300,9 @@ def table(res: dict) -> list[str]:
             extra = 0.0 if mode == "layerwise" else (40 - r["blocks"]) * r["block_gib"]
             swap = f" (DiT off + on: {r['dit_swap_s']:.2f} s)" if "dit_swap_s" in r else ""
             lines.append(f"| {mode}{swap} | {r['step_s']:.4f} | {r['peak_gib']:.2f} | {r['peak_gib'] + extra:.2f} |")
+            if "peak_by_part_gib" in r:
+                lines.append("| layerwise step, GiB above the start of each block part: " +
+                             ", ".join(f"{k} {v}" for k, v in r["peak_by_part_gib"].items()) + " | | | |")
     return lines
 
 

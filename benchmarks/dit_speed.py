@@ -202,10 +202,12 @@ def peak_by_part(block, step) -> dict:
     import torch
 
     marks: dict = {}
+    top = [0]                                  # the step's peak across the resets below
 
     def pre(name):
         def hook(module, args):
             torch.cuda.synchronize()
+            top[0] = max(top[0], torch.cuda.max_memory_allocated())
             marks[name] = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         return hook
@@ -229,7 +231,8 @@ def peak_by_part(block, step) -> dict:
         for h in handles:
             h.remove()
     out = {k: round(v, 3) for k, v in marks.items() if isinstance(v, float)}
-    out["step_over_start"] = round((torch.cuda.max_memory_allocated() - start) / 2**30, 3)
+    top[0] = max(top[0], torch.cuda.max_memory_allocated())
+    out["step_over_start"] = round((top[0] - start) / 2**30, 3)
     out["start"] = round(start / 2**30, 3)
     return out
 

@@ -7,8 +7,10 @@ In: hidden rows x [T, H] of one engine step. Out: [T, H], the weighted sum of ea
         softmax over all experts in float32, then the k largest (renormalised to sum 1 when asked),
         exactly as transformers' Qwen3-MoE / Qwen3-Omni routers do
   fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights, topk_ids) -> [T, H]
-        `fused_moe_ref`, the PyTorch reference: the rows sorted by expert and one matmul pair per
-        expert that has rows (the Triton grouped-GEMM fast path follows)
+        on CUDA with Triton: `triton_moe.fused_moe` (rows sorted by expert, one grouped-GEMM launch for
+        gate-up with SiLU * up fused, one for down with the routing weight; no host syncs, so CUDA
+        graphs capture it); elsewhere `fused_moe_ref`, the PyTorch reference: the rows sorted by
+        expert and one matmul pair per expert that has rows
   SparseMoeBlock(hidden, num_experts, top_k, moe_intermediate, norm_topk_prob, shared_expert_intermediate=0)
         the module; `load_weights` takes the checkpoint's names relative to the block
         (`experts.{e}.gate_proj|up_proj|down_proj.weight`, `gate.weight`, `shared_expert.*`,
@@ -28,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.layers import fused
+from omnistage.layers import fused, triton_moe
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,6 +45,8 @@ def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tupl
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] = [gate | up] per expert; w2 [E, H, I]; topk_* [T, K] -> [T, H]."""
+    if fused.use_triton(x) and triton_moe.triton is not None:
+        return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
 

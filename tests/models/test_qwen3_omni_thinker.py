@@ -210,3 +210,19 @@ def test_openai_client_chat_with_audio_input_answers_as_offline(q3_dir, omni):
             assert reply.usage.completion_tokens == NEW
     finally:
         engine.close()
+
+
+def test_interleaved_mrope_tables_equal_transformers(q3_dir):
+    """`mrope_interleaved` rope rows: cos / sin per token equal transformers' thinker rotary embedding."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextRotaryEmbedding
+
+    from omnistage.layers.rotary import RotaryEmbedding
+    from omnistage.models.qwen3_omni.thinker import omni_config, thinker_text_config
+
+    ours = RotaryEmbedding(thinker_text_config(q3_dir), 256).build(torch.device("cpu"))
+    theirs = Qwen3OmniMoeThinkerTextRotaryEmbedding(omni_config(q3_dir).thinker_config.text_config)
+    pos = torch.randint(0, 256, (3, 11), generator=torch.Generator().manual_seed(0))
+    cos, sin = theirs(torch.zeros(1, dtype=torch.float32), pos[:, None])
+    got_cos, got_sin = ours.tables(pos)
+    torch.testing.assert_close(got_cos, cos[0])
+    torch.testing.assert_close(got_sin, sin[0])

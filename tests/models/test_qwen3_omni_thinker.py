@@ -226,3 +226,42 @@ def test_interleaved_mrope_tables_equal_transformers(q3_dir):
     got_cos, got_sin = ours.tables(pos)
     torch.testing.assert_close(got_cos, cos[0])
     torch.testing.assert_close(got_sin, sin[0])
+
+
+def test_the_moe_decoder_with_a_shared_expert_equals_the_talker_decoder(q3_dir, hf):
+    """`Qwen3MoeForCausalLM` on the talker's text config (a sigmoid-gated shared expert in every layer,
+    no top-k renormalisation) equals transformers' talker model on the same input rows."""
+    import copy
+
+    from omnistage.layers.attention import AttentionMetadata, PrefillChunk
+    from omnistage.models.qwen3_omni.thinker import Qwen3MoeForCausalLM, omni_config, read_tensors
+
+    config = copy.deepcopy(omni_config(q3_dir).talker_config.text_config)
+    config.rope_parameters = {**config.rope_parameters, "mrope_interleaved": True}
+    config.tie_word_embeddings = False
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(config, 64)
+    model = model.to_empty(device="cpu")
+
+    def weights():
+        for name, tensor in read_tensors(q3_dir, ("talker.model.", "talker.codec_head.")):
+            if name == "talker.model.codec_embedding.weight":
+                yield "model.embed_tokens.weight", tensor
+            elif name.startswith("talker.model."):
+                yield "model." + name[len("talker.model."):], tensor
+            else:
+                yield "lm_head.weight", tensor
+
+    model.load_weights(weights())
+    model.rotary.build(torch.device("cpu"))
+    assert model.layers[0].mlp.shared_expert is not None and not model.layers[0].mlp.norm_topk_prob
+    x = torch.randn(9, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    attn = model.attention_layers[0]
+    for a in model.attention_layers:
+        a.kv_cache = torch.zeros(2, 3, 4, attn.num_kv_heads, attn.head_dim)
+    pos = torch.arange(9)
+    meta = AttentionMetadata(slot_mapping=pos, prefills=[PrefillChunk(0, 9, 9, torch.arange(3))])
+    with torch.no_grad():
+        got = model(torch.zeros(9, dtype=torch.long), pos, meta, inputs_embeds=x)
+        want = hf.talker.model(inputs_embeds=x[None]).last_hidden_state[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

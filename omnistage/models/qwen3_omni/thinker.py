@@ -57,13 +57,16 @@ class MoeDecoderLayer(DecoderLayer):
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    """Qwen3-MoE decoder: MoE layers per the config, deepstack rows, an optional reported layer."""
+    """Qwen3-MoE decoder: MoE layers per the config (with a shared expert when the config sets
+    `shared_expert_intermediate_size`, as Qwen3-Omni's talker does), deepstack rows, an optional
+    reported layer."""
 
     def __init__(self, config, max_positions: int, report_layer: Optional[int] = None):
         super().__init__(config, max_positions)
+        shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)   # the talker has one
         for i in range(config.num_hidden_layers):
             if is_sparse(config, i):
-                self.layers[i] = MoeDecoderLayer(config)
+                self.layers[i] = MoeDecoderLayer(config, shared)
         if report_layer is not None and not 0 <= report_layer <= config.num_hidden_layers:
             raise ValueError(f"report_layer must be in [0, {config.num_hidden_layers}], got {report_layer}")
         self.report_layer = report_layer        # hidden states after this many layers are reported too

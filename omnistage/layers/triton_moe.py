@@ -62,7 +62,8 @@ if triton is not None:
     @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr, num_pairs, top_k, hidden, inter,
                         stride_x, stride_we, stride_wn, stride_out,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PRECISION: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -85,8 +86,8 @@ if triton is not None:
             wmask = k_ok[:, None] & col_ok[None, :]
             wg = tl.load(w_base + cols[None, :] * stride_wn + (k0 + ks)[:, None], mask=wmask, other=0.0)
             wu = tl.load(w_base + (cols + inter)[None, :] * stride_wn + (k0 + ks)[:, None], mask=wmask, other=0.0)
-            acc_g = tl.dot(a, wg, acc_g)
-            acc_u = tl.dot(a, wu, acc_u)
+            acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
         dt = out_ptr.dtype.element_ty
         # rounded where the reference stores: gate-up output, silu(gate), the product
         g = acc_g.to(dt).to(tl.float32)
@@ -98,7 +99,8 @@ if triton is not None:
     @triton.jit
     def _down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, expert_ptr, total_ptr, num_pairs, inter, hidden,
                      stride_h, stride_we, stride_wn, stride_out,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PRECISION: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -119,7 +121,7 @@ if triton is not None:
                         mask=valid[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_base + cols[None, :] * stride_wn + (k0 + ks)[:, None],
                         mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc = tl.dot(a, w, acc)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
         dt = out_ptr.dtype.element_ty
         rw = tl.load(weight_ptr + pair64, mask=valid, other=0.0).to(dt).to(tl.float32)
         y = acc.to(dt).to(tl.float32) * rw[:, None]
@@ -139,14 +141,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     sorted_ids, block_expert, total = align(topk_ids, e, bm)
     mid = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     bn, bk = 64, 64
+    # float32 models get float32 products (TF32 would change greedy ids of small models); bf16 / fp16 ignore it
+    precision = "ieee" if x.dtype == torch.float32 else None
     grid = (sorted_ids.numel() // bm, triton.cdiv(inter, bn))
     _gate_up_kernel[grid](x, w13, mid, sorted_ids, block_expert, total, n, k, h, inter,
                           x.stride(0), w13.stride(0), w13.stride(1), mid.stride(0),
-                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision)
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
     grid = (sorted_ids.numel() // bm, triton.cdiv(h, bn))
     _down_kernel[grid](mid, w2, out, weights, sorted_ids, block_expert, total, n, inter, h,
                        mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision)
     return out.view(t, k, h).sum(dim=1)

@@ -84,12 +84,14 @@ import json, torch
 from omnistage.layers import moe, triton_moe
 torch.manual_seed(0)
 errs = []
-for t, e, k, h, i, bm in [(5, 8, 2, 64, 32, 16), (23, 4, 3, 40, 24, 16)]:
-    x, w13, w2 = torch.randn(t, h), torch.randn(e, 2 * i, h) * 0.2, torch.randn(e, h, i) * 0.2
+# float16 for the 16-bit rounding path: the interpreter cannot do bfloat16 dots (see layers/kernel_check.py)
+for t, e, k, h, i, bm, dt in [(5, 8, 2, 64, 32, 16, torch.float32), (23, 4, 3, 40, 24, 16, torch.float32),
+                              (9, 8, 2, 64, 32, 16, torch.float16)]:
+    x, w13, w2 = torch.randn(t, h).to(dt), (torch.randn(e, 2 * i, h) * 0.2).to(dt), (torch.randn(e, h, i) * 0.2).to(dt)
     w, ids = moe.route(torch.randn(t, e), k, True)
     ref = moe.fused_moe_ref(x, w13, w2, w, ids)
-    errs.append(((triton_moe.fused_moe(x, w13, w2, w, ids, block_m=bm) - ref).abs().max().item(),
-                 ref.abs().max().item()))
+    errs.append(((triton_moe.fused_moe(x, w13, w2, w, ids, block_m=bm).float() - ref.float()).abs().max().item(),
+                 ref.float().abs().max().item(), str(dt)))
 print(json.dumps(errs))
 """
 
@@ -101,9 +103,9 @@ def test_triton_fused_moe_equals_reference_in_the_interpreter():
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     errs = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(errs) == 2
-    for err, peak in errs:
-        assert err <= 1e-5 * peak, (err, peak)
+    assert len(errs) == 3
+    for err, peak, dtype in errs:
+        assert err <= (1e-5 if dtype == "torch.float32" else 4e-3) * peak, (err, peak, dtype)
 
 
 def test_align_pads_each_expert_to_the_block():

@@ -7,7 +7,8 @@ and the weights drawn on the GPU -- omnistage's native `Qwen3MoeForCausalLM` (th
 component, Triton fused MoE, CUDA graphs) run by its `AREngine`, then transformers'
 `Qwen3OmniMoeThinkerForConditionalGeneration.generate` (its default experts implementation) on its own
 random weights, one after the other (each takes ~60 GB).
-Per batch size (1 and 64; 128 prompt tokens, 128 new tokens, greedy, ignore eos) it prints output
+First, the tiny Qwen3-Omni served on CUDA in fp32 (Triton MoE, CUDA graphs) must give transformers'
+greedy ids (text and image + audio prompts). Per batch size (1 and 64; 128 prompt tokens, 128 new tokens, greedy, ignore eos) it prints output
 tok/s and the floor: every decode step reads the attention, router, norm and lm_head weights and the
 expected number of distinct experts the batch hits (128 * (1 - (1 - 8/128)^B) per layer), at the
 copy bandwidth measured in the same run. Target: bs1 >= 50% of that floor.
@@ -161,6 +162,40 @@ def floor_tok_s(batch: int, bandwidth: float) -> dict:
             "tok_s": batch / (step_bytes / bandwidth)}
 
 
+def check_tiny_on_cuda(work: str, device: str = "cuda") -> dict:
+    """The tiny Qwen3-Omni (fp32) served on CUDA -- Triton fused MoE, fused kernels, CUDA graphs --
+    against transformers' thinker on the CPU: greedy ids of a text and an image + audio prompt."""
+    import numpy as np
+    from PIL import Image
+
+    from omnistage import Omni, SamplingParams
+    from omnistage.models.qwen2_5_omni.processor import build_thinker_inputs
+    from omnistage.testing.qwen3_omni import load_reference, make_tiny_qwen3_omni
+
+    path = make_tiny_qwen3_omni(os.path.join(work, "tiny-qwen3_omni"))
+    image = Image.fromarray((np.random.RandomState(0).rand(60, 90, 3) * 255).astype("uint8"))
+    audio = (np.random.RandomState(1).randn(11025) * 0.1).astype("float32")
+    convs = {"text": [{"role": "user", "content": "What is the capital of France?"}],
+             "image+audio": [{"role": "user", "content": [{"type": "image", "image": image},
+                                                          {"type": "audio", "audio": (audio, 22050)},
+                                                          {"type": "text", "text": "What is this?"}]}]}
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with Omni(path, device=device, dtype="float32") as omni:
+        ours = {k: list(o.outputs[0].token_ids) for k, o in zip(convs, omni.chat(list(convs.values()), params,
+                                                                                  use_tqdm=False))}
+    from transformers import AutoProcessor
+
+    hf, proc = load_reference(path), AutoProcessor.from_pretrained(path)
+    equal = {}
+    for k, messages in convs.items():
+        inputs = build_thinker_inputs(proc, messages)
+        with torch.no_grad():
+            seq = hf.thinker.generate(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask,
+                                      **inputs.features, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        equal[k] = ours[k] == seq[0, inputs.input_ids.shape[1]:].tolist()
+    return equal
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--work", default="/tmp/q3bench")
@@ -169,14 +204,16 @@ def main() -> None:
     args = parser.parse_args()
     batches = (1, 64)
     config_folder(args.work)
+    tiny = check_tiny_on_cuda(args.work)
     bw = copy_bandwidth()
-    res = {"copy_bandwidth_GBs": bw / 1e9, "floor": [floor_tok_s(b, bw) for b in batches],
+    res = {"tiny_cuda_equals_transformers": tiny, "copy_bandwidth_GBs": bw / 1e9, "floor": [floor_tok_s(b, bw) for b in batches],
            "ours": bench_ours(args.work, batches)}
     if not args.skip_hf:
         res["transformers"] = bench_hf(args.work, batches)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
+    print(f"tiny Qwen3-Omni on CUDA (fp32), greedy ids equal transformers': {tiny}")
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; active params per token "
           f"{res['floor'][0]['active_params_per_token'] / 1e9:.2f} B")
     print("| batch | omnistage tok/s | transformers tok/s | floor tok/s | omnistage / floor |")

@@ -5,7 +5,10 @@ positions, meta)` and `compute_logits(hidden)`. It owns the KV-cache tensors, bu
 flattened inputs (decodes first, then prefill chunks), runs one forward over all of them,
 computes logits only for rows that sample, and moves the sampled ids (plus logprobs when asked
 for) to the host in one transfer. A model with a `frame_head` (multi-codebook talkers) has it
-predict the rest of each sampled token's frame right after sampling.
+predict the rest of each sampled token's frame right after sampling. A model with a `report_layer`
+returns (last hidden states, that layer's hidden states) and the second is what sequences asking
+for hidden states get (`split_outputs`); prompt rows with `layer_embeds` hand the model
+`layer_adds`, rows added after its first decoder layers (deepstack).
 
 A step is `launch`ed (queued on the device, nothing waits) and later `collect`ed (waits for its ids
 only), so the engine can queue step N+1 before it reads step N's ids (async scheduling). Step
@@ -196,7 +199,7 @@ class ModelRunner:
                 if s.seq.cond is not None:
                     s.seq.cond.fill(x[row:row + s.num_new_tokens], s.start)
                 row += s.num_new_tokens
-        hidden, reported = _outputs(self.forward(ids, pos, meta, x, self._layer_adds(order, x)))
+        hidden, reported = split_outputs(self.forward(ids, pos, meta, x, self._layer_adds(order, x)))
         # Grammar masks are filled on the host while the device runs the forward (kernels are queued).
         bitmask = None
         if self.grammars is not None:
@@ -284,7 +287,7 @@ class ModelRunner:
         return res
 
 
-def _outputs(out) -> tuple[torch.Tensor, torch.Tensor]:
+def split_outputs(out) -> tuple[torch.Tensor, torch.Tensor]:
     """(last hidden states, rows reported as `HiddenStates.hidden`) of a forward's output."""
     return out if isinstance(out, tuple) else (out, out)
 

@@ -26,7 +26,7 @@ import torch
 from omnistage.ar.conditioning import Conditioning
 from omnistage.ar.detokenizer import IncrementalDetokenizer
 from omnistage.ar.kv_cache import BlockManager
-from omnistage.ar.runner import Launched, ModelRunner, RunnerOutput, kv_block_bytes
+from omnistage.ar.runner import Launched, ModelRunner, RunnerOutput, kv_block_bytes, split_outputs
 from omnistage.ar.scheduler import Scheduler, SchedulerOutput
 from omnistage.ar.sequence import PLACEHOLDER, SeqStatus, Sequence
 from omnistage.config import CUDA_CONTEXT_BYTES, EngineConfig, checkpoint_dtype
@@ -131,7 +131,7 @@ class AREngine:
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
             meta = AttentionMetadata(slot_mapping=torch.zeros(n, dtype=torch.long, device=self.device))
             meta.prefills.append(PrefillChunk(0, n, n, torch.zeros(1, dtype=torch.long, device=self.device)))
-            hidden = self.model(ids, torch.arange(n, device=self.device) % 16, meta)
+            hidden = split_outputs(self.model(ids, torch.arange(n, device=self.device) % 16, meta))[0]
             self.model.compute_logits(hidden[: min(n, cfg.max_num_seqs)])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)

@@ -56,6 +56,7 @@ _LLAMA = "omnistage.models.llama"
 _DIFFUSERS = "omnistage.diffusion.pipelines"
 _OMNI = "omnistage.models.qwen2_5_omni"
 _TTS = "omnistage.models.qwen3_tts"
+_Q3O = "omnistage.models.qwen3_omni"
 
 MODELS: tuple[ModelEntry, ...] = (
     ModelEntry("llama", "llm", ("LlamaForCausalLM", "MistralForCausalLM"), decoder=f"{_LLAMA}:LlamaForCausalLM",
@@ -71,6 +72,11 @@ MODELS: tuple[ModelEntry, ...] = (
                   "qwen2_5_omni.talker_to_code2wav": f"{_OMNI}.adapters:talker_to_code2wav"},
         codecs={"qwen2_5_omni_code2wav": f"{_OMNI}.code2wav:Code2Wav"},
         chat_renderer=f"{_OMNI}.pipeline:OmniChatRenderer", tool_parser="hermes"),
+    ModelEntry(
+        "qwen3_omni", "omni", ("qwen3_omni_moe",),
+        components={"qwen3_omni.thinker": f"{_Q3O}.thinker:load_thinker"},
+        pipeline=f"{_Q3O}.pipeline:qwen3_omni_pipeline",
+        chat_renderer=f"{_Q3O}.pipeline:Qwen3OmniChatRenderer", tool_parser="hermes"),
     ModelEntry(
         "qwen3_tts", "omni", ("qwen3_tts",),
         components={"qwen3_tts.talker": f"{_TTS}.talker:load_talker"},

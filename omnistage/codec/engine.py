@@ -44,6 +44,9 @@ class CodecModel(Protocol):
 
     def voices(self) -> list[dict[str, Any]]: ...          # one {"id", "name", "sample_rate", "backend", ...} per voice
 
+    # A model that sizes a request's chunks by the stage's load declares `on_load(active)`: the engine
+    # calls it with the number of requests it holds right before each `new_state`.
+
     # A TTS model also declares `capabilities()`, a `SpeechCapabilities` (codec/speech.py): the task
     # types, languages and fields it honours, which its `check_params` enforces.
 
@@ -101,6 +104,9 @@ class CodecEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params if params is not None else self.params_type()
         self.model.check_params(params)
+        on_load = getattr(self.model, "on_load", None)
+        if on_load is not None:
+            on_load(len(self.requests))
         state = self.model.new_state(params)
         req = CodecRequest(request_id, state, self.model.batch_key(state),
                            metrics=RequestMetrics(arrival_time=arrival_time or time.time()))

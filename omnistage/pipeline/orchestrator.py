@@ -40,8 +40,10 @@ from omnistage.stage import ARPrompt, RequestFailedError, StageDeadError, StageE
 
 logger = logging.getLogger(__name__)
 
-# Request-level fields of a dict prompt that the orchestrator reads (and no stage sees).
-REQUEST_FIELDS = ("modalities", "voice")
+# Request-level fields of a dict prompt that the orchestrator reads (and no stage sees); those of
+# PARAMS_FIELDS are also set on the params of every stage of the request whose params have that field.
+REQUEST_FIELDS = ("modalities", "voice", "initial_codec_chunk_frames")
+PARAMS_FIELDS = ("voice", "initial_codec_chunk_frames")
 # What a failed request's error may be (`pop_errors`): a dead stage, refused input, a run-time failure.
 FAILURE_TYPES = (StageDeadError, ValueError, RequestFailedError)
 
@@ -149,8 +151,9 @@ class Orchestrator:
                 p = params
             if p is None and (s.params or s.name != entry):
                 p = params_type(s.kind, self.stages[s.name])(**s.params)
-            if fields.get("voice") is not None and hasattr(p, "voice"):
-                p = dataclasses.replace(p, voice=fields["voice"])
+            given = {k: fields[k] for k in PARAMS_FIELDS if fields.get(k) is not None and hasattr(p, k)}
+            if given:
+                p = dataclasses.replace(p, **given)
             chosen[s.name] = p
         for name in names:                      # refuse before any stage spends work
             check = getattr(self.stages[name], "check_params", None)

@@ -35,7 +35,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import StrictBool
 from sse_starlette import EventSourceResponse
 
-from omnistage.codec.speech import TTSParams, clean_for_speech
+from omnistage.codec.speech import MAX_CHUNK_FRAMES, TTSParams, clean_for_speech
 from omnistage.entrypoints.openai.chat_media import off_loop
 from omnistage.entrypoints.openai.errors import OpenAIError, bad_request
 from omnistage.entrypoints.openai.protocol import RequestBody
@@ -278,16 +278,17 @@ class ServingSpeech(OpenAIServing):
 class ChatAudio:
     """Audio output of one chat completion (`"modalities": ["text", "audio"]`)."""
 
-    def __init__(self, voice: Optional[str], fmt: str):
+    def __init__(self, voice: Optional[str], fmt: str, initial_codec_chunk_frames: Optional[int] = None):
         self.voice = voice
         self.fmt = fmt
+        self.initial_codec_chunk_frames = initial_codec_chunk_frames   # None: the codec stage chooses by load
         self.id = f"audio_{uuid.uuid4().hex}"
         self.delta = AudioDelta()
         self.encoder: Optional[AudioStreamEncoder] = None
 
     @classmethod
-    def from_request(cls, engine: Any, modalities: Optional[list[str]],
-                     audio: Optional[dict[str, Any]]) -> Optional["ChatAudio"]:
+    def from_request(cls, engine: Any, modalities: Optional[list[str]], audio: Optional[dict[str, Any]],
+                     initial_codec_chunk_frames: Optional[int] = None) -> Optional["ChatAudio"]:
         """None for a text-only request; a 400 for what this engine cannot produce."""
         modalities = list(modalities or ["text"])
         allowed = list(getattr(engine, "output_modalities", ["text"]))
@@ -304,10 +305,17 @@ class ChatAudio:
                               param="audio.format")
         voice = _voice_name(audio.get("voice"), "audio.voice")
         _check_voice(engine, voice, "audio.voice")
-        return cls(voice, fmt)
+        first = initial_codec_chunk_frames
+        if first is not None and (isinstance(first, bool) or not 1 <= first <= MAX_CHUNK_FRAMES):
+            raise OpenAIError(400, f"initial_codec_chunk_frames must be an integer in [1, {MAX_CHUNK_FRAMES}], "
+                                   f"got {first!r}", param="initial_codec_chunk_frames")
+        return cls(voice, fmt, first)
 
     def prompt(self, prompt: dict) -> dict:
-        return {**prompt, "modalities": ["text", "audio"], "voice": self.voice}
+        out = {**prompt, "modalities": ["text", "audio"], "voice": self.voice}
+        if self.initial_codec_chunk_frames is not None:
+            out["initial_codec_chunk_frames"] = self.initial_codec_chunk_frames
+        return out
 
     def message_audio(self, final: RequestOutput) -> Optional[dict[str, Any]]:
         """`message.audio` of a non-streamed answer: the whole file, base64, with its transcript."""

@@ -42,7 +42,9 @@ logger = logging.getLogger(__name__)
 
 # Request-level fields of a dict prompt that the orchestrator reads (and no stage sees); those of
 # PARAMS_FIELDS are also set on the params of every stage of the request whose params have that field.
-REQUEST_FIELDS = ("modalities", "voice", "initial_codec_chunk_frames")
+# `read_aloud_from`: the prompt position where the text to speak begins (read-aloud on an omni model:
+# the thinker's edge adapter reads the rows from there on as its answer).
+REQUEST_FIELDS = ("modalities", "voice", "initial_codec_chunk_frames", "read_aloud_from")
 PARAMS_FIELDS = ("voice", "initial_codec_chunk_frames")
 # What a failed request's error may be (`pop_errors`): a dead stage, refused input, a run-time failure.
 FAILURE_TYPES = (StageDeadError, ValueError, RequestFailedError)

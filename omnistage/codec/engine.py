@@ -29,7 +29,7 @@ from typing import Any, Hashable, Optional, Protocol
 import numpy as np
 
 from omnistage.codec.scheduler import CodecBatch, CodecReport, CodecRequest, CodecScheduler
-from omnistage.outputs import AudioOutput, RequestMetrics, RequestOutput
+from omnistage.outputs import AudioOutput, AudioTiming, RequestMetrics, RequestOutput
 from omnistage.stage import StageError, StageOutput
 
 logger = logging.getLogger(__name__)
@@ -194,6 +194,10 @@ class CodecEngine:
         req = report.request
         chunk = report.chunk if report.chunk is not None else np.zeros(0, np.float32)
         self._audio_seconds += len(chunk) / self.model.sample_rate(req.state)
+        if len(chunk):                          # the stage's own view of a listener's playback
+            if req.metrics.audio is None:
+                req.metrics.audio = AudioTiming()
+            req.metrics.audio.add(time.time(), len(chunk) / self.model.sample_rate(req.state))
         samples = np.concatenate(req.chunks) if req.chunks else np.zeros(0, np.float32)
         prompt, ids = self.model.prompt(req.state)
         out = RequestOutput(request_id=req.request_id, prompt=prompt, prompt_token_ids=list(ids),

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from omnistage.outputs import RequestOutput
+from omnistage.outputs import AudioTiming, RequestMetrics, RequestOutput
 from omnistage.adapters import EdgeContext
 from omnistage.pipeline.build import build_engine, edge_adapter, params_type
 from omnistage.spec import EdgeSpec, PipelineSpec, StageSpec
@@ -91,6 +91,8 @@ class _Route:
     fields: dict[str, Any] = field(default_factory=dict)             # request-level prompt fields (voice, ...)
     inputs: Any = None                                               # what the request entered with
     memory: dict[tuple[str, str], dict] = field(default_factory=dict)  # (src, dst) -> edge adapter's state
+    audio: AudioTiming = field(default_factory=AudioTiming)          # its audio as it leaves the pipeline
+    audio_samples: int = 0                                           # audio samples merged so far
 
 
 class Orchestrator:
@@ -209,6 +211,9 @@ class Orchestrator:
                     changed.pop(out.request_id, None)
                     continue
                 if len(route.stages) == 1:      # one-stage request: pass through untouched
+                    m = out.output.metrics      # (its audio timing is the stage's own)
+                    if m is not None and m.audio is not None:
+                        m.stage_audio = {spec.name: m.audio}
                     single[out.request_id] = out.output
                     if out.finished:
                         del self.routes[out.request_id]
@@ -343,7 +348,24 @@ class Orchestrator:
         if not finished:                        # finish reasons show only on the request's last output
             merged.outputs = [dataclasses.replace(c, finish_reason=None, stop_reason=None)
                               if c.finish_reason is not None else c for c in merged.outputs]
+        self._time_audio(route, merged)
         return merged
+
+    def _time_audio(self, route: _Route, merged: RequestOutput) -> None:
+        """Adds the audio's arrival at the pipeline's output, and each audio stage's own timing, to
+        the merged output's metrics (a copy: the entry stage's metrics stay its own)."""
+        n = len(merged.audio.samples) if merged.audio is not None else 0
+        if n > route.audio_samples:
+            route.audio.add(time.time(), (n - route.audio_samples) / merged.audio.sample_rate)
+            route.audio_samples = n
+        stages = {name: route.latest[name].metrics.audio for name in route.stages
+                  if self.spec.stage(name).final_output == "audio" and name in route.latest
+                  and route.latest[name].metrics is not None and route.latest[name].metrics.audio is not None}
+        if route.audio.first_audio_time is None and not stages:
+            return
+        base = merged.metrics or RequestMetrics(arrival_time=route.arrival)
+        merged.metrics = dataclasses.replace(base, audio=dataclasses.replace(route.audio),
+                                             stage_audio={k: dataclasses.replace(v) for k, v in stages.items()})
 
     def reset_prefix_cache(self) -> dict[str, int]:
         """Drops the prefix cache of every stage that has one (the AR stages): stage name -> cached

@@ -9,6 +9,7 @@ position before them (+ voice and bos rows), and its streamed rows are one per f
 (+ the tts_eos row).
 """
 
+import base64
 import io
 import time
 
@@ -158,3 +159,20 @@ def test_underruns_of_a_slow_stage_show_on_metrics_and_the_stream_finishes(async
         assert samples_of(text, "omnistage:audio_underrun_s_count")[stage] == 1
         assert samples_of(text, "omnistage:audio_ttfp_s_count")[stage] == 1
         assert samples_of(text, "omnistage:audio_rtf_count")[stage] == 1
+
+
+def test_chat_first_chunk_field_reaches_code2wav(async_omni):
+    """Chat's top-level `initial_codec_chunk_frames` sizes the first audio chunk of a spoken answer."""
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    with openai_client(async_omni) as client:
+        stream = client.chat.completions.create(
+            model="tiny-omni", messages=messages, max_tokens=8, temperature=0, stream=True,
+            modalities=["text", "audio"], audio={"voice": "Ethan", "format": "pcm"},
+            extra_body={"initial_codec_chunk_frames": 3})
+        deltas = [c.choices[0].delta.model_dump() for c in stream if c.choices]
+        sizes = [len(base64.b64decode(d["audio"]["data"])) // 2 for d in deltas if (d.get("audio") or {}).get("data")]
+        assert sizes[0] == 3 * 480 and sum(sizes) == SAMPLES
+        with pytest.raises(openai.BadRequestError, match="initial_codec_chunk_frames"):
+            client.chat.completions.create(model="tiny-omni", messages=messages, max_tokens=2,
+                                           modalities=["text", "audio"], audio={"voice": "Ethan", "format": "wav"},
+                                           extra_body={"initial_codec_chunk_frames": 0})

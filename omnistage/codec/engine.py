@@ -7,7 +7,8 @@ while an upstream stage streams more through `add_input`) and params an instance
 `params_type` (None = its defaults). Out: each `step()` returns one `StageOutput` per request that
 changed: `output.audio` is the cumulative `AudioOutput` (float32 mono in [-1, 1] at the model's
 rate), `output.prompt` / `prompt_token_ids` what the model says it has read (text spoken, phoneme or
-codec ids), `audio_chunk` the samples added this step (empty when none); the last one has
+codec ids), `audio_chunk` the samples added this step (empty when none), `output.metrics.audio` when the
+audio came out of this stage (`AudioTiming`: first / last audio, underruns); the last one has
 `finished=True`.
 
 A step is schedule -> decode -> update: the `CodecScheduler` picks the ready chunks (round-robin, one

@@ -14,7 +14,8 @@ memory). An adapter or downstream stage that raises fails only that request (`po
 typed error: a dead stage, refused input, or that request's own run-time failure), and a stage
 whose step raises fails only the requests it holds (the other stages step on). The
 request's outputs of its final stages are merged into one `RequestOutput`: the entry stage's
-prompt, token ids and metrics; text from the stage that produces text, audio / images / video from
+prompt, token ids and metrics (plus the audio's timing, `AudioTiming`, at the pipeline's output and
+at each audio stage); text from the stage that produces text, audio / images / video from
 the stages that produce them. Completion finish reasons are held back until every stage of the
 request is done, so the last output a caller sees is the one with `finished=True`. An abort reaches
 every stage that holds the request. Stages run in-process here; `stage_client` puts one in its own
@@ -333,6 +334,7 @@ class Orchestrator:
     def _merge(self, request_id: str, route: _Route, finished: bool) -> RequestOutput:
         entry = route.latest.get(route.entry) or RequestOutput(request_id=request_id)
         merged = dataclasses.replace(entry, finished=finished)
+        stage_audio: dict[str, AudioTiming] = {}            # audio stage -> when its audio came out
         for name in route.stages:
             spec, out = self.spec.stage(name), route.latest.get(name)
             if out is None or spec.final_output is None:
@@ -341,6 +343,8 @@ class Orchestrator:
                 merged.outputs = out.outputs
             elif spec.final_output == "audio":
                 merged.audio = out.audio
+                if out.metrics is not None and out.metrics.audio is not None:
+                    stage_audio[name] = dataclasses.replace(out.metrics.audio)
             elif spec.final_output == "image":
                 merged.images, merged.video = out.images, out.video or merged.video
             elif spec.final_output == "video":
@@ -348,24 +352,14 @@ class Orchestrator:
         if not finished:                        # finish reasons show only on the request's last output
             merged.outputs = [dataclasses.replace(c, finish_reason=None, stop_reason=None)
                               if c.finish_reason is not None else c for c in merged.outputs]
-        self._time_audio(route, merged)
-        return merged
-
-    def _time_audio(self, route: _Route, merged: RequestOutput) -> None:
-        """Adds the audio's arrival at the pipeline's output, and each audio stage's own timing, to
-        the merged output's metrics (a copy: the entry stage's metrics stay its own)."""
         n = len(merged.audio.samples) if merged.audio is not None else 0
-        if n > route.audio_samples:
+        if n > route.audio_samples:             # the audio's arrival at the pipeline's output
             route.audio.add(time.time(), (n - route.audio_samples) / merged.audio.sample_rate)
             route.audio_samples = n
-        stages = {name: route.latest[name].metrics.audio for name in route.stages
-                  if self.spec.stage(name).final_output == "audio" and name in route.latest
-                  and route.latest[name].metrics is not None and route.latest[name].metrics.audio is not None}
-        if route.audio.first_audio_time is None and not stages:
-            return
-        base = merged.metrics or RequestMetrics(arrival_time=route.arrival)
-        merged.metrics = dataclasses.replace(base, audio=dataclasses.replace(route.audio),
-                                             stage_audio={k: dataclasses.replace(v) for k, v in stages.items()})
+        if route.audio.first_audio_time is not None or stage_audio:   # a copy: the entry's metrics stay its own
+            merged.metrics = dataclasses.replace(merged.metrics or RequestMetrics(arrival_time=route.arrival),
+                                                 audio=dataclasses.replace(route.audio), stage_audio=stage_audio)
+        return merged
 
     def reset_prefix_cache(self) -> dict[str, int]:
         """Drops the prefix cache of every stage that has one (the AR stages): stage name -> cached

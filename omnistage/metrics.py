@@ -10,7 +10,13 @@ Families: gauges num_requests_running / num_requests_waiting / kv_cache_usage_pe
 request_success_total{finished_reason}, prompt_tokens_total, generation_tokens_total,
 num_preemptions_total, prefix_cache_queries_total / prefix_cache_hits_total (tokens); histograms
 e2e_request_latency_seconds, time_to_first_token_seconds, inter_token_latency_seconds; for speech
-time_to_first_audio_seconds, audio_real_time_factor (histograms) and audio_seconds_total; for
+time_to_first_audio_seconds, audio_real_time_factor (histograms) and audio_seconds_total, and per
+`stage` (each stage that makes audio, by its name, and "pipeline" for the audio as it leaves the
+pipeline; from `RequestMetrics.audio` / `stage_audio`, vLLM-Omni's names): counters
+audio_underruns_total / audio_underrun_seconds_total (a listener's playback, started at the first
+audio and run in real time, ran dry: `outputs.AudioTiming`; counted as they happen), histograms
+audio_ttfp_s (arrival to first audio), audio_rtf (arrival to last audio / seconds of audio) and
+audio_underrun_s (seconds a finished request's playback stood dry); for
 diffusion (outputs with `progress`) diffusion_step_seconds (the shared denoising forward + solver
 update, observed per request per step) and diffusion_request_phase_seconds{phase} (encode / denoise
 / decode seconds of each finished request), diffusion_cached_steps_total (steps the step cache
@@ -23,13 +29,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from omnistage.outputs import RequestOutput
+from omnistage.outputs import AudioTiming, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +48,8 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                 240.0, 480.0)
 _RTF_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+_UNDERRUN_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+PIPELINE = "pipeline"                           # `stage` label of the audio as it leaves the pipeline
 _STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
 _PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0)
 _STALE_S = 600.0                                # forget per-request state not updated for this long
@@ -56,6 +64,7 @@ class _RequestState:
     audio_samples: int = 0                      # audio samples seen so far (speech stages)
     denoise_s: float = 0.0                      # diffusion: denoising seconds seen so far
     progress: float = 0.0                       # diffusion: fraction of denoising steps seen so far
+    underruns: dict = field(default_factory=dict)  # stage label -> (underruns, seconds) counted so far
 
 
 class _EngineStatsCollector:
@@ -128,6 +137,17 @@ class EngineMetrics:
                                      registry=reg).labels(model_name)
         self.rtf = Histogram(PREFIX + "audio_real_time_factor", "Request time / seconds of audio it produced.",
                              labels, buckets=_RTF_BUCKETS, registry=reg).labels(model_name)
+        stage = labels + ["stage"]
+        self.underruns = Counter(PREFIX + "audio_underruns", "Times a listener's playback ran dry after the "
+                                 "first audio.", stage, registry=reg)
+        self.underrun_seconds = Counter(PREFIX + "audio_underrun_seconds", "Seconds listeners' playback stood dry.",
+                                        stage, registry=reg)
+        self.underrun_s = Histogram(PREFIX + "audio_underrun_s", "Seconds a finished request's playback stood dry "
+                                    "(its worst lateness).", stage, buckets=_UNDERRUN_BUCKETS, registry=reg)
+        self.ttfp = Histogram(PREFIX + "audio_ttfp_s", "Arrival to the first audio packet.", stage,
+                              buckets=_TTFT_BUCKETS, registry=reg)
+        self.stage_rtf = Histogram(PREFIX + "audio_rtf", "Arrival to the last audio / seconds of audio.", stage,
+                                   buckets=_RTF_BUCKETS, registry=reg)
         self.diffusion_step = Histogram(PREFIX + "diffusion_step_seconds",
                                         "Denoising step (shared forward + solver) per request step.", labels,
                                         buckets=_STEP_BUCKETS, registry=reg).labels(model_name)
@@ -169,6 +189,8 @@ class EngineMetrics:
                 st.audio_samples = len(out.audio.samples)
             if out.progress is not None:
                 self._observe_diffusion(st, out, now)
+            if out.metrics is not None:
+                self._observe_audio(st, out)
             if out.finished:
                 del self._state[out.request_id]
                 self.e2e.observe(max(0.0, now - st.arrival))
@@ -187,6 +209,24 @@ class EngineMetrics:
         if out.finished and not out.error:
             for phase, seconds in phases.items():
                 self.diffusion_phase.labels(self.model_name, phase).observe(seconds)
+
+    def _observe_audio(self, st: _RequestState, out: RequestOutput) -> None:
+        m = out.metrics
+        timings: dict[str, AudioTiming] = dict(m.stage_audio)
+        if m.audio is not None:
+            timings[PIPELINE] = m.audio
+        for stage, t in timings.items():
+            count, seconds = st.underruns.get(stage, (0, 0.0))
+            if t.underruns > count:
+                self.underruns.labels(self.model_name, stage).inc(t.underruns - count)
+            if t.underrun_s > seconds:
+                self.underrun_seconds.labels(self.model_name, stage).inc(t.underrun_s - seconds)
+            st.underruns[stage] = (t.underruns, t.underrun_s)
+            if out.finished and t.first_audio_time is not None:
+                self.underrun_s.labels(self.model_name, stage).observe(t.underrun_s)
+                self.ttfp.labels(self.model_name, stage).observe(max(0.0, t.first_audio_time - st.arrival))
+                self.stage_rtf.labels(self.model_name, stage).observe(
+                    max(0.0, t.last_audio_time - st.arrival) / max(t.seconds, 1e-9))
 
     def on_abort(self, request_id: str, reason: str = "abort") -> None:
         """The server ended an accepted request before its final output (client gone, engine error)."""

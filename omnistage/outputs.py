@@ -48,6 +48,34 @@ class VideoOutput:
 
 
 @dataclass
+class AudioTiming:
+    """How a listener hears a streamed answer: playback starts when the first audio arrives and runs
+    in real time; when the next audio arrives after what came before has been played out, playback
+    stood dry (an underrun) until it came, and goes on from there. `underrun_s` is also the worst
+    lateness of any audio against a playback that never waits."""
+
+    first_audio_time: Optional[float] = None    # time.time() the first audio samples arrived
+    last_audio_time: Optional[float] = None     # time.time() the latest audio samples arrived
+    seconds: float = 0.0                        # seconds of audio arrived so far
+    underruns: int = 0                          # times playback ran dry (after the first audio)
+    underrun_s: float = 0.0                     # seconds it stood dry in all
+
+    def add(self, now: float, seconds: float) -> None:
+        """`seconds` of audio arrived at `now` (time.time())."""
+        if seconds <= 0:
+            return
+        if self.first_audio_time is None:
+            self.first_audio_time = now
+        else:
+            dry_at = self.first_audio_time + self.underrun_s + self.seconds
+            if now > dry_at:
+                self.underruns += 1
+                self.underrun_s += now - dry_at
+        self.last_audio_time = now
+        self.seconds += seconds
+
+
+@dataclass
 class RequestMetrics:
     arrival_time: float                         # time.time() when the request arrived
     first_scheduled_time: Optional[float] = None
@@ -56,6 +84,9 @@ class RequestMetrics:
     phase_times: dict[str, float] = field(default_factory=dict)  # step-based stages: phase -> seconds so far
                                                                  # (diffusion: encode, denoise, decode)
     cached_steps: int = 0                       # diffusion step cache: denoising steps that reused a cached residual
+    audio: Optional[AudioTiming] = None         # speech: when its audio reached the pipeline's output (a stage's
+    # own output, for a request that runs one stage)
+    stage_audio: dict[str, AudioTiming] = field(default_factory=dict)  # stage name -> when that stage's audio came out
 
 
 @dataclass

@@ -7,7 +7,8 @@ while an upstream stage streams more through `add_input`) and params an instance
 `params_type` (None = its defaults). Out: each `step()` returns one `StageOutput` per request that
 changed: `output.audio` is the cumulative `AudioOutput` (float32 mono in [-1, 1] at the model's
 rate), `output.prompt` / `prompt_token_ids` what the model says it has read (text spoken, phoneme or
-codec ids), `audio_chunk` the samples added this step (empty when none); the last one has
+codec ids), `audio_chunk` the samples added this step (empty when none), `output.metrics.audio` when the
+audio came out of this stage (`AudioTiming`: first / last audio, underruns); the last one has
 `finished=True`.
 
 A step is schedule -> decode -> update: the `CodecScheduler` picks the ready chunks (round-robin, one
@@ -29,7 +30,7 @@ from typing import Any, Hashable, Optional, Protocol
 import numpy as np
 
 from omnistage.codec.scheduler import CodecBatch, CodecReport, CodecRequest, CodecScheduler
-from omnistage.outputs import AudioOutput, RequestMetrics, RequestOutput
+from omnistage.outputs import AudioOutput, AudioTiming, RequestMetrics, RequestOutput
 from omnistage.stage import StageError, StageOutput
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,9 @@ class CodecModel(Protocol):
     max_batch: int                              # most requests one `decode` call serves
 
     def voices(self) -> list[dict[str, Any]]: ...          # one {"id", "name", "sample_rate", "backend", ...} per voice
+
+    # A model that sizes a request's chunks by the stage's load declares `on_load(active)`: the engine
+    # calls it with the number of requests it holds right before each `new_state`.
 
     # A TTS model also declares `capabilities()`, a `SpeechCapabilities` (codec/speech.py): the task
     # types, languages and fields it honours, which its `check_params` enforces.
@@ -101,6 +105,9 @@ class CodecEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params if params is not None else self.params_type()
         self.model.check_params(params)
+        on_load = getattr(self.model, "on_load", None)
+        if on_load is not None:
+            on_load(len(self.requests))
         state = self.model.new_state(params)
         req = CodecRequest(request_id, state, self.model.batch_key(state),
                            metrics=RequestMetrics(arrival_time=arrival_time or time.time()))
@@ -188,6 +195,10 @@ class CodecEngine:
         req = report.request
         chunk = report.chunk if report.chunk is not None else np.zeros(0, np.float32)
         self._audio_seconds += len(chunk) / self.model.sample_rate(req.state)
+        if len(chunk):                          # the stage's own view of a listener's playback
+            if req.metrics.audio is None:
+                req.metrics.audio = AudioTiming()
+            req.metrics.audio.add(time.time(), len(chunk) / self.model.sample_rate(req.state))
         samples = np.concatenate(req.chunks) if req.chunks else np.zeros(0, np.float32)
         prompt, ids = self.model.prompt(req.state)
         out = RequestOutput(request_id=req.request_id, prompt=prompt, prompt_token_ids=list(ids),

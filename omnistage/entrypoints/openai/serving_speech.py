@@ -2,7 +2,8 @@
 
 `register_speech_routes(app, engine, served_model_name, metrics, options)` adds:
   * `POST /v1/audio/speech` (`SpeechRequest`): the text goes straight to the pipeline's speech stage
-    (`AsyncOmni.speech_stage`, skipping any LM). Fields: OpenAI's plus vLLM-Omni's `task_type`,
+    (`AsyncOmni.speech_stage`, skipping any LM), or, on an omni model (Qwen2.5-Omni), to its thinker
+    as the answer to speak (`AsyncOmni.speech`: the talker speaks exactly that text). Fields: OpenAI's plus vLLM-Omni's `task_type`,
     `language`, `ref_audio` (data URL / base64 / an allowed URL, `ref_audio.py`), `ref_text`,
     `x_vector_only_mode`, `max_new_tokens`, `initial_codec_chunk_frames`, `stream`; `voice` is a
     preset of the model or an uploaded voice (`voice_store.py`, whose reference becomes
@@ -35,7 +36,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import StrictBool
 from sse_starlette import EventSourceResponse
 
-from omnistage.codec.speech import TTSParams, clean_for_speech
+from omnistage.codec.speech import MAX_CHUNK_FRAMES, TTSParams, clean_for_speech
 from omnistage.entrypoints.openai.chat_media import off_loop
 from omnistage.entrypoints.openai.errors import OpenAIError, bad_request
 from omnistage.entrypoints.openai.protocol import RequestBody
@@ -127,8 +128,13 @@ class AudioDelta:
 
 
 async def _first(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The first output with audio (or the last one): what a stream's header (its sample rate) needs;
+    an omni pipeline's first outputs are the thinker's, without audio."""
     try:
-        return await gen.__anext__()
+        out = await gen.__anext__()
+        while out.audio is None and not out.finished:
+            out = await gen.__anext__()
+        return out
     except StopAsyncIteration:
         raise OpenAIError(500, "the engine ended the request without output") from None
 
@@ -202,17 +208,20 @@ class ServingSpeech(OpenAIServing):
         return params
 
     def check_params(self, params: TTSParams) -> None:
-        """The speech stage's own check (its capabilities: voices, task types, languages, fields),
-        at once, so a WebSocket session's config is refused when it is sent; raises ParamError."""
-        stage = self.engine.orchestrator.stages.get(self.engine.speech_stage)
-        check = getattr(stage, "check_params", None)
-        if check is not None:
-            check(params)
+        """The speech stage's own check (its capabilities: voices, task types, languages, fields), or
+        the read-aloud model's, at once, so a WebSocket session's config is refused when it is sent;
+        raises ParamError."""
+        self.engine.speech.check(params)
 
     def speak(self, text: str, params: TTSParams, request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
-        """The speech stage's cumulative outputs for `text`."""
-        return self.generate(text, params, request_id or f"speech-{uuid.uuid4().hex}", default_param="input",
-                             entry_stage=self.engine.speech_stage)
+        """The pipeline's cumulative outputs for speaking `text`: through the speech stage, or read
+        aloud by an omni model (its thinker fed the text as its answer, `AsyncOmni.speech`)."""
+        try:
+            prompt, stage_params, entry = self.engine.speech.request(text, params)
+        except ValueError as e:
+            raise bad_request(e) from e
+        return self.generate(prompt, stage_params, request_id or f"speech-{uuid.uuid4().hex}", default_param="input",
+                             entry_stage=entry)
 
     async def create(self, req: SpeechRequest, raw: Request) -> Response:
         self.check_request(req.model, "speech")
@@ -278,16 +287,17 @@ class ServingSpeech(OpenAIServing):
 class ChatAudio:
     """Audio output of one chat completion (`"modalities": ["text", "audio"]`)."""
 
-    def __init__(self, voice: Optional[str], fmt: str):
+    def __init__(self, voice: Optional[str], fmt: str, initial_codec_chunk_frames: Optional[int] = None):
         self.voice = voice
         self.fmt = fmt
+        self.initial_codec_chunk_frames = initial_codec_chunk_frames   # None: the codec stage chooses by load
         self.id = f"audio_{uuid.uuid4().hex}"
         self.delta = AudioDelta()
         self.encoder: Optional[AudioStreamEncoder] = None
 
     @classmethod
-    def from_request(cls, engine: Any, modalities: Optional[list[str]],
-                     audio: Optional[dict[str, Any]]) -> Optional["ChatAudio"]:
+    def from_request(cls, engine: Any, modalities: Optional[list[str]], audio: Optional[dict[str, Any]],
+                     initial_codec_chunk_frames: Optional[int] = None) -> Optional["ChatAudio"]:
         """None for a text-only request; a 400 for what this engine cannot produce."""
         modalities = list(modalities or ["text"])
         allowed = list(getattr(engine, "output_modalities", ["text"]))
@@ -304,10 +314,17 @@ class ChatAudio:
                               param="audio.format")
         voice = _voice_name(audio.get("voice"), "audio.voice")
         _check_voice(engine, voice, "audio.voice")
-        return cls(voice, fmt)
+        first = initial_codec_chunk_frames
+        if first is not None and (isinstance(first, bool) or not 1 <= first <= MAX_CHUNK_FRAMES):
+            raise OpenAIError(400, f"initial_codec_chunk_frames must be an integer in [1, {MAX_CHUNK_FRAMES}], "
+                                   f"got {first!r}", param="initial_codec_chunk_frames")
+        return cls(voice, fmt, first)
 
     def prompt(self, prompt: dict) -> dict:
-        return {**prompt, "modalities": ["text", "audio"], "voice": self.voice}
+        out = {**prompt, "modalities": ["text", "audio"], "voice": self.voice}
+        if self.initial_codec_chunk_frames is not None:
+            out["initial_codec_chunk_frames"] = self.initial_codec_chunk_frames
+        return out
 
     def message_audio(self, final: RequestOutput) -> Optional[dict[str, Any]]:
         """`message.audio` of a non-streamed answer: the whole file, base64, with its transcript."""

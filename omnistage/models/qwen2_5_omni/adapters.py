@@ -17,6 +17,10 @@ The talker stage adds its folded codec table (`embed[c] = codec_embed[c] W^T`, `
 streamed rows, which makes each decode input `W (codec_embed(c) + T(g_j)) + b` as in transformers.
 The thinker's rows of one step arrive per output; the prompt rows wait in the request's edge
 memory until T(g_0) exists (the thinker step after its prefill).
+Read aloud (request field `read_aloud_from` = R, `read_aloud.py`): the thinker's prompt ends with the
+text to speak, so P = R and g_0 .. g_{n-1} are the prompt's positions R .. end - 1 (all computed by
+the prefill); rows past the prompt (the one token it samples) are not read, and the stream ends with
+the thinker (then the tts_eos row).
 
 talker -> code2wav (`qwen2_5_omni.talker_to_code2wav`, a pure function): the talker's codes so far,
 without the stop code that ended it, as a streamed `CodecInput`.
@@ -164,8 +168,10 @@ class ThinkerToTalker:
 
     def __call__(self, out: StageOutput, ctx: EdgeContext) -> Optional[TalkerInput]:
         mem = ctx.memory
+        n_prompt = len(out.output.prompt_token_ids)
+        read_from = ctx.fields.get("read_aloud_from")
         if out.hidden is not None:
-            text = self._text_rows(out, mem, out.hidden)
+            text = self._text_rows(out, mem, out.hidden, n_prompt if read_from is not None else None)
             if "prompt" in mem:                 # rows of g_1, g_2, ...: streamed
                 mem["rows"].extend(self.cond.project(text).unbind(0))
             elif text.shape[0]:
@@ -173,7 +179,10 @@ class ThinkerToTalker:
         elif "text" not in mem and "prompt" not in mem:
             raise ValueError("the talker needs the thinker's hidden states: send a chat prompt "
                              "(Omni.chat, /v1/chat/completions) or set return_hidden_states")
-        n_prompt = len(out.output.prompt_token_ids)
+        if read_from is not None:
+            if not isinstance(read_from, int) or not 0 < read_from < n_prompt:
+                raise ValueError(f"read_aloud_from must be in [1, {n_prompt - 1}], got {read_from!r}")
+            n_prompt = read_from
         if "prompt" not in mem and "text" in mem and (mem["text"].shape[0] > n_prompt or out.finished):
             self._start(mem, ctx, n_prompt)     # T(g_0) is here (or the thinker said one token only)
         if "prompt" not in mem:
@@ -183,13 +192,16 @@ class ThinkerToTalker:
             mem["closed"] = True
         return TalkerInput(mem["prompt"], list(mem["rows"]), bool(mem.get("closed")), mem["pad_row"])
 
-    def _text_rows(self, out: StageOutput, mem: dict, report: HiddenStates) -> torch.Tensor:
-        """T rows of the positions not seen before: input embedding (zero on media rows) + hidden."""
+    def _text_rows(self, out: StageOutput, mem: dict, report: HiddenStates,
+                   limit: Optional[int] = None) -> torch.Tensor:
+        """T rows of the positions not seen before (and below `limit`, when given): input embedding
+        (zero on media rows) + hidden."""
         start, seen = int(report.start), mem.get("seen", 0)
         if start > seen:
             raise RuntimeError(f"request {out.request_id}: thinker rows {seen}..{start - 1} never arrived")
         skip = seen - start                     # rows recomputed after a preemption: already taken
-        hidden, embeds = report.hidden[skip:], report.inputs[skip:]
+        end = report.hidden.shape[0] if limit is None else max(skip, min(report.hidden.shape[0], limit - start))
+        hidden, embeds = report.hidden[skip:end], report.inputs[skip:end]
         start += skip
         mem["seen"] = start + hidden.shape[0]
         ids = out.output.prompt_token_ids

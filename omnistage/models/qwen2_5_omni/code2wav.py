@@ -24,6 +24,13 @@ How a request is decoded (the DiT's ODE is `code2wav_ode.py`; the vocoder is tra
     vs a whole decode come from the ODE state outside the window (each of the 36 DiT evaluations
     widens the dependency by the look-back/ahead blocks) and from BigVGAN's provisional right
     context; both shrink as `past_blocks` / `future_blocks` grow (measured in tests/models/qwen2_5_omni).
+  * First chunk: a request's `Code2WavParams.initial_codec_chunk_frames` (talker codes; HTTP chat
+    and speech field of that name), else a size chosen from the stage's load when the request
+    arrives (`first_chunk_for_load`: `first_chunk_codes` while at most 4 requests are in the stage,
+    doubling per 4x more, at most `chunk_codes`; `dynamic_first_chunk: false` keeps
+    `first_chunk_codes`); every later chunk has `chunk_codes`. The window rule above holds for any
+    first size, so the streamed waveform stays within the tolerance of tests/models/test_omni_streaming.py
+    of the whole decode (same noise, same left context / look-ahead).
   * Batching: the engine hands one `decode` the ready chunks of up to `max_batch_requests` requests
     with the same ODE settings (`Code2WavParams.ode_key`, the batch key); the ODE runs them in one
     forward per evaluation. BigVGAN runs once per group of equal-length inputs (padding would
@@ -59,7 +66,7 @@ import numpy as np
 import torch
 
 from omnistage.codec.engine import CodecEngine
-from omnistage.codec.speech import check_voice
+from omnistage.codec.speech import MAX_CHUNK_FRAMES, check_voice
 from omnistage.models.qwen2_5_omni.code2wav_ode import Code2WavODE
 from omnistage.params import check_param
 
@@ -75,8 +82,14 @@ class Code2WavParams:
     num_steps: int = 10                         # ODE time points (transformers' default: 10 -> 9 RK4 steps)
     guidance_scale: float = 0.5                 # classifier-free guidance weight; < 1e-5 turns CFG off
     sway_coefficient: Optional[float] = -1.0    # sway sampling of the time points; None = uniform
+    initial_codec_chunk_frames: Optional[int] = None  # talker codes in the first streamed chunk; None = chosen
+    # by the stage from its load (`first_chunk_for_load`); ignored in whole mode
 
     def __post_init__(self) -> None:
+        check_param(self.initial_codec_chunk_frames is None or (
+            isinstance(self.initial_codec_chunk_frames, int) and not isinstance(self.initial_codec_chunk_frames, bool)
+            and 1 <= self.initial_codec_chunk_frames <= MAX_CHUNK_FRAMES), "initial_codec_chunk_frames",
+            f"an integer in [1, {MAX_CHUNK_FRAMES}]", self.initial_codec_chunk_frames)
         check_param(isinstance(self.num_steps, int) and 2 <= self.num_steps <= 100, "num_steps",
                     "an integer in [2, 100]", self.num_steps)
         check_param(isinstance(self.guidance_scale, (int, float)) and self.guidance_scale >= 0, "guidance_scale",
@@ -133,6 +146,16 @@ def load_token2wav(model_dir: str, device: str = "cpu"):
     return model.float().eval().to(device), speakers
 
 
+def first_chunk_for_load(active: int, first: int, chunk: int) -> int:
+    """Codes in a new request's first chunk when `active` requests are in the stage already: `first`
+    while at most 4 are (the earliest first audio), twice that up to 16, four times up to 64, and so
+    on, never more than `chunk` (many streams: fewer, fuller ODE batches, each stream's lead grows)."""
+    size, limit = first, 4
+    while active > limit and size < chunk:
+        size, limit = size * 2, limit * 4
+    return min(size, chunk)
+
+
 def vocoder_context(bigvgan_config) -> int:
     """Mel frames each side of a frame that can change its BigVGAN samples (rounded up, +1 margin).
 
@@ -154,8 +177,9 @@ def vocoder_context(bigvgan_config) -> int:
 class Code2WavState:
     """One request's decoding state; a chunk of it is (s, e, window start, window end) in mel frames."""
 
-    def __init__(self, params: Code2WavParams, mel_dim: int):
+    def __init__(self, params: Code2WavParams, mel_dim: int, first_frames: int = 0):
         self.params = params                    # the voice filled in
+        self.first_frames = first_frames        # mel frames of the first chunk (chunked mode)
         self.codes: list[int] = []              # every code received so far
         seed = params.seed if params.seed is not None else secrets.randbits(62)
         self.generator = torch.Generator().manual_seed(seed)
@@ -183,7 +207,7 @@ class Code2Wav:
     def __init__(self, model_dir: str, device: Any = "cpu", default_voice: Optional[str] = None,
                  chunk_codes: Optional[int] = None, first_chunk_codes: Optional[int] = None,
                  past_blocks: int = 2, future_blocks: int = 1, vocoder_context_frames: Optional[int] = None,
-                 max_batch_requests: int = 8, cuda_graphs: bool = True):
+                 max_batch_requests: int = 8, cuda_graphs: bool = True, dynamic_first_chunk: bool = True):
         for name, value in (("chunk_codes", chunk_codes), ("first_chunk_codes", first_chunk_codes)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -207,6 +231,8 @@ class Code2Wav:
         self.hop = math.prod(self.vocoder.config.upsample_rates)
         self.chunk_frames = None if chunk_codes is None else chunk_codes * self.repeats
         self.first_chunk_frames = (first_chunk_codes or chunk_codes or 0) * self.repeats
+        self.dynamic_first_chunk = dynamic_first_chunk   # a request without its own first chunk: by load
+        self.active = 0                         # requests in the stage when the last one arrived (`on_load`)
         self.past, self.future = past_blocks * self.block, future_blocks * self.block
         self.voc_ctx = vocoder_context_frames if vocoder_context_frames is not None \
             else vocoder_context(self.vocoder.config)
@@ -245,10 +271,25 @@ class Code2Wav:
     def check_params(self, params: Optional[Code2WavParams]) -> None:
         check_voice(params, self.speakers)
 
+    def on_load(self, active: int) -> None:
+        self.active = active
+
+    def first_frames(self, params: Code2WavParams) -> int:
+        """Mel frames of a new request's first chunk: its own `initial_codec_chunk_frames`, else the
+        stage's first chunk sized by the load (`dynamic_first_chunk`) or as configured."""
+        if self.chunk_frames is None:
+            return 0
+        if params.initial_codec_chunk_frames is not None:
+            return params.initial_codec_chunk_frames * self.repeats
+        if not self.dynamic_first_chunk:
+            return self.first_chunk_frames
+        first, chunk = self.first_chunk_frames // self.repeats, self.chunk_frames // self.repeats
+        return first_chunk_for_load(self.active, first, chunk) * self.repeats
+
     def new_state(self, params: Code2WavParams) -> Code2WavState:
         if params.voice is None:
             params = replace(params, voice=self.default_voice)
-        return Code2WavState(params, self.mel_dim)
+        return Code2WavState(params, self.mel_dim, self.first_frames(params))
 
     def batch_key(self, state: Code2WavState) -> tuple:
         return state.params.ode_key()
@@ -270,7 +311,7 @@ class Code2Wav:
             return None
         if self.chunk_frames is None:           # whole mode: one window once everything is there
             return (0, total, 0, total) if input_done else None
-        e = s + (self.first_chunk_frames if s == 0 else self.chunk_frames)
+        e = s + (state.first_frames if s == 0 else self.chunk_frames)
         if e + self.future > total and not input_done:
             return None
         e = min(e, total)
@@ -319,7 +360,8 @@ class Code2Wav:
 
     def _steady_windows(self, most: int = 4) -> set[int]:
         """Window lengths (mel frames) that chunks other than a request's last have: the first
-        chunk's, and the `most` - 1 commonest of the next 63 (one when chunks are whole DiT blocks)."""
+        chunk's (each size the load may choose), and the `most` - 1 commonest of the next 63 after
+        the configured first chunk (one when chunks are whole DiT blocks)."""
         counts: dict[int, int] = {}
         s = 0
         for _ in range(64):
@@ -327,9 +369,12 @@ class Code2Wav:
             length = e + self.future - max(0, (s - self.past) // self.block * self.block)
             counts[length] = counts.get(length, 0) + 1
             s = e
-        first = self.first_chunk_frames + self.future
-        common = sorted((n for n in counts if n != first), key=lambda n: -counts[n])
-        return {first, *common[: most - 1]}
+        firsts = {self.first_chunk_frames + self.future}
+        if self.dynamic_first_chunk:
+            first, chunk = self.first_chunk_frames // self.repeats, self.chunk_frames // self.repeats
+            firsts |= {first_chunk_for_load(4 ** k + 1, first, chunk) * self.repeats + self.future for k in range(8)}
+        common = sorted((n for n in counts if n not in firsts), key=lambda n: -counts[n])
+        return {*firsts, *common[: most - 1]}
 
     # ---- BigVGAN: mel -> audio --------------------------------------------------------------------
     @torch.no_grad()

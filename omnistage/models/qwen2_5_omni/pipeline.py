@@ -22,6 +22,8 @@ and video (frames only) parts -> the thinker's inputs (`processor.py`): prompt i
 per encoder row), merged `prompt_embeds` when there is media, and 3-D rope positions + delta when
 there is an image or a video.
 The audio and vision encoders run here, in the entry point's process, on the thinker's device.
+Its `read_aloud(text, params)` is the thinker request that makes the talker speak `text`
+(`read_aloud.py`: `/v1/audio/speech` and `Omni.speak` on an omni folder).
 """
 
 from __future__ import annotations
@@ -136,6 +138,21 @@ class OmniChatRenderer:
         self.device = engine.torch_device()
         self.model = load_thinker_encoders(stage.model_dir, self.device, engine.torch_dtype())
         self.config = self.model.config
+        self.voices = voices(stage.model_dir)   # preset speakers (spk_dict.pt), for read-aloud's check
+
+    def check_read_aloud(self, params) -> None:
+        """Raises `ParamError` for `TTSParams` read-aloud cannot honour (see read_aloud.py)."""
+        from omnistage.models.qwen2_5_omni.read_aloud import check_read_aloud
+
+        check_read_aloud(params, self.voices)
+
+    def read_aloud(self, text: str, params) -> tuple[dict[str, Any], Any]:
+        """(thinker prompt dict, thinker `SamplingParams`) that speak `text` with `params` (`TTSParams`)."""
+        from omnistage.models.qwen2_5_omni.processor import build_thinker_inputs
+        from omnistage.models.qwen2_5_omni.read_aloud import read_aloud_request
+
+        template = build_thinker_inputs(self.processor, [{"role": "user", "content": text}])
+        return read_aloud_request(self.processor.tokenizer, template.input_ids[0].tolist(), text, params)
 
     @torch.no_grad()
     def __call__(self, messages: list[dict], chat_template_kwargs: Optional[dict] = None) -> dict[str, Any]:

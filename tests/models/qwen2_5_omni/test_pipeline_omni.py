@@ -9,15 +9,13 @@ model computes in transformers 4.x and the original Qwen code (what omnistage im
 
 import asyncio
 import base64
-import contextlib
 import io
-import socket
-import threading
 import time
 
 import numpy as np
 import pytest
 import torch
+from omni_testutil import openai_client
 from PIL import Image
 
 from omnistage.testing.qwen2_5_omni import CODEC_BOS, CODEC_EOS, CODEC_PAD, VOICES
@@ -237,31 +235,6 @@ def _wav_base64(seconds=0.5, rate=16000) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-@contextlib.contextmanager
-def openai_client(async_omni):
-    """The real `openai` client against `omnistage serve`'s app on loopback."""
-    import openai
-    import uvicorn
-
-    from omnistage.entrypoints.openai.api_server import build_app
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_app(async_omni, "tiny-omni"), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.time() + 30
-        while not server.started:
-            assert time.time() < deadline and thread.is_alive()
-            time.sleep(0.02)
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="x", max_retries=0)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-
-
 def test_openai_client_chat_with_audio_in_and_out(async_omni):
     import openai
     import soundfile as sf
@@ -369,12 +342,12 @@ def test_stage_process_takes_handed_on_requests_without_waiting_and_reports_refu
 
 def test_capabilities_of_the_omni_pipeline(async_omni):
     """GET /v1/capabilities' object for Qwen2.5-Omni: chat with audio out (its speakers as voices)
-    and image / audio / video parts in; no /v1/audio/speech (its vocoder reads codec ids, not text)."""
+    and image / audio / video parts in; /v1/audio/speech reads the text aloud (thinker -> talker)."""
     from omnistage.entrypoints.openai.capabilities import capabilities
     from omnistage.entrypoints.openai.serving_images import MediaLimits
 
     caps = capabilities(async_omni, "tiny-omni", MediaLimits())
-    assert caps["tasks"] == ["chat", "chat_audio"] and caps["speech"] is None and caps["images"] is None
+    assert caps["tasks"] == ["chat", "chat_audio", "speech"] and caps["images"] is None
     assert caps["chat"]["output_modalities"] == ["text", "audio"]
     assert sorted(caps["chat"]["input_media"]) == ["audio", "image", "video"]
     assert [v["id"] for v in caps["audio"]["voices"]] == list(VOICES)

@@ -14,7 +14,8 @@ dtype, max_positions)` follows the AR loader contract and returns `(Qwen3TTSTalk
     nothing is kept or shared between requests or frames) and returns the row its next position
     adds (the sum of their embeddings);
   * `make_request`: text + `TTSParams` -> the AR request (`prompt.py`, with the talker's text
-    embedding and projection, which live here, on the talker's device).
+    embedding and projection, which live here, on the talker's device); for Base the reference
+    voice is encoded here too (`reference.py`: speech-tokenizer encoder + speaker encoder).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from omnistage.codec.speech import TTSParams, TTSInput
 from omnistage.models.llama import Qwen3ForCausalLM
 from omnistage.models.loader import safetensors_files
 from omnistage.models.qwen3_tts.prompt import PromptBuilder, TTSConfig
+from omnistage.models.qwen3_tts.reference import ReferenceEncoder
 
 TALKER = "qwen3_tts.talker"
 
@@ -180,8 +182,12 @@ def load_talker(model_dir: str, device: torch.device, dtype: torch.dtype, max_po
     predictor.load({k[len("code_predictor."):]: v for k, v in tensors.items() if k.startswith("code_predictor.")})
     predictor = predictor.to(device=device, dtype=dtype).eval()
     predictor.code0_embed = model.embed_tokens
-    prompts = PromptBuilder(TTSConfig.read(model_dir), AutoTokenizer.from_pretrained(model_dir),
+    config_tts = TTSConfig.read(model_dir)
+    references = None
+    if config_tts.task == "base":
+        references = ReferenceEncoder(model_dir, device, dtype, read_tensors(model_dir, "speaker_encoder."))
+    prompts = PromptBuilder(config_tts, AutoTokenizer.from_pretrained(model_dir),
                             text_embedding.to(device, dtype).eval(), text_projection.to(device, dtype).eval(),
-                            model.embed_tokens)
+                            model.embed_tokens, predictor.embeds, references)
     model.attach(predictor, prompts)
     return model.eval(), config, None, frozenset({prompts.config.eos})

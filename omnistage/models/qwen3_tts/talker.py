@@ -81,6 +81,7 @@ class CodePredictor(nn.Module):
         self.heads = nn.ModuleList(nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
                                    for _ in range(groups - 1))
         self.code0_embed: Optional[nn.Embedding] = None   # the talker's codec embedding (set by the loader)
+        self.sampling: dict = {}                # generation_config.json's subtalker_{temperature,top_k,top_p} (by name)
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         state = {}
@@ -104,11 +105,14 @@ class CodePredictor(nn.Module):
     @torch.inference_mode()
     def forward(self, hidden: torch.Tensor, code0: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [S, H] (talker rows that sampled), code0 [S]: (codes [S, G-1], frame rows [S, H]).
-        Each row samples with its request's temperature / top-k / top-p (no penalties) and generator."""
+        Each row draws from its request's generator right after the talker's draw, as qwen-tts does:
+        greedy rows stay greedy, sampled ones take the subtalker temperature / top-k / top-p of
+        generation_config.json (the request's own where it has none), never penalties."""
         from transformers import DynamicCache
 
         plain = SamplingBatch(params=[p.clone(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-                                              bad_token_ids=[], stop_token_ids=[], min_tokens=0) for p in batch.params],
+                                              bad_token_ids=[], stop_token_ids=[], min_tokens=0,
+                                              **({} if p.greedy else self.sampling)) for p in batch.params],
                               generators=batch.generators, prompt_ids=[[] for _ in batch.params],
                               output_ids=[[] for _ in batch.params])
         cache = DynamicCache()
@@ -183,6 +187,9 @@ def load_talker(model_dir: str, device: torch.device, dtype: torch.dtype, max_po
     predictor = predictor.to(device=device, dtype=dtype).eval()
     predictor.code0_embed = model.embed_tokens
     config_tts = TTSConfig.read(model_dir)
+    gen = config_tts.generation
+    predictor.sampling = {name: kind(gen[f"subtalker_{name}"]) for name, kind in
+                          (("temperature", float), ("top_k", int), ("top_p", float)) if f"subtalker_{name}" in gen}
     references = None
     if config_tts.task == "base":
         references = ReferenceEncoder(model_dir, device, dtype, read_tensors(model_dir, "speaker_encoder."))

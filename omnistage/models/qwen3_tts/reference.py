@@ -192,6 +192,7 @@ class ReferenceEncoder:
         self.mimi, self.quantizers = load_mimi_encoder(model_dir, device)
         self.device, self.dtype = device, dtype
         self._cache: OrderedDict[tuple, VoiceReference] = OrderedDict()
+        self.encoded = 0                        # references encoded so far (cache misses)
 
     def _resampled(self, samples: np.ndarray, rate: int) -> np.ndarray:
         samples = np.asarray(samples, dtype=np.float32).reshape(-1)
@@ -216,6 +217,7 @@ class ReferenceEncoder:
             return hit
         wav = torch.from_numpy(samples).to(self.device)
         ref = VoiceReference(self.codes(wav) if with_codes else None, self.speaker(wav).to(self.dtype))
+        self.encoded += 1
         self._cache[key] = ref
         while len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)

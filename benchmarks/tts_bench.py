@@ -16,7 +16,12 @@ read; decoder compute left out). The reference library (qwen-tts) pins transform
 cannot run beside omnistage's; its numbers are not in this table (vLLM-Omni reports 47 ms / 75 ms
 TTFP at 1 / 8 and ~70 audio-s/s on two H100s). Prints a markdown table last.
 
+The code predictor runs as one CUDA graph per batch bucket (`models/qwen3_tts/predictor.py`);
+`OMNISTAGE_TTS_PREDICTOR_GRAPHS=0` measures its plain-PyTorch path instead (the stage processes
+inherit the variable). `benchmarks/tts_check_cuda.py` checks the two paths give equal codes.
+
     python benchmarks/tts_bench.py [--work /tmp/ttsbench] [--frames 100] [--out results.json]
+    OMNISTAGE_TTS_PREDICTOR_GRAPHS=0 python benchmarks/tts_bench.py --out plain.json
     python benchmarks/tts_bench.py --smoke          # the tiny folder on the CPU, 1 and 2 requests
 """
 

@@ -21,6 +21,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 from omnistage.ar.conditioning import Conditioning
@@ -45,7 +46,7 @@ FREE_MARGIN_BYTES = 256 * 2**20                 # left free on the device when t
 
 class _Request:
     def __init__(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
-                 seqs: list[Sequence], arrival_time: float, context_frames: Optional[list[list[int]]] = None):
+                 seqs: list[Sequence], arrival_time: float, context_frames=None):
         self.request_id = request_id
         self.context_frames = context_frames    # the prompt's `context_frames`, reported with every output
         self.prompt = prompt
@@ -204,7 +205,8 @@ class AREngine:
             seq.detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             seq.cond = None if cond is None else dataclasses.replace(cond)   # its own streamed-row state
             seqs.append(seq)
-        context = None if prompt.context_frames is None else [[int(c) for c in f] for f in prompt.context_frames]
+        # an array, not lists: it goes out with every output of the request (cheap to pickle)
+        context = None if prompt.context_frames is None else np.asarray(prompt.context_frames, dtype=np.int32)
         self.requests[request_id] = _Request(request_id, text, ids, params, seqs, now, context)
         if grammar is not None:
             self._compiling[request_id] = grammar

@@ -32,7 +32,7 @@ SAMPLE_RATE = 24000
 class FramesInput:
     frames: list[list[int]] = field(default_factory=list)  # per frame: its code in every codebook (group 0 first)
     finished: bool = True                       # no frames follow the last one given so far
-    context: Optional[list[list[int]]] = None   # frames the audio continues (left context, not output); read with the first piece
+    context: Any = None                         # [T, G] frames the audio continues (left context, not output); read with the first piece
 
     def __len__(self) -> int:
         return len(self.frames)
@@ -91,7 +91,7 @@ class Qwen3TTSDecoderStage:
         if bad:
             raise ValueError(f"every frame must have {width} codes, got {len(bad[0])}")
         if state.start is None:
-            context = [list(f) for f in piece.context or []]
+            context = [] if piece.context is None else np.asarray(piece.context).tolist()
             bad = [f for f in context if len(f) != width]
             if bad:
                 raise ValueError(f"every context frame must have {width} codes, got {len(bad[0])}")

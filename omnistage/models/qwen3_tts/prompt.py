@@ -180,7 +180,7 @@ class PromptBuilder:
         if params.instructions:
             rows.insert(0, self.text_rows(self._ids(f"<|im_start|>user\n{params.instructions}<|im_end|>\n")))
         embeds = torch.cat(rows)
-        context = None if ref is None or ref.codes is None else ref.codes.tolist()
+        context = None if ref is None or ref.codes is None else ref.codes.cpu().numpy()
         prompt = ARPrompt(prompt_token_ids=[c["codec_pad_id"]] * embeds.shape[0], prompt_embeds=embeds,
                           extra_rows=trailing, extra_pad=pad, frame_feedback=True, context_frames=context)
         return prompt, self.sampling(params)

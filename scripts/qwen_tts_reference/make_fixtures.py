@@ -63,6 +63,8 @@ def cases() -> list[dict]:
              gen=sampled),
         dict(name="base_icl_16k_greedy", variant="base", text=TEXT_2, language="English", ref_text=TEXT,
              x_vector_only_mode=False, ref_rate=16000, gen=greedy),
+        dict(name="base_icl_non_streaming_greedy", variant="base", text=TEXT_2, language="Auto", ref_text=REF_TEXT,
+             x_vector_only_mode=False, non_streaming_mode=True, gen=greedy),
     ]
 
 
@@ -122,12 +124,19 @@ def main() -> None:
     ap.add_argument("--voice-design", required=True)
     ap.add_argument("--base", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--only", nargs="*", help="make these cases only (cases.json keeps the others)")
     args = ap.parse_args()
     folders = {"custom_voice": args.custom_voice, "voice_design": args.voice_design, "base": args.base}
     os.makedirs(args.out, exist_ok=True)
     models = {}
     index = {}
+    listed = os.path.join(args.out, "cases.json")
+    if args.only and os.path.exists(listed):
+        with open(listed, encoding="utf-8") as f:
+            index = json.load(f)
     for case in cases():
+        if args.only and case["name"] not in args.only:
+            continue
         variant = case["variant"]
         if variant not in models:
             models[variant] = Qwen3TTSModel.from_pretrained(folders[variant], dtype=torch.float32,
@@ -138,7 +147,7 @@ def main() -> None:
         meta["max_new_tokens"] = MAX_NEW_TOKENS
         index[case["name"]] = meta
         print(case["name"], "codes", out["codes"].shape, "wav", out["wav"].shape)
-    with open(os.path.join(args.out, "cases.json"), "w", encoding="utf-8") as f:
+    with open(listed, "w", encoding="utf-8") as f:
         json.dump(index, f, indent=2)
 
 

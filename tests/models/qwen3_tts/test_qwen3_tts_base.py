@@ -2,8 +2,9 @@
 
 The reference voice's codes (speech-tokenizer encoder) and x-vector (speaker encoder) equal the
 reference's; the talker's codes of every codebook equal it for in-context cloning (`ref_text`) and
-x-vector-only, greedy and seeded, and for a 16 kHz reference (resampled); two concurrent cloning
-requests with different voices each equal their solo output; the waveform (the reference frames
+x-vector-only, greedy and seeded, for a 16 kHz reference (resampled) and with all text in the
+prompt (`non_streaming_mode`); two concurrent cloning requests with different voices each equal
+their solo output; the waveform (the reference frames
 decoded as left context and cut off) is within 1e-4 of the reference's.
 """
 
@@ -17,7 +18,8 @@ from omnistage.codec.speech import MAX_REF_AUDIO_SECONDS
 from omnistage.params import ParamError
 from tts_testutil import frames_of, params_of, reference, run_all, seeded_params_of
 
-BASE = ["base_icl_greedy", "base_xvector_greedy", "base_icl_sampled", "base_xvector_sampled", "base_icl_16k_greedy"]
+BASE = ["base_icl_greedy", "base_xvector_greedy", "base_icl_sampled", "base_xvector_sampled", "base_icl_16k_greedy",
+        "base_icl_non_streaming_greedy"]
 WAV_ATOL = 1e-4
 
 

@@ -107,8 +107,8 @@ class TTSConfig:
             check_param(not params.instructions, "instructions", "empty for Base (the reference sets the voice)",
                         params.instructions)
         else:
-            for name in ("ref_audio", "ref_text"):
-                check_param(getattr(params, name) is None, name, f"only given for Base, not {own}", "given")
+            for name in ("ref_audio", "ref_text", "x_vector_only_mode"):
+                check_param(getattr(params, name) in (None, False), name, f"only given for Base, not {own}", "given")
 
 
 class PromptBuilder:

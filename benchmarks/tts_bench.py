@@ -16,7 +16,13 @@ read; decoder compute left out). The reference library (qwen-tts) pins transform
 cannot run beside omnistage's; its numbers are not in this table (vLLM-Omni reports 47 ms / 75 ms
 TTFP at 1 / 8 and ~70 audio-s/s on two H100s). Prints a markdown table last.
 
+The code predictor runs as one CUDA graph per batch bucket (`models/qwen3_tts/predictor.py`);
+`OMNISTAGE_TTS_PREDICTOR_GRAPHS=0` measures its plain-PyTorch path instead (the stage processes
+inherit the variable). `benchmarks/tts_check_cuda.py` checks the two paths give equal codes.
+
     python benchmarks/tts_bench.py [--work /tmp/ttsbench] [--frames 100] [--out results.json]
+    OMNISTAGE_TTS_PREDICTOR_GRAPHS=0 python benchmarks/tts_bench.py --out plain.json
+    python benchmarks/tts_bench.py --variant base   # Base: every request clones a 3 s reference (in-context)
     python benchmarks/tts_bench.py --smoke          # the tiny folder on the CPU, 1 and 2 requests
 """
 
@@ -34,13 +40,13 @@ import torch
 FRAME_S = 1920 / 24000                          # seconds of audio per frame
 
 
-def build(work: str, smoke: bool) -> str:
+def build(work: str, smoke: bool, variant: str = "custom_voice") -> str:
     from omnistage.testing.qwen3_tts import SHAPE_1_7B, TINY, make_tiny_qwen3_tts
 
-    folder = os.path.join(work, "tiny" if smoke else "qwen3-tts-1.7b-bf16")
+    folder = os.path.join(work, f"{'tiny' if smoke else 'qwen3-tts-1.7b-bf16'}-{variant}")
     if not os.path.exists(os.path.join(folder, "speech_tokenizer", "model.safetensors")):
         t = time.perf_counter()
-        make_tiny_qwen3_tts(folder, "custom_voice", shape=TINY if smoke else SHAPE_1_7B,
+        make_tiny_qwen3_tts(folder, variant, shape=TINY if smoke else SHAPE_1_7B,
                             dtype=torch.float32 if smoke else torch.bfloat16)
         print(f"built {folder} in {time.perf_counter() - t:.0f} s")
     return folder
@@ -75,10 +81,21 @@ def copy_bandwidth(device: str) -> float:
     return measured()
 
 
-async def one(engine, i: int, frames: int, arrival: float) -> dict:
+def _params(variant: str, frames: int):
+    import numpy as np
+
     from omnistage.models.qwen3_tts.prompt import Qwen3TTSParams
 
-    params = Qwen3TTSParams(voice="vivian", language="English", max_new_tokens=frames + 1)
+    if variant != "base":
+        return Qwen3TTSParams(voice="vivian", language="English", max_new_tokens=frames + 1)
+    t = np.arange(3 * 24000) / 24000                # a 3 s reference voice (the same for every request)
+    voice = (0.3 * np.sin(2 * np.pi * (180 + 90 * t) * t)).astype(np.float32)
+    return Qwen3TTSParams(language="English", max_new_tokens=frames + 1, ref_audio=(voice, 24000),
+                          ref_text="The old engineer kept a notebook of every tide.")
+
+
+async def one(engine, i: int, frames: int, arrival: float, variant: str = "custom_voice") -> dict:
+    params = _params(variant, frames)
     first = last = None
     samples = 0
     async for out in engine.generate("The harbour town woke slowly, and the market filled with voices.",
@@ -91,9 +108,9 @@ async def one(engine, i: int, frames: int, arrival: float) -> dict:
     return {"ttfp": first - arrival, "rtf": (last - arrival) / max(seconds, 1e-9), "audio_s": seconds}
 
 
-async def round_of(engine, n: int, frames: int) -> dict:
+async def round_of(engine, n: int, frames: int, variant: str = "custom_voice") -> dict:
     start = time.perf_counter()
-    results = await asyncio.gather(*(one(engine, i, frames, start) for i in range(n)))
+    results = await asyncio.gather(*(one(engine, i, frames, start, variant) for i in range(n)))
     wall = time.perf_counter() - start
     ttfp = sorted(r["ttfp"] for r in results)
     return {"n": n, "ttfp_mean_ms": 1e3 * statistics.mean(ttfp), "ttfp_p90_ms": 1e3 * ttfp[int(0.9 * (n - 1))],
@@ -104,12 +121,13 @@ async def round_of(engine, n: int, frames: int) -> dict:
 async def main_async(args) -> list[dict]:
     from omnistage.entrypoints.async_omni import AsyncOmni
 
-    folder = build(args.work, args.smoke)
+    folder = build(args.work, args.smoke, args.variant)
     device = "cpu" if args.smoke else "cuda"
     engine = AsyncOmni(folder, device=device, dtype="float32" if args.smoke else "bfloat16", max_num_seqs=64)
     try:
-        await round_of(engine, 1, 4)            # warm-up (graphs, allocator, first chunk paths)
-        rows = [await round_of(engine, n, args.frames) for n in ((1, 2) if args.smoke else (1, 8, 32, 64))]
+        await round_of(engine, 1, 4, args.variant)   # warm-up (graphs, allocator, first chunk paths)
+        sizes = (1, 2) if args.smoke else (1, 8, 32, 64)
+        rows = [await round_of(engine, n, args.frames, args.variant) for n in sizes]
     finally:
         engine.close()
     per_step = weight_bytes(folder) / copy_bandwidth(device)    # seconds to read the weights once
@@ -123,6 +141,7 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/ttsbench")
     ap.add_argument("--frames", type=int, default=100)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--variant", choices=("custom_voice", "base"), default="custom_voice")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.smoke:

@@ -1,6 +1,15 @@
-"""Qwen3-TTS on the GPU: the tiny talker's greedy codes (every codebook) equal qwen-tts' fixtures
-with and without CUDA graphs, alone and 8 at once (float32 on cuda; the CUDA path of the AR
-runner's frame head and frame rows). Prints one line per check; exits 1 when one differs.
+"""Qwen3-TTS on the GPU, in one run (prints one line per check, then a table; exits 1 when a check differs):
+
+  1. the tiny talker's greedy codes (every codebook) equal qwen-tts' fixtures with and without the
+     AR engine's CUDA graphs, alone and 8 at once -- CustomVoice, VoiceDesign and Base (in-context,
+     x-vector only, a 16 kHz reference) -- float32 on cuda;
+  2. the code predictor's fast path (`predictor.FramePredictor`: one CUDA graph per batch bucket
+     for the whole G-1-step frame) against its plain-PyTorch path on the same inputs, at the
+     1.7B shape (1024 x 5 layers, 16 codebooks, random bf16 weights) for 1, 8, 32 and 64 rows:
+     greedy codes equal, sampled codes equal for the same random draws, and milliseconds per frame
+     of each path (the floor: reading the predictor's weights G-1 times at the measured copy bandwidth).
+
+Seeded sampling is not compared with the fixtures here: they hold the CPU generator's draws.
 
     PYTHONPATH=. python benchmarks/tts_check_cuda.py
 """
@@ -11,10 +20,14 @@ import json
 import os
 import sys
 import tempfile
+import time
+
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(HERE, "..", "tests", "models", "qwen3_tts")
 sys.path.insert(0, TESTS)
+sys.path.insert(0, HERE)
 
 from tts_testutil import frames_of, params_of, reference, run_all  # noqa: E402
 
@@ -23,14 +36,15 @@ from omnistage.config import EngineConfig  # noqa: E402
 from omnistage.models.qwen3_tts.talker import load_talker  # noqa: E402
 from omnistage.testing.qwen3_tts import make_tiny_qwen3_tts  # noqa: E402
 
-GREEDY = ["custom_voice_greedy", "custom_voice_instruct_streaming_text", "voice_design_greedy"]
+GREEDY = ["custom_voice_greedy", "custom_voice_instruct_streaming_text", "voice_design_greedy", "base_icl_greedy",
+          "base_xvector_greedy", "base_icl_16k_greedy"]
 
 
-def main() -> int:
+def check_fixtures() -> int:
     with open(os.path.join(TESTS, "fixtures", "cases.json"), encoding="utf-8") as f:
-        cases = json.load(f)
+        cases = {name: dict(case, name=name) for name, case in json.load(f).items()}
     root = tempfile.mkdtemp(prefix="tts-check-")
-    folders = {v: make_tiny_qwen3_tts(os.path.join(root, v), v) for v in ("custom_voice", "voice_design")}
+    folders = {v: make_tiny_qwen3_tts(os.path.join(root, v), v) for v in ("custom_voice", "voice_design", "base")}
     bad = 0
     for graphs in (True, False):
         engines = {v: AREngine(f, EngineConfig(device="cuda", dtype="float32", max_model_len=512, cuda_graphs=graphs),
@@ -41,11 +55,86 @@ def main() -> int:
             same = got.shape == reference(name)["codes"].shape and (got == reference(name)["codes"]).all()
             bad += not same
             print(f"cuda_graphs={graphs} {name}: {'equal' if same else 'DIFFERENT'}")
-        c = cases["custom_voice_greedy"]
-        outs = run_all(engines["custom_voice"], {f"r{i}": (c["text"], params_of(c)) for i in range(8)})
-        same = all((frames_of(o) == reference("custom_voice_greedy")["codes"]).all() for o in outs.values())
-        bad += not same
-        print(f"cuda_graphs={graphs} 8 at once: {'equal' if same else 'DIFFERENT'}")
+        for name in ("custom_voice_greedy", "base_icl_greedy"):
+            c = cases[name]
+            outs = run_all(engines[c["variant"]], {f"r{i}": (c["text"], params_of(c)) for i in range(8)})
+            same = all((frames_of(o) == reference(name)["codes"]).all() for o in outs.values())
+            bad += not same
+            print(f"cuda_graphs={graphs} {name} 8 at once: {'equal' if same else 'DIFFERENT'}")
+    return bad
+
+
+def _predictor_1_7b():
+    from torch import nn
+
+    from omnistage.models.qwen3_tts.predictor import FramePredictor
+    from omnistage.models.qwen3_tts.talker import CodePredictor
+    from omnistage.testing.qwen3_tts import SHAPE_1_7B
+
+    s = SHAPE_1_7B
+    cfg = dict(s["predictor"], vocab_size=s["codebook"], num_code_groups=s["groups"], rms_norm_eps=1e-6,
+               rope_theta=10000, hidden_act="silu")
+    torch.manual_seed(0)
+    hidden = s["talker"]["hidden_size"]
+    pred = CodePredictor(cfg, hidden).to("cuda", torch.bfloat16).eval()
+    talker_embed = nn.Embedding(s["codebook"] + 1024, hidden).to("cuda", torch.bfloat16)
+    pred.sampling = {"temperature": 0.9, "top_k": 50, "top_p": 1.0}
+    return FramePredictor(pred, talker_embed), pred, hidden
+
+
+def _time(fn, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t) / reps
+
+
+def check_predictor() -> int:
+    from omnistage.ar.sampler import SamplingBatch
+    from omnistage.params import SamplingParams
+
+    fast, pred, hidden_size = _predictor_1_7b()
+    graphs = fast.graphs
+
+    def plain(*args):                           # the plain-PyTorch path on the same weights
+        fast.graphs = None
+        try:
+            return fast(*args)
+        finally:
+            fast.graphs = graphs
+
+    from ar_bench import copy_bandwidth
+
+    weights = sum(p.numel() * p.element_size() for p in pred.model.layers.parameters())
+    floor = 1e3 * (fast.groups - 1) * weights / copy_bandwidth()
+    bad, rows = 0, []
+    for n in (1, 8, 32, 64):
+        hidden = torch.randn(n, hidden_size, device="cuda", dtype=torch.bfloat16)
+        code0 = torch.randint(0, 2048, (n,), device="cuda")
+        for mode, params in (("greedy", SamplingParams(temperature=0.0)), ("sampled", SamplingParams(temperature=0.9))):
+            def batch(seed):
+                return SamplingBatch(params=[params] * n, prompt_ids=[[]] * n, output_ids=[[]] * n,
+                                     generators=[torch.Generator("cuda").manual_seed(seed + i) for i in range(n)])
+            a, _ = fast(hidden, code0, batch(7))
+            b, _ = plain(hidden, code0, batch(7))
+            same = torch.equal(a, b)
+            bad += not same
+            print(f"predictor {mode} rows={n}: fast path {'equal' if same else 'DIFFERENT'} to the plain path")
+            if mode == "greedy":
+                fast_ms = _time(lambda: fast(hidden, code0, batch(1)))
+                rows.append((n, fast_ms, _time(lambda: plain(hidden, code0, batch(1)))))
+    print("| rows | fast path ms / frame | plain path ms / frame | floor ms / frame |")
+    print("|---|---|---|---|")
+    for n, f_ms, p_ms in rows:
+        print(f"| {n} | {f_ms:.2f} | {p_ms:.2f} | {floor:.2f} |")
+    return bad
+
+
+def main() -> int:
+    bad = check_fixtures() + check_predictor()
     return 1 if bad else 0
 
 

@@ -103,6 +103,7 @@ class RequestOutput:
     num_cached_tokens: int = 0                  # prompt tokens served from the prefix cache
     progress: Optional[float] = None            # 0..1 for step-based stages (diffusion)
     error: Optional[str] = None                 # why a request finished without a result (diffusion failures)
+    context_frames: Any = None                  # AR frame-head talkers: the prompt's `context_frames`, int32 numpy [T, G] (a decoder's left context, not output)
 
     @property
     def num_generated_tokens(self) -> int:

@@ -49,6 +49,7 @@ class ARPrompt:
     extra_rows: Any = None                      # [k, H] rows added to generated positions P..P+k-1, given up front; n = 1
     extra_pad: Any = None                       # with extra_rows: [H] row added to every later generated position
     frame_feedback: bool = False                # the model's `frame_head` feeds each sampled token's frame row to the next position; n = 1
+    context_frames: Any = None                  # frame-head talkers: [T, G] frames (every codebook) the audio continues, reported as `RequestOutput.context_frames` (Base cloning: the reference's codes)
 
     def __post_init__(self) -> None:
         if self.prompt is None and self.prompt_token_ids is None:

@@ -21,6 +21,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 from omnistage.ar.conditioning import Conditioning
@@ -45,8 +46,9 @@ FREE_MARGIN_BYTES = 256 * 2**20                 # left free on the device when t
 
 class _Request:
     def __init__(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
-                 seqs: list[Sequence], arrival_time: float):
+                 seqs: list[Sequence], arrival_time: float, context_frames=None):
         self.request_id = request_id
+        self.context_frames = context_frames    # the prompt's `context_frames`, reported with every output
         self.prompt = prompt
         self.prompt_ids = prompt_ids
         self.params = params
@@ -203,7 +205,9 @@ class AREngine:
             seq.detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             seq.cond = None if cond is None else dataclasses.replace(cond)   # its own streamed-row state
             seqs.append(seq)
-        self.requests[request_id] = _Request(request_id, text, ids, params, seqs, now)
+        # an array, not lists: it goes out with every output of the request (cheap to pickle)
+        context = None if prompt.context_frames is None else np.asarray(prompt.context_frames, dtype=np.int32)
+        self.requests[request_id] = _Request(request_id, text, ids, params, seqs, now, context)
         if grammar is not None:
             self._compiling[request_id] = grammar
             return
@@ -423,7 +427,7 @@ class AREngine:
                 codes=[list(c) for c in seq.codes] if seq.codes else None))
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
                              outputs=outs, finished=finished, metrics=req.metrics,
-                             num_cached_tokens=req.seqs[0].num_cached_tokens)
+                             num_cached_tokens=req.seqs[0].num_cached_tokens, context_frames=req.context_frames)
 
 
 def _overlappable(seq: Sequence) -> bool:

@@ -95,26 +95,40 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     return logits.masked_fill(allowed == 0, float("-inf"))
 
 
-def _filter(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p masks (-inf for dropped tokens)."""
-    dev = logits.device
-    temp = to_device([1.0 if p.greedy else p.temperature for p in b.params], dev)
+def filter_values(params: list[SamplingParams], device: torch.device):
+    """Per-row (temperature [S], top-k [S] or None, top-p [S] or None) on `device`, for
+    `filter_logits`; top-k and top-p are None when no row filters."""
+    temp = to_device([1.0 if p.greedy else p.temperature for p in params], device)
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    if not (any(k > 0 for k in top_k) or any(p < 1 for p in top_p)):
+        return temp, None, None
+    return temp, to_device([k if k > 0 else -1 for k in top_k], device), to_device(top_p, device)
+
+
+def filter_logits(logits: torch.Tensor, temp: torch.Tensor, top_k: Optional[torch.Tensor] = None,
+                  top_p: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Temperature, then top-k (-1: all) and top-p masks (-inf for dropped tokens), from per-row
+    device tensors only (no host values, so a CUDA graph may hold it)."""
     logits = logits / temp[:, None]
-    top_k = [p.top_k for p in b.params]
-    top_p = [p.top_p for p in b.params]
-    if any(k > 0 for k in top_k) or any(p < 1 for p in top_p):
+    if top_k is not None:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         v = logits.shape[-1]
-        ranks = torch.arange(v, device=dev)[None, :]
-        k = to_device([k if k > 0 else v for k in top_k], dev)
-        drop = ranks >= k[:, None]
+        ranks = torch.arange(v, device=logits.device)[None, :]
+        drop = ranks >= torch.where(top_k > 0, top_k, v)[:, None]
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
         mass_before = probs.cumsum(-1) - probs                         # probability above each token
-        drop |= mass_before >= to_device(top_p, dev)[:, None]
+        drop |= mass_before >= top_p[:, None]
         drop[:, 0] = False                                             # always keep the best token
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
+def _filter(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks (-inf for dropped tokens)."""
+    logits = filter_logits(logits, *filter_values(b.params, logits.device))
     if any(p.min_p > 0 for p in b.params):
-        min_p = to_device([p.min_p for p in b.params], dev)
+        min_p = to_device([p.min_p for p in b.params], logits.device)
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
     return logits

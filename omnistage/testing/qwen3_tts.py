@@ -294,10 +294,16 @@ def _mimi_encoder_weights(seed: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
     model = MimiModel(_mimi_config())
     dropped = ("upsample.", "decoder_transformer.", "decoder.")
+    g = torch.Generator().manual_seed(seed + 1)
     out = {}
     for name, tensor in model.state_dict().items():
         if name.startswith(dropped):
             continue
+        # a fresh model's codebooks are all zero (every frame would get code 0): random ones, as trained ones are
+        if name.endswith("codebook.embed_sum"):
+            tensor = 0.3 * torch.randn(tensor.shape, generator=g)
+        elif name.endswith("codebook.cluster_usage"):
+            tensor = 0.5 + torch.rand(tensor.shape, generator=g)
         for new, old in MIMI_RENAMES:           # our transformers' names -> the checkpoints' (transformers 4.5x)
             if name.startswith(new):
                 name = old + name[len(new):]

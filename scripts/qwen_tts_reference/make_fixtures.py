@@ -5,7 +5,8 @@ In: the folders `omnistage make-tiny --kind qwen3_tts` writes (one per variant, 
 tests/models/qwen3_tts/fixtures/): the text token ids the reference fed its talker (`input_ids`,
 `instruct_ids`, `ref_ids`), the talker's codes of every codebook (`codes`, [frames, groups], before
 the eos frame), the waveform its wrapper returns (`wav`, float32 at 24 kHz), and for Base the
-reference audio (`ref_audio`), its codes (`ref_code`) and speaker embedding (`spk_embedding`).
+reference audio (`ref_audio`, at the case's `ref_rate`, default 24 kHz), its codes (`ref_code`) and
+speaker embedding (`spk_embedding`).
 Greedy cases pass do_sample=False and subtalker_dosample=False; sampled ones seed torch's global
 RNG with `seed` right before the call. Everything runs on the CPU in float32 with eager attention.
 
@@ -28,10 +29,14 @@ INSTRUCT = "Speak calmly, in a low voice."
 REF_TEXT = "The old engineer kept a notebook."
 
 
-def ref_audio() -> np.ndarray:
-    """1.2 s of a two-tone chirp at 24 kHz (deterministic)."""
-    t = np.arange(int(1.2 * 24000)) / 24000
-    return (0.3 * np.sin(2 * np.pi * (180 + 90 * t) * t) + 0.1 * np.sin(2 * np.pi * 1300 * t)).astype(np.float32)
+def ref_audio(rate: int = 24000) -> np.ndarray:
+    """1.2 s of a two-tone chirp at `rate` Hz (deterministic; at 16 kHz another voice: lower, with a third tone)."""
+    t = np.arange(int(1.2 * rate)) / rate
+    wav = 0.3 * np.sin(2 * np.pi * (180 + 90 * t) * t) + 0.1 * np.sin(2 * np.pi * 1300 * t)
+    if rate != 24000:
+        wav = 0.3 * np.sin(2 * np.pi * (110 + 60 * t) * t) + 0.15 * np.sin(2 * np.pi * 2100 * t) + 0.05 * np.sin(
+            2 * np.pi * 600 * t)
+    return wav.astype(np.float32)
 
 
 def cases() -> list[dict]:
@@ -54,6 +59,12 @@ def cases() -> list[dict]:
              x_vector_only_mode=True, gen=greedy),
         dict(name="base_icl_sampled", variant="base", text=TEXT, language="English", ref_text=REF_TEXT,
              x_vector_only_mode=False, gen=sampled),
+        dict(name="base_xvector_sampled", variant="base", text=TEXT, language="Auto", x_vector_only_mode=True,
+             gen=sampled),
+        dict(name="base_icl_16k_greedy", variant="base", text=TEXT_2, language="English", ref_text=TEXT,
+             x_vector_only_mode=False, ref_rate=16000, gen=greedy),
+        dict(name="base_icl_non_streaming_greedy", variant="base", text=TEXT_2, language="Auto", ref_text=REF_TEXT,
+             x_vector_only_mode=False, non_streaming_mode=True, gen=greedy),
     ]
 
 
@@ -86,8 +97,9 @@ def run_case(tts, case: dict) -> dict[str, np.ndarray]:
             wavs, sr = tts.generate_voice_design(case["text"], instruct=case["instruct"], language=case["language"],
                                                  non_streaming_mode=case.get("non_streaming_mode", True), **gen)
         else:
-            audio = ref_audio()
-            items = tts.create_voice_clone_prompt((audio, 24000), ref_text=case.get("ref_text"),
+            rate = case.get("ref_rate", 24000)
+            audio = ref_audio(rate)
+            items = tts.create_voice_clone_prompt((audio, rate), ref_text=case.get("ref_text"),
                                                   x_vector_only_mode=case["x_vector_only_mode"])
             captured["ref_audio"] = audio
             captured["spk_embedding"] = items[0].ref_spk_embedding.float().numpy()
@@ -112,12 +124,19 @@ def main() -> None:
     ap.add_argument("--voice-design", required=True)
     ap.add_argument("--base", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--only", nargs="*", help="make these cases only (cases.json keeps the others)")
     args = ap.parse_args()
     folders = {"custom_voice": args.custom_voice, "voice_design": args.voice_design, "base": args.base}
     os.makedirs(args.out, exist_ok=True)
     models = {}
     index = {}
+    listed = os.path.join(args.out, "cases.json")
+    if args.only and os.path.exists(listed):
+        with open(listed, encoding="utf-8") as f:
+            index = json.load(f)
     for case in cases():
+        if args.only and case["name"] not in args.only:
+            continue
         variant = case["variant"]
         if variant not in models:
             models[variant] = Qwen3TTSModel.from_pretrained(folders[variant], dtype=torch.float32,
@@ -128,7 +147,7 @@ def main() -> None:
         meta["max_new_tokens"] = MAX_NEW_TOKENS
         index[case["name"]] = meta
         print(case["name"], "codes", out["codes"].shape, "wav", out["wav"].shape)
-    with open(os.path.join(args.out, "cases.json"), "w", encoding="utf-8") as f:
+    with open(listed, "w", encoding="utf-8") as f:
         json.dump(index, f, indent=2)
 
 

@@ -5,7 +5,9 @@ In: `FramesInput` pieces (every codebook of each talker frame, streamed from the
 `qwen3_tts.talker_to_decoder` adapter; `finished` with the last one). A chunk is the next
 `first_chunk_frames` (the request's first) or `chunk_frames` frames, or what is left once the input
 is done; it is decoded with up to `left_context_frames` frames before it, whose samples are cut
-off again. One step decodes the chunks of up to `max_batch` requests in one forward: their frame
+off again. A piece's `context` (Base in-context cloning: the reference voice's codes, which the
+reference decodes in front of the generated frames and cuts off) is taken with the request's first
+piece as frames before the first chunk: left context only, never output. One step decodes the chunks of up to `max_batch` requests in one forward: their frame
 windows are padded on the right (the decoder is causal, so padding never reaches the real
 samples). Out (through the engine): float32 mono at 24 kHz, chunk by chunk; `prompt_token_ids`
 are the group-0 codes decoded so far.
@@ -30,20 +32,22 @@ SAMPLE_RATE = 24000
 class FramesInput:
     frames: list[list[int]] = field(default_factory=list)  # per frame: its code in every codebook (group 0 first)
     finished: bool = True                       # no frames follow the last one given so far
+    context: Any = None                         # [T, G] frames the audio continues (left context, not output); read with the first piece
 
     def __len__(self) -> int:
         return len(self.frames)
 
     def slice(self, start: int, end: int, finished: bool) -> "FramesInput":
-        return FramesInput([list(f) for f in self.frames[start:end]], finished)
+        return FramesInput([list(f) for f in self.frames[start:end]], finished, self.context if start == 0 else None)
 
 
 class DecoderState:
     """One request's frames: those received and how many are decoded."""
 
     def __init__(self):
-        self.frames: list[list[int]] = []       # every frame received, in order
-        self.done = 0                           # frames decoded so far
+        self.frames: list[list[int]] = []       # the context frames, then every frame received, in order
+        self.start: Optional[int] = None        # how many of `frames` are context (set by the first piece)
+        self.done = 0                           # frames decoded so far (context frames count as decoded)
 
 
 class Qwen3TTSDecoderStage:
@@ -86,12 +90,18 @@ class Qwen3TTSDecoderStage:
         bad = [f for f in piece.frames if len(f) != width]
         if bad:
             raise ValueError(f"every frame must have {width} codes, got {len(bad[0])}")
+        if state.start is None:
+            context = [] if piece.context is None else np.asarray(piece.context).tolist()
+            bad = [f for f in context if len(f) != width]
+            if bad:
+                raise ValueError(f"every context frame must have {width} codes, got {len(bad[0])}")
+            state.frames, state.start, state.done = context, len(context), len(context)
         state.frames.extend(piece.frames)
         return piece.finished
 
     def ready(self, state: DecoderState, input_done: bool) -> Optional[tuple[int, int]]:
         pending = len(state.frames) - state.done
-        size = self.first_chunk if state.done == 0 else self.chunk
+        size = self.first_chunk if state.done == (state.start or 0) else self.chunk
         if pending >= size or (input_done and pending > 0):
             return state.done, state.done + min(pending, size)
         return None
@@ -119,7 +129,7 @@ class Qwen3TTSDecoderStage:
         return SAMPLE_RATE
 
     def prompt(self, state: DecoderState) -> tuple[Optional[str], list[int]]:
-        return None, [f[0] for f in state.frames[:state.done]]
+        return None, [f[0] for f in state.frames[state.start or 0:state.done]]
 
     def stats(self) -> dict[str, float]:
         return {"decoder_batches_total": float(self._batches)}

@@ -47,12 +47,13 @@ def qwen3_tts_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
 
 def talker_to_decoder(out: StageOutput) -> FramesInput:
     """Frames so far (group-0 code + the predictor's codes); once the talker stopped on eos, without
-    the eos frame."""
-    comps = out.output.outputs
+    the eos frame. The talker prompt's `context_frames` (Base in-context cloning) go along as the
+    decoder's left context."""
+    comps, context = out.output.outputs, out.output.context_frames
     if not comps:
-        return FramesInput([], finished=out.finished)
+        return FramesInput([], finished=out.finished, context=context)
     ids, codes = comps[0].token_ids, comps[0].codes or []
     frames = [[t] + list(c) for t, c in zip(ids, codes)]
     if out.finished and comps[0].finish_reason == "stop" and frames:
         frames = frames[:-1]
-    return FramesInput(frames, finished=out.finished)
+    return FramesInput(frames, finished=out.finished, context=context)

@@ -21,12 +21,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from omnistage.codec.speech import TTSParams
-from omnistage.params import ParamError, SamplingParams, check_param
+from omnistage.params import SamplingParams, check_param
 from omnistage.stage import ARPrompt
 
 TASK_TYPES = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
@@ -101,20 +101,29 @@ class TTSConfig:
                         params.instructions)
         if self.task == "base":
             check_param(params.ref_audio is not None, "ref_audio", "given for Base (the voice to clone)", None)
-            raise ParamError("task_type", "Base (voice cloning) is not served by omnistage yet: its reference "
-                                          "encoder and speaker encoder are not implemented")
+            check_param(bool(params.ref_text) or params.x_vector_only_mode, "ref_text",
+                        "the reference audio's transcript for in-context cloning (or x_vector_only_mode true)",
+                        params.ref_text)
+            check_param(not params.instructions, "instructions", "empty for Base (the reference sets the voice)",
+                        params.instructions)
+        else:
+            for name in ("ref_audio", "ref_text", "x_vector_only_mode"):
+                check_param(getattr(params, name) in (None, False), name, f"only given for Base, not {own}", "given")
 
 
 class PromptBuilder:
     """Builds talker requests from text + params with the talker's own text-side tables."""
 
     def __init__(self, config: TTSConfig, tokenizer, text_embedding: torch.nn.Embedding,
-                 text_projection: torch.nn.Module, codec_embedding: torch.nn.Embedding):
+                 text_projection: torch.nn.Module, codec_embedding: torch.nn.Embedding,
+                 group_embeddings: Sequence[torch.nn.Embedding] = (), references=None):
         self.config = config
         self.tokenizer = tokenizer
         self.text_embedding = text_embedding
         self.text_projection = text_projection
         self.codec_embedding = codec_embedding
+        self.group_embeddings = list(group_embeddings)   # codebooks 1..G-1 (the code predictor's input tables)
+        self.references = references            # Base: a `reference.ReferenceEncoder`; None otherwise
 
     def _device(self) -> torch.device:
         return self.codec_embedding.weight.device
@@ -148,11 +157,20 @@ class PromptBuilder:
                 [c["codec_think_id"], c["codec_think_bos_id"], lang_id, c["codec_think_eos_id"]])
         tags += ([cfg.speakers[voice]] if voice is not None else []) + [c["codec_pad_id"], c["codec_bos_id"]]
         codec = self.codec_rows(tags)
+        ref = None
+        if cfg.task == "base":                  # the reference's x-vector sits where a preset speaker's row would
+            samples, rate = params.ref_audio
+            ref = self.references.encode(samples, rate, with_codes=not params.x_vector_only_mode)
+            codec = torch.cat([codec[:-2], ref.xvector.to(codec)[None], codec[-2:]])
         n = codec.shape[0]
         rows = [self.text_rows(ids[:3]), torch.cat([pad.expand(n - 2, -1), bos[None]]) + codec[:-1]]
         non_streaming = getattr(params, "non_streaming_mode", None)
         non_streaming = (cfg.task != "base") if non_streaming is None else bool(non_streaming)
-        if non_streaming:
+        if ref is not None and ref.codes is not None:
+            ref_ids = self._ids(f"<|im_start|>assistant\n{params.ref_text}<|im_end|>\n")
+            icl, trailing = self._in_context(ref_ids[3:-2], ids[3:-5], ref.codes, eos, pad, non_streaming)
+            rows.append(icl)
+        elif non_streaming:
             body = torch.cat([self.text_rows(ids[3:-5]), eos[None]])
             rows += [body + self.codec_rows([c["codec_pad_id"]]), pad[None] + self.codec_rows([c["codec_bos_id"]])]
             trailing = pad[None]
@@ -162,9 +180,28 @@ class PromptBuilder:
         if params.instructions:
             rows.insert(0, self.text_rows(self._ids(f"<|im_start|>user\n{params.instructions}<|im_end|>\n")))
         embeds = torch.cat(rows)
+        context = None if ref is None or ref.codes is None else ref.codes.cpu().numpy()
         prompt = ARPrompt(prompt_token_ids=[c["codec_pad_id"]] * embeds.shape[0], prompt_embeds=embeds,
-                          extra_rows=trailing, extra_pad=pad, frame_feedback=True)
+                          extra_rows=trailing, extra_pad=pad, frame_feedback=True, context_frames=context)
         return prompt, self.sampling(params)
+
+    def _in_context(self, ref_ids: torch.Tensor, text_ids: torch.Tensor, ref_codes: torch.Tensor, eos: torch.Tensor,
+                    pad: torch.Tensor, non_streaming: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """In-context cloning rows: the reference transcript + the text (+ tts-eos) beside codec-bos
+        and the reference's frames (each the sum of its codebooks' embeddings); -> (prompt rows,
+        the text rows later positions add)."""
+        c = self.config.codec
+        text = torch.cat([self.text_rows(torch.cat([ref_ids, text_ids])), eos[None]])
+        ref_codes = ref_codes.to(self._device())
+        frames = self.codec_rows(ref_codes[:, 0])
+        for g, table in enumerate(self.group_embeddings):
+            frames = frames + table(ref_codes[:, g + 1])
+        codec = torch.cat([self.codec_rows([c["codec_bos_id"]]), frames.to(text)])
+        if non_streaming:
+            return torch.cat([text + self.codec_rows([c["codec_pad_id"]]), codec + pad]), pad[None]
+        if text.shape[0] > codec.shape[0]:
+            return text[:codec.shape[0]] + codec, text[codec.shape[0]:]
+        return torch.cat([text, pad.expand(codec.shape[0] - text.shape[0], -1)]) + codec, pad[None]
 
     def sampling(self, params: TTSParams) -> SamplingParams:
         """The reference's talker `generate` settings: with N = max_new_tokens, at most N - 1 frames

@@ -8,13 +8,15 @@ dtype, max_positions)` follows the AR loader contract and returns `(Qwen3TTSTalk
     `Qwen3ForCausalLM` with `embed_tokens` = the codec embedding and `lm_head` = `codec_head`, so
     the AR engine gives it paged KV, continuous batching and CUDA graphs. Its multimodal rope gets
     equal positions in all three sections for speech, which is plain 1-D rope;
-  * `frame_head`: the code predictor (`CodePredictor`), run by the AR runner right after each step's
-    sampling for every sampled row at once: from the row's last hidden state and its group-0 code
-    it predicts codebooks 1..G-1 (G-1 small AR steps over a KV cache made fresh for that frame, so
-    nothing is kept or shared between requests or frames) and returns the row its next position
-    adds (the sum of their embeddings);
+  * `frame_head`: the code predictor (`CodePredictor`'s weights run by `predictor.FramePredictor`),
+    run by the AR runner right after each step's sampling for every sampled row at once: from the
+    row's last hidden state and its group-0 code it predicts codebooks 1..G-1 (G-1 small AR steps
+    over a KV buffer made fresh for that frame, so nothing is kept or shared between requests or
+    frames; one CUDA graph per batch bucket on the GPU) and returns the row its next position adds
+    (the sum of their embeddings);
   * `make_request`: text + `TTSParams` -> the AR request (`prompt.py`, with the talker's text
-    embedding and projection, which live here, on the talker's device).
+    embedding and projection, which live here, on the talker's device); for Base the reference
+    voice is encoded here too (`reference.py`: speech-tokenizer encoder + speaker encoder).
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ from typing import Optional
 import torch
 from torch import nn
 
-from omnistage.ar.sampler import SamplingBatch, sample
 from omnistage.codec.speech import TTSParams, TTSInput
 from omnistage.models.llama import Qwen3ForCausalLM
 from omnistage.models.loader import safetensors_files
+from omnistage.models.qwen3_tts.predictor import FramePredictor
 from omnistage.models.qwen3_tts.prompt import PromptBuilder, TTSConfig
+from omnistage.models.qwen3_tts.reference import ReferenceEncoder
 
 TALKER = "qwen3_tts.talker"
 
@@ -63,7 +66,7 @@ def qwen3_config(cfg: dict, vocab_size: int, max_positions: int):
 
 
 class CodePredictor(nn.Module):
-    """Codebooks 1..G-1 of a frame from the talker's hidden state and code 0 (batched over rows)."""
+    """The code predictor's weights (checkpoint layout); `predictor.FramePredictor` runs them."""
 
     def __init__(self, cfg: dict, talker_hidden: int):
         from transformers import Qwen3Model
@@ -78,7 +81,7 @@ class CodePredictor(nn.Module):
         self.embeds = nn.ModuleList(nn.Embedding(cfg["vocab_size"], talker_hidden) for _ in range(groups - 1))
         self.heads = nn.ModuleList(nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
                                    for _ in range(groups - 1))
-        self.code0_embed: Optional[nn.Embedding] = None   # the talker's codec embedding (set by the loader)
+        self.sampling: dict = {}                # generation_config.json's subtalker_{temperature,top_k,top_p} (by name)
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         state = {}
@@ -92,35 +95,9 @@ class CodePredictor(nn.Module):
             else:
                 state[name] = tensor
         missing, unexpected = self.load_state_dict(state, strict=False)
-        missing = [m for m in missing if m != "model.embed_tokens.weight" and not m.startswith("code0_embed")]
+        missing = [m for m in missing if m != "model.embed_tokens.weight"]
         if missing or unexpected:
             raise ValueError(f"code predictor weights: missing {missing[:5]}, unexpected {unexpected[:5]}")
-
-    def _step(self, x: torch.Tensor, cache) -> torch.Tensor:
-        return self.model(inputs_embeds=self.project(x), cache=cache, use_cache=True).last_hidden_state[:, -1]
-
-    @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, code0: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [S, H] (talker rows that sampled), code0 [S]: (codes [S, G-1], frame rows [S, H]).
-        Each row samples with its request's temperature / top-k / top-p (no penalties) and generator."""
-        from transformers import DynamicCache
-
-        plain = SamplingBatch(params=[p.clone(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-                                              bad_token_ids=[], stop_token_ids=[], min_tokens=0) for p in batch.params],
-                              generators=batch.generators, prompt_ids=[[] for _ in batch.params],
-                              output_ids=[[] for _ in batch.params])
-        cache = DynamicCache()
-        x = torch.stack([hidden, self.code0_embed(code0).to(hidden)], dim=1)
-        h = self._step(x, cache)
-        codes = []
-        for g, head in enumerate(self.heads):
-            code = sample(head(h).float(), plain).token_ids
-            codes.append(code)
-            if g + 1 < len(self.heads):
-                h = self._step(self.embeds[g](code)[:, None].to(hidden), cache)
-        codes = torch.stack(codes, dim=1)
-        rows = sum(embed(codes[:, g]) for g, embed in enumerate(self.embeds))
-        return codes, rows
 
 
 class Qwen3TTSTalker(Qwen3ForCausalLM):
@@ -179,9 +156,15 @@ def load_talker(model_dir: str, device: torch.device, dtype: torch.dtype, max_po
     predictor = CodePredictor(talker_cfg["code_predictor_config"], talker_cfg["hidden_size"])
     predictor.load({k[len("code_predictor."):]: v for k, v in tensors.items() if k.startswith("code_predictor.")})
     predictor = predictor.to(device=device, dtype=dtype).eval()
-    predictor.code0_embed = model.embed_tokens
-    prompts = PromptBuilder(TTSConfig.read(model_dir), AutoTokenizer.from_pretrained(model_dir),
+    config_tts = TTSConfig.read(model_dir)
+    gen = config_tts.generation
+    predictor.sampling = {name: kind(gen[f"subtalker_{name}"]) for name, kind in
+                          (("temperature", float), ("top_k", int), ("top_p", float)) if f"subtalker_{name}" in gen}
+    references = None
+    if config_tts.task == "base":
+        references = ReferenceEncoder(model_dir, device, dtype, read_tensors(model_dir, "speaker_encoder."))
+    prompts = PromptBuilder(config_tts, AutoTokenizer.from_pretrained(model_dir),
                             text_embedding.to(device, dtype).eval(), text_projection.to(device, dtype).eval(),
-                            model.embed_tokens)
-    model.attach(predictor, prompts)
+                            model.embed_tokens, predictor.embeds, references)
+    model.attach(FramePredictor(predictor, model.embed_tokens), prompts)
     return model.eval(), config, None, frozenset({prompts.config.eos})

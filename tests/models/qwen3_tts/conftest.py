@@ -16,13 +16,13 @@ def tts_folders(tmp_path_factory) -> dict[str, str]:
     from omnistage.testing.qwen3_tts import make_tiny_qwen3_tts
 
     root = tmp_path_factory.mktemp("qwen3_tts")
-    return {v: make_tiny_qwen3_tts(str(root / v), v) for v in ("custom_voice", "voice_design")}
+    return {v: make_tiny_qwen3_tts(str(root / v), v) for v in ("custom_voice", "voice_design", "base")}
 
 
 @pytest.fixture(scope="session")
 def cases() -> dict[str, dict]:
     with open(os.path.join(FIXTURES, "cases.json"), encoding="utf-8") as f:
-        return json.load(f)
+        return {name: dict(case, name=name) for name, case in json.load(f).items()}
 
 
 @pytest.fixture(scope="session")

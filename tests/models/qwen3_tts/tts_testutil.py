@@ -25,13 +25,23 @@ def talker_engine(folder: str):
 
 
 def params_of(case: dict, **changes):
+    """The case's inputs as Qwen3TTSParams (greedy unless changed; Base: its reference voice)."""
     from omnistage.models.qwen3_tts.prompt import Qwen3TTSParams
 
     fields = dict(voice=case.get("speaker"), language=case["language"], instructions=case.get("instruct"),
                   do_sample=False, max_new_tokens=case["max_new_tokens"],
                   non_streaming_mode=case.get("non_streaming_mode"))
+    if case["variant"] == "base":
+        ref = reference(case["name"])
+        fields.update(ref_audio=(ref["ref_audio"], case.get("ref_rate", 24000)), ref_text=case.get("ref_text"),
+                      x_vector_only_mode=case["x_vector_only_mode"])
     fields.update(changes)
     return Qwen3TTSParams(**fields)
+
+
+def seeded_params_of(case: dict, **changes):
+    """The case's params with its sampling (`gen`: do_sample, seed) as the reference ran it."""
+    return params_of(case, do_sample=case["gen"]["do_sample"], seed=case["gen"].get("seed"), **changes)
 
 
 def frames_of(out) -> np.ndarray:

@@ -1,0 +1,52 @@
+"""`FramePredictor` (the code predictor's own decoder): the batch-bucket path the GPU replays as CUDA
+graphs -- rows padded up to the bucket, every input a device tensor -- gives each row what the
+plain path gives it, greedy and sampled, greedy rows beside sampled ones. On the CPU the capture is
+left out (`run` calls the frame function on the padded inputs); benchmarks/tts_check_cuda.py
+compares the captured graphs on a GPU."""
+
+from __future__ import annotations
+
+import torch
+
+
+class _Uncaptured:
+    """`GraphCache.run` without the capture: the same padded inputs, the function run eagerly."""
+
+    def __init__(self):
+        self.keys = []
+
+    def run(self, key, inputs, fn):
+        self.keys.append(key)
+        return fn(*inputs)
+
+
+def test_bucket_path_equals_plain_path(talkers):
+    from omnistage.ar.sampler import SamplingBatch
+    from omnistage.params import SamplingParams
+
+    head = talkers["custom_voice"].model.frame_head
+    n = 3
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, head.code0.weight.shape[1], generator=g)
+    code0 = torch.randint(0, 128, (n,), generator=g)
+    for params in ([SamplingParams(temperature=0.0)] * n,
+                   [SamplingParams(temperature=0.9), SamplingParams(temperature=0.0),
+                    SamplingParams(temperature=0.7, top_k=5, top_p=0.8)]):
+        def batch():
+            return SamplingBatch(params=params, prompt_ids=[[]] * n, output_ids=[[]] * n,
+                                 generators=[torch.Generator().manual_seed(7 + i) for i in range(n)])
+
+        assert head.graphs is None                              # the CPU runs the plain path
+        plain_codes, plain_rows = head(hidden, code0, batch())
+        head.graphs = _Uncaptured()
+        try:
+            codes, rows = head(hidden, code0, batch())
+            assert head.graphs.keys[0][0] == 4                  # 3 rows padded to the bucket of 4
+        finally:
+            head.graphs = None
+        assert torch.equal(codes, plain_codes) and torch.equal(rows, plain_rows)
+        assert codes.shape == (n, 3)
+    greedy_row = head(hidden, code0, SamplingBatch(params=[SamplingParams(temperature=0.0)] * n,
+                                                   prompt_ids=[[]] * n, output_ids=[[]] * n,
+                                                   generators=[None] * n))[0][1]
+    assert torch.equal(plain_codes[1], greedy_row)             # a greedy row beside sampled ones stays greedy

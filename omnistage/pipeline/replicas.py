@@ -5,9 +5,9 @@ In: the stage's `StageSpec` with `engine.num_replicas` = N (and optionally `repl
 device per replica). Out: the replicas' outputs, merged, as if one stage produced them.
 
 * A new request (`add_request`, `submit`) goes to the least-loaded replica that is ready: fewest
-  requests in flight, then fewest prompt tokens it was handed (a text prompt counts its characters
-  / 4, an input without a length counts 1), then the replica that took a request longest ago, so
-  that light traffic still spreads. The request then sticks to that replica: its later pieces
+  requests in flight, then fewest prompt tokens in flight (a text prompt counts its characters / 4,
+  an input without a length counts 1), then the replica that took a request longest ago, so that
+  light traffic still spreads. The request then sticks to that replica: its later pieces
   (`add_input`, streamed edge pieces) and its abort go there only.
 * A replica whose process dies fails only the requests it held (its `StageClient` reports them as
   fatal errors: 503) and restarts in the background while the others take every new request; the
@@ -74,7 +74,8 @@ class ReplicaSet:
         if hasattr(first, "add_input"):
             self.add_input = self._add_input
         self.owner: dict[str, int] = {}         # request id -> index of the replica that holds it
-        self.tokens = [0] * len(self.replicas)  # prompt tokens (roughly) handed to each replica so far
+        self._sizes: dict[str, int] = {}        # request id -> its prompt tokens (roughly), while in flight
+        self.tokens = [0] * len(self.replicas)  # prompt tokens (roughly) in flight on each replica
         self.requests = [0] * len(self.replicas)   # requests handed to each replica so far
         self._last = [0] * len(self.replicas)   # `_tick` of each replica's latest request
         self._tick = itertools.count(1)
@@ -90,7 +91,8 @@ class ReplicaSet:
     def _assign(self, request_id: str, inputs: Any) -> StageClient:
         i = self._pick()
         self.owner[request_id] = i
-        self.tokens[i] += _size(inputs)
+        self._sizes[request_id] = _size(inputs)
+        self.tokens[i] += self._sizes[request_id]
         self.requests[i] += 1
         self._last[i] = next(self._tick)
         return self.replicas[i]
@@ -100,7 +102,7 @@ class ReplicaSet:
         try:
             replica.add_request(request_id, inputs, params, arrival_time)
         except BaseException:
-            self.owner.pop(request_id, None)
+            self._release(request_id)
             raise
 
     def submit(self, request_id: str, inputs: Any, params: Any, arrival_time: Optional[float] = None) -> None:
@@ -112,9 +114,16 @@ class ReplicaSet:
             self.replicas[i].add_input(request_id, piece)
 
     def abort(self, request_id: str) -> None:
-        i = self.owner.pop(request_id, None)
+        i = self._release(request_id)
         if i is not None:
             self.replicas[i].abort(request_id)
+
+    def _release(self, request_id: str) -> Optional[int]:
+        """Forgets a request that left its replica; the replica's index (None: not held)."""
+        i = self.owner.pop(request_id, None)
+        if i is not None:
+            self.tokens[i] -= self._sizes.pop(request_id, 0)
+        return i
 
     # ---- what any replica answers ---------------------------------------------------------------
     def _serving(self) -> StageClient:
@@ -140,7 +149,7 @@ class ReplicaSet:
                 outs.extend(r.step())
         for o in outs:
             if o.finished:
-                self.owner.pop(o.request_id, None)
+                self._release(o.request_id)
         return outs
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ other replica keeps serving, `/health` and `/metrics` show the replicas, and the
 back and takes requests again."""
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -129,3 +130,51 @@ def test_killed_replica_fails_only_its_requests_and_comes_back(served, reference
     assert [o["choices"][0]["text"] for o in out] == [reference[p] for p in PROMPTS[:4]]
     assert replicas.requests[0] > before        # the restarted replica takes requests again
     assert _metric(httpx.get(url + "/metrics").text, "replica_restarts_total", "0") == 1
+
+
+# ---- start-up options (no processes) ----------------------------------------------------------------
+def test_bad_scale_out_options_name_the_option_and_allowed_values():
+    from omnistage.config import EngineConfig
+    from omnistage.spec import StageSpec
+
+    with pytest.raises(ValueError, match="num_replicas must be an integer >= 1"):
+        EngineConfig(num_replicas=0)
+    with pytest.raises(ValueError, match="distributed_executor_backend must be one of mp, ray"):
+        EngineConfig(distributed_executor_backend="slurm")
+    with pytest.raises(ValueError, match="replica_devices must name one device per replica"):
+        StageSpec("llm", "ar", "", EngineConfig(num_replicas=2), replica_devices=["cuda:0"])
+    with pytest.raises(ValueError, match=r"ray keys must be among \['node_id', 'num_cpus', 'num_gpus', 'resources'\]"):
+        StageSpec("llm", "ar", "", ray={"gpus": 1})
+    assert StageSpec("llm", "ar", "", EngineConfig(num_replicas=2)).runner == "process"   # replicas are processes
+
+
+def test_deploy_config_sets_replicas_per_stage(tiny_models):
+    from omnistage.config import EngineConfig
+    from omnistage.pipeline.build import detect_pipeline
+
+    deploy = {"stages": {"llm": {"num_replicas": 2, "replica_devices": ["cpu", "cpu"],
+                                 "ray": {"resources": {"node_b": 1}}}}}
+    spec = detect_pipeline(tiny_models["llama"], EngineConfig(device="cpu"), deploy)
+    llm = spec.stage("llm")
+    assert (llm.engine.num_replicas, llm.replica_devices, llm.runner) == (2, ["cpu", "cpu"], "process")
+    assert llm.ray == {"resources": {"node_b": 1}}
+    with pytest.raises(ValueError, match="unknown keys"):
+        detect_pipeline(tiny_models["llama"], EngineConfig(device="cpu"), {"stages": {"llm": {"replicas": 2}}})
+
+
+def test_memory_plan_counts_every_replica_on_a_device(tiny_models):
+    """Two replicas on one GPU each get a share that fits both; on two GPUs each keeps the whole."""
+    from omnistage.config import EngineConfig
+    from omnistage.pipeline.memory import plan_gpu_memory
+    from omnistage.spec import PipelineSpec, StageSpec
+
+    def llm(**kw):
+        engine = EngineConfig(device="cuda:0", dtype="float32", num_kv_blocks=10**8, **kw)
+        return PipelineSpec([StageSpec("llm", "ar", tiny_models["llama"], engine)])
+
+    total = lambda device: 80 * 2**30
+    two = plan_gpu_memory(llm(num_replicas=2), device_total=total).stage("llm").engine.gpu_memory_utilization
+    assert 0.40 < two <= 0.45                   # half of 0.90 each, less nothing they do not share
+    spread = dataclasses.replace(llm(num_replicas=2).stages[0], replica_devices=["cuda:0", "cuda:1"])
+    planned = plan_gpu_memory(PipelineSpec([spread]), device_total=total).stage("llm")
+    assert planned.engine.gpu_memory_utilization == 0.90

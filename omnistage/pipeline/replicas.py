@@ -25,6 +25,7 @@ import itertools
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Optional
 
+from omnistage.pipeline import stage_client
 from omnistage.pipeline.stage_client import StageClient
 from omnistage.stage import StageOutput
 
@@ -44,11 +45,12 @@ def _size(inputs: Any) -> int:
     """A rough token count of a request's input, for balancing (not for any limit)."""
     if isinstance(inputs, str):
         return max(1, len(inputs) // 4)
-    if isinstance(inputs, dict):
-        inputs = inputs.get("prompt_token_ids") or inputs.get("prompt") or 1
-        return _size(inputs) if isinstance(inputs, str) else len(inputs) if isinstance(inputs, list) else 1
     if isinstance(inputs, list):
-        return len(inputs)
+        return max(1, len(inputs))
+    if isinstance(inputs, dict):               # a prompt dict: token ids or text
+        return _size(inputs.get("prompt_token_ids") or inputs.get("prompt") or 1)
+    if hasattr(inputs, "prompt_token_ids"):     # an ARPrompt
+        return _size(inputs.prompt_token_ids or inputs.prompt or 1)
     return 1
 
 
@@ -67,12 +69,12 @@ class ReplicaSet:
             raise failed[0]
         first = self.replicas[0]
         self.params_type, self.max_model_len, self.tokenizer = first.params_type, first.max_model_len, first.tokenizer
-        for name in ("output_kind", "takes_image", "takes_mask", "default_fps", "limits", "speech_capabilities",
-                     "voices", "check_params", "reset_prefix_cache"):
+        for name in stage_client._ATTRIBUTES:   # what a stage client reads once, read from the first
             if hasattr(first, name):
-                setattr(self, name, getattr(self, "_" + name, getattr(first, name)))
-        if hasattr(first, "add_input"):
-            self.add_input = self._add_input
+                setattr(self, name, getattr(first, name))
+        for name in stage_client._OPTIONAL:     # the optional verbs, offered as the replicas offer them
+            if hasattr(first, name):
+                setattr(self, name, getattr(self, "_" + name))
         self.owner: dict[str, int] = {}         # request id -> index of the replica that holds it
         self._sizes: dict[str, int] = {}        # request id -> its prompt tokens (roughly), while in flight
         self.tokens = [0] * len(self.replicas)  # prompt tokens (roughly) in flight on each replica

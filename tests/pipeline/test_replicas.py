@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import sys
 import time
 
 import httpx
@@ -92,6 +93,16 @@ async def _stream(client: httpx.AsyncClient, url: str, prompt: str, started: asy
     return "no [DONE]"
 
 
+def _snapshot(d: dict) -> dict:
+    """A copy of a dict the engine thread may be changing."""
+    for _ in range(100):
+        try:
+            return dict(d)
+        except RuntimeError:                    # changed size during the copy: again
+            time.sleep(0.001)
+    raise AssertionError("could not copy the replica owners")
+
+
 def test_killed_replica_fails_only_its_requests_and_comes_back(served, reference):
     engine, url = served
     replicas = engine.orchestrator.stages["llm"]
@@ -102,7 +113,7 @@ def test_killed_replica_fails_only_its_requests_and_comes_back(served, reference
             events = [asyncio.Event() for _ in range(6)]
             tasks = [asyncio.create_task(_stream(client, url, f"long story {i}", e)) for i, e in enumerate(events)]
             await asyncio.wait_for(asyncio.gather(*[e.wait() for e in events]), 120)
-            owners = dict(replicas.owner)       # request id -> replica, as the kill lands
+            owners = _snapshot(replicas.owner)  # request id -> replica, as the kill lands
             os.kill(victim.proc.pid, signal.SIGKILL)
             ends = await asyncio.gather(*tasks)
             return owners, ends
@@ -178,3 +189,27 @@ def test_memory_plan_counts_every_replica_on_a_device(tiny_models):
     spread = dataclasses.replace(llm(num_replicas=2).stages[0], replica_devices=["cuda:0", "cuda:1"])
     planned = plan_gpu_memory(PipelineSpec([spread]), device_total=total).stage("llm")
     assert planned.engine.gpu_memory_utilization == 0.90
+
+
+def test_serve_flags_reach_the_engine_options():
+    from omnistage.entrypoints.cli import build_parser
+    from omnistage.entrypoints.common import engine_kwargs_from_args
+
+    args = build_parser().parse_args(["serve", "--num-replicas", "2", "--distributed-executor-backend", "ray",
+                                      "--ray-address", "10.0.0.1:6379"])
+    kwargs = engine_kwargs_from_args(args)
+    assert (kwargs["num_replicas"], kwargs["distributed_executor_backend"], kwargs["ray_address"]) == \
+        (2, "ray", "10.0.0.1:6379")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--distributed-executor-backend", "slurm"])
+
+
+def test_ray_backend_without_ray_names_the_extra(monkeypatch):
+    from omnistage.config import EngineConfig
+    from omnistage.pipeline.launch import launcher_for
+    from omnistage.spec import StageSpec
+
+    monkeypatch.setitem(sys.modules, "ray", None)   # `import ray` fails as when it is not installed
+    spec = StageSpec("llm", "ar", "", EngineConfig(device="cpu", distributed_executor_backend="ray"))
+    with pytest.raises(RuntimeError, match=r"pip install 'omnistage\[ray\]'"):
+        launcher_for(spec)

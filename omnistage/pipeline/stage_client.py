@@ -357,6 +357,11 @@ class StageClient:
             self._send(CallStage(0, "abort", [request_id]))
 
     @property
+    def placement(self) -> tuple[Optional[str], bool]:
+        """(the Ray node id its process runs on, None without Ray; whether that is another node)."""
+        return getattr(self._launcher, "node_id", None), self._launcher.remote
+
+    @property
     def in_flight(self) -> int:
         """Requests the stage process holds (added, not yet finished, failed or aborted)."""
         return len(self._held)

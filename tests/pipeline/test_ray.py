@@ -39,8 +39,8 @@ def _run(folder: str, **kwargs):
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
         outs = omni.generate([{"prompt": p, "modalities": ["text", "audio"]} for p in PROMPTS], params,
                              use_tqdm=False)
-        placed = {name: getattr(stage, "_launcher", None) for name, stage in omni.orchestrator.stages.items()}
-        return outs, {name: (l.node_id, l.remote) for name, l in placed.items() if hasattr(l, "node_id")}
+        return outs, {name: stage.placement for name, stage in omni.orchestrator.stages.items()
+                      if hasattr(stage, "placement")}
     finally:
         omni.orchestrator.close()
 

@@ -218,6 +218,13 @@ def _check_engine_options(args: argparse.Namespace) -> None:
         EngineConfig(**kwargs)
     except ValueError as e:
         raise SystemExit(f"omnistage: {e}") from e
+    if kwargs.get("distributed_executor_backend") == "ray":
+        from omnistage.pipeline.launch import import_ray
+
+        try:
+            import_ray()
+        except RuntimeError as e:               # names the extra to install
+            raise SystemExit(f"omnistage: --distributed-executor-backend ray: {e}") from e
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

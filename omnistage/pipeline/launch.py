@@ -67,13 +67,14 @@ def import_ray():
 
 
 def connect_ray(address: str):
-    """The `ray` module, this process joined to the cluster at `address` (once per process)."""
+    """The `ray` module, this process joined to the cluster at `address` (once per process); a
+    ValueError naming `ray_address` when there is no cluster there."""
     ray = import_ray()
     if not ray.is_initialized():
         try:
             ray.init(address=address, ignore_reinit_error=True)
         except (ConnectionError, RuntimeError, ValueError) as e:
-            raise RuntimeError(f"distributed_executor_backend='ray': cannot join the Ray cluster at ray_address="
+            raise ValueError(f"distributed_executor_backend='ray': cannot join the Ray cluster at ray_address="
                                f"{address!r} ({e}); start one with `ray start --head` or pass --ray-address "
                                "HOST:PORT of a running cluster") from e
     return ray

@@ -44,6 +44,7 @@ ATTENTION_ROLES = ("dit", "text_encoder")
 # benchmarks/dit_bench.py re-measures it); where cuDNN cannot run a shape, SDPA falls back to flash.
 DEFAULT_ATTENTION = {"cuda": "CUDNN_ATTN", "cpu": "TORCH_SDPA"}
 QUANTIZATIONS = (None, "fp8")
+EXECUTOR_BACKENDS = ("mp", "ray")               # `distributed_executor_backend`: local processes | Ray actors
 
 
 @dataclass
@@ -84,6 +85,14 @@ class EngineConfig:
     enable_cpu_offload: bool = False            # model-level: text encoder / DiT / VAE take turns on the GPU
     enable_layerwise_offload: bool = False      # DiT blocks live in pinned CPU memory; one runs, the next prefetches
 
+    # -- scale-out: stage replicas and placement (pipeline/replicas.py, pipeline/launch.py) --
+    num_replicas: int = 1                       # copies of the stage, each in its own process; a new request goes
+    # to the least-loaded one, its later pieces and aborts to the same one
+    distributed_executor_backend: str = "mp"    # where stage processes run (EXECUTOR_BACKENDS): "mp" = this host,
+    # "ray" = Ray actors of a cluster, with the resources the deploy config's `ray:` asks for
+    ray_address: str = "auto"                   # the Ray cluster joined (`ray.init(address=...)`); "auto" = the one
+    # this host's `ray start` runs
+
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
@@ -100,6 +109,18 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self._check_cache_options()
         self._check_diffusion_speed()
+        self._check_scale_out()
+
+    def _check_scale_out(self) -> None:
+        """`num_replicas` a positive integer, `distributed_executor_backend` among EXECUTOR_BACKENDS."""
+        if isinstance(self.num_replicas, bool) or not isinstance(self.num_replicas, int) or self.num_replicas < 1:
+            raise ValueError(f"num_replicas must be an integer >= 1, got {self.num_replicas!r}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}; "
+                             f"got {self.distributed_executor_backend!r}")
+        if not isinstance(self.ray_address, str) or not self.ray_address:
+            raise ValueError(f"ray_address must be a Ray cluster address (host:port, ray://host:port or auto); "
+                             f"got {self.ray_address!r}")
 
     def _check_cache_options(self) -> None:
         """`cache_backend` among CACHE_BACKENDS (or None), `cache_config` valid for it."""

@@ -21,7 +21,9 @@ diffusion (outputs with `progress`) diffusion_step_seconds (the shared denoising
 update, observed per request per step) and diffusion_request_phase_seconds{phase} (encode / denoise
 / decode seconds of each finished request), diffusion_cached_steps_total (steps the step cache
 skipped, from `stats()`); the diffusion queue depth is num_requests_waiting /
-num_requests_running, read from the diffusion stage.
+num_requests_running, read from the diffusion stage. Stages with replicas add replica_requests_in_flight,
+replica_requests_total, replica_up, replica_restarts_total and replica_num_requests_running, labelled
+`stage` and `replica`.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ class _EngineStatsCollector:
                                     "Denoising steps that reused a cached residual (step cache).", labels=["model_name"])
             c.add_metric(label, float(stats["num_cached_steps"]))
             yield c
+        yield from _replica_families(stats, label)
         # Stage-to-stage edges of multi-stage pipelines: stats keys "edge:<src>-><dst>:<what>".
         edges = {k: v for k, v in stats.items() if k.startswith("edge:")}
         if edges:
@@ -109,6 +112,29 @@ class _EngineStatsCollector:
                     if kind == what:
                         c.add_metric(label + [edge], float(value))
                 yield c
+
+
+# Stage replicas (`num_replicas` > 1): stats keys "replica:<stage>:<i>:<what>" -> families labelled
+# stage and replica.
+_REPLICA_FAMILIES = (
+    (GaugeMetricFamily, "replica_requests_in_flight", "Requests a stage replica holds.", "in_flight"),
+    (CounterMetricFamily, "replica_requests", "Requests routed to a stage replica.", "requests"),
+    (GaugeMetricFamily, "replica_up", "1 while a stage replica serves, 0 while it restarts or failed.", "up"),
+    (CounterMetricFamily, "replica_restarts", "Times a stage replica's process was replaced.", "restarts"),
+    (GaugeMetricFamily, "replica_num_requests_running", "Requests in a stage replica's running batch.",
+     "num_running"))
+
+
+def _replica_families(stats: dict, label: list[str]):
+    rows = [(k.split(":"), v) for k, v in stats.items() if k.startswith("replica:") and k.count(":") == 3]
+    if not rows:
+        return
+    for family, name, doc, key in _REPLICA_FAMILIES:
+        m = family(PREFIX + name, doc, labels=["model_name", "stage", "replica"])
+        for (_, stage, replica, what), value in rows:
+            if what == key:
+                m.add_metric(label + [stage, replica], float(value))
+        yield m
 
 
 class EngineMetrics:

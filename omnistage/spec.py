@@ -25,6 +25,11 @@ MODALITIES = ("text", "audio", "image", "video")
 #   lm_shape: `lm_shape(config)` of an AR component's text config (absent: from model_dir/config.json)
 #   workspace_bytes: a codec / diffusion stage's activation room (absent: WORKSPACE_BYTES)
 MEMORY_HINTS = frozenset({"weights_prefix", "weights_dtype", "lm_shape", "workspace_bytes"})
+# Keys of `StageSpec.ray`, where a stage's Ray actors go (distributed_executor_backend "ray"; pipeline/launch.py):
+#   resources: {name: amount} of custom Ray resources each replica's actor holds (a node's label, say)
+#   num_cpus / num_gpus: CPUs / GPUs each actor holds (default 1 CPU; num_gpus: 1 for a cuda device, else 0)
+#   node_id: the hex id of the Ray node the actors must run on
+RAY_KEYS = frozenset({"resources", "num_cpus", "num_gpus", "node_id"})
 
 
 @dataclass
@@ -39,12 +44,23 @@ class StageSpec:
     params: dict[str, Any] = field(default_factory=dict)   # default request params of this stage (field -> value)
     runner: str = "inline"                      # "inline": in the orchestrator's process; "process": its own (stage_client)
     memory: dict[str, Any] = field(default_factory=dict)   # hints for the GPU memory plan (MEMORY_HINTS); engines ignore them
+    replica_devices: list[str] = field(default_factory=list)  # one EngineConfig device per replica
+    # (engine.num_replicas of them, e.g. ["cuda:0", "cuda:1"]); empty = every replica on engine.device
+    ray: dict[str, Any] = field(default_factory=dict)      # Ray placement of the stage's actors (RAY_KEYS)
 
     def __post_init__(self) -> None:
         if self.kind not in STAGE_KINDS:
             raise ValueError(f"stage {self.name!r}: kind must be one of {', '.join(STAGE_KINDS)}; got {self.kind!r}")
         if self.runner not in ("inline", "process"):
             raise ValueError(f"stage {self.name!r}: runner must be inline or process; got {self.runner!r}")
+        if self.engine.num_replicas > 1 or self.engine.distributed_executor_backend == "ray":
+            self.runner = "process"             # replicas and Ray actors are stage processes by nature
+        if self.replica_devices and len(self.replica_devices) != self.engine.num_replicas:
+            raise ValueError(f"stage {self.name!r}: replica_devices must name one device per replica "
+                             f"(num_replicas={self.engine.num_replicas}); got {self.replica_devices!r}")
+        unknown = set(self.ray) - RAY_KEYS
+        if unknown:
+            raise ValueError(f"stage {self.name!r}: ray keys must be among {sorted(RAY_KEYS)}; got {sorted(unknown)}")
         unknown = set(self.memory) - MEMORY_HINTS
         if unknown:
             raise ValueError(f"stage {self.name!r}: memory keys must be among {sorted(MEMORY_HINTS)}; got {sorted(unknown)}")

@@ -187,6 +187,11 @@ class AsyncOmni:
         orch = self.orchestrator
         return orch.stage_states() if orch is not None else {}
 
+    def replica_states(self) -> dict[str, list[str]]:
+        """Stage name -> each replica's state, for stages with `num_replicas` > 1 (empty once closed)."""
+        orch = self.orchestrator
+        return orch.replica_states() if orch is not None else {}
+
     async def generate(self, prompt: Any, params: Any = None, request_id: Optional[str] = None, *,
                        sampling_params_list: Optional[list] = None,
                        entry_stage: Optional[str] = None) -> AsyncIterator[RequestOutput]:

@@ -21,7 +21,7 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from omnistage.config import CACHE_BACKENDS, cache_config_problem
+from omnistage.config import CACHE_BACKENDS, EXECUTOR_BACKENDS, cache_config_problem
 
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -89,6 +89,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="model-level offload: text encoders and DiT take turns on the GPU")
     p.add_argument("--enable-layerwise-offload", action="store_true", default=None,
                    help="layerwise offload: DiT blocks stream from pinned host memory, the next one prefetched")
+    # -- scale-out: replicas and Ray placement (EngineConfig's fields of the same names) --
+    p.add_argument("--num-replicas", type=int, default=None, metavar="N",
+                   help="copies of every stage, each its own process; requests go to the least-loaded one "
+                        "(per stage: num_replicas in --deploy-config)")
+    p.add_argument("--distributed-executor-backend", default=None, choices=EXECUTOR_BACKENDS,
+                   help="mp: stage processes on this host; ray: Ray actors on an existing Ray cluster, placed by "
+                        "the deploy config's per-stage `ray:` (needs omnistage[ray]) (default: mp)")
+    p.add_argument("--ray-address", default=None, metavar="auto|HOST:PORT",
+                   help="the Ray cluster to join with --distributed-executor-backend ray (default: auto)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -209,6 +218,13 @@ def _check_engine_options(args: argparse.Namespace) -> None:
         EngineConfig(**kwargs)
     except ValueError as e:
         raise SystemExit(f"omnistage: {e}") from e
+    if kwargs.get("distributed_executor_backend") == "ray":
+        from omnistage.pipeline.launch import import_ray
+
+        try:
+            import_ray()
+        except RuntimeError as e:               # names the extra to install
+            raise SystemExit(f"omnistage: --distributed-executor-backend ray: {e}") from e
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -103,14 +103,25 @@ def _with_generation_defaults(spec: PipelineSpec, mode: str, override: Optional[
     return dataclasses.replace(spec, stages=[main, *spec.stages[1:]])
 
 
+# EngineConfig fields that say how a deployment scales out: the pipeline-wide values reach every stage
+# (a pipeline builder may give a stage its own EngineConfig); the deploy config then sets them per stage.
+SCALE_OUT_FIELDS = ("num_replicas", "distributed_executor_backend", "ray_address")
+
+
+def _with_scale_out(spec: PipelineSpec, engine: EngineConfig) -> PipelineSpec:
+    scale = {k: getattr(engine, k) for k in SCALE_OUT_FIELDS}
+    return dataclasses.replace(spec, stages=[dataclasses.replace(s, engine=dataclasses.replace(s.engine, **scale))
+                                             for s in spec.stages])
+
+
 def detect_pipeline(model_dir: str, engine: EngineConfig, deploy_config: Any = None, generation_config: str = "auto",
                     override_generation_config: Optional[dict] = None) -> PipelineSpec:
     """The pipeline of a local model folder, from the registry entry its config files match, with
-    the main AR stage's generation-config defaults (`read_generation_config`), `deploy_config`'s
-    overrides (a YAML path or dict, `pipeline/deploy_config.py`; its stage `params` win) and every
+    `engine`'s scale-out fields on every stage (`SCALE_OUT_FIELDS`), the main AR stage's
+    generation-config defaults (`read_generation_config`), `deploy_config`'s overrides (a YAML path or dict, `pipeline/deploy_config.py`; its stage `params` win) and every
     stage's config resolved. The overrides come first, so that a stage moved to another device gets
     that device's dtype."""
-    spec = _registry_pipeline(model_dir, engine.resolved())
+    spec = _with_scale_out(_registry_pipeline(model_dir, engine.resolved()), engine)
     spec = _with_generation_defaults(spec, generation_config, override_generation_config)
     spec = apply_deploy_config(spec, deploy_config)
     return dataclasses.replace(spec, stages=[resolve_stage(s) for s in spec.stages])

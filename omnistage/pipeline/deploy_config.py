@@ -16,6 +16,10 @@ stages:
   tts:
     device: cpu
     runner: process                     # its own process (default: inline, in the orchestrator's)
+    num_replicas: 2                     # two copies, each its own process; requests go to the least loaded
+    # replica_devices: [cuda:0, cuda:1] # one device per replica (default: all on `device`)
+    # distributed_executor_backend: ray # the stage's processes as Ray actors (`ray_address`: the cluster)
+    # ray: {resources: {node_b: 1}, num_gpus: 1}   # what each actor holds: places it on a node (spec.RAY_KEYS)
     options:                            # back-end settings (merged)
       max_batch_sentences: 4
       voices: {joe-slow: {voice: joe, length_scale: 1.3}}
@@ -36,7 +40,8 @@ from omnistage.config import EngineConfig
 from omnistage.spec import PipelineSpec, StageSpec
 
 _ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)}
-_STAGE_KEYS = {"options", "params", "memory", "enabled", "final_output", "model_dir", "runner"}
+_STAGE_KEYS = {"options", "params", "memory", "enabled", "final_output", "model_dir", "runner", "replica_devices",
+               "ray"}
 _EDGE_KEYS = {"src", "dst", "chunk_size", "first_chunk_size", "adapter", "options"}
 
 

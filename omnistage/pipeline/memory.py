@@ -22,7 +22,9 @@ Weights are counted from the safetensors headers (no tensor is read) at the dtyp
 in: its resolved `engine.dtype` (a codec's `memory.weights_dtype`, else as stored). Activations
 and contexts are estimates; the AR engine measures its real peak and caps its KV at what the
 device really has free, so an estimate that is off costs KV blocks, not a crash.
-A device holding one stage and no renderer keeps that stage's setting as it is.
+A device holding one stage and no renderer keeps that stage's setting as it is. A stage with
+`num_replicas` > 1 counts once per replica on each device its replicas use (`replica_devices`, else
+all on its device); its share is one replica's (the smallest, when its devices differ).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
-from omnistage.config import CUDA_CONTEXT_BYTES, dtype_by_name
+from omnistage.config import CUDA_CONTEXT_BYTES, concrete_device, dtype_by_name
 from omnistage.pipeline.build import resolve_stage
 from omnistage.spec import PipelineSpec, StageSpec
 
@@ -171,6 +173,20 @@ def stage_cost(stage: StageSpec, device: str) -> StageCost:
     return StageCost(context, weights, work, blocks * e.block_size * per_token)
 
 
+def _replica_devices(stage: StageSpec) -> list[str]:
+    """The device of each of the stage's replicas ("cpu" | "cuda:N")."""
+    return [concrete_device(d) for d in (stage.replica_devices or [stage.engine.device] * stage.engine.num_replicas)]
+
+
+def replicas_on(stage: StageSpec, device: str) -> int:
+    """How many of the stage's replicas run on `device`."""
+    return _replica_devices(stage).count(device)
+
+
+def _times(cost: StageCost, n: int) -> StageCost:
+    return StageCost(cost.context * n, cost.weights * n, cost.work * n, cost.kv_demand * n)
+
+
 def split_kv(pool: int, demands: dict[str, int]) -> dict[str, int]:
     """`pool` split in proportion to `demands`, none above its demand. (With proportional shares
     every stage reaches its cap at the same pool size, so there is nothing left to re-distribute.)"""
@@ -210,7 +226,8 @@ def _plan_device(device: str, stages: list[StageSpec], spec: PipelineSpec, pinne
         main = next(s for s in stages if s.name == spec.main_stage.name)
         reserves["chat renderer"] = WORKSPACE_BYTES + weight_bytes(
             main.model_dir, tuple(spec.renderer_weights), main.engine.torch_dtype())
-    costs = {s.name: stage_cost(s, device) for s in free}
+    copies = {s.name: replicas_on(s, device) for s in free}
+    costs = {s.name: _times(stage_cost(s, device), copies[s.name]) for s in free}
     left = int(total * util) - sum(reserves.values()) - sum(c.fixed for c in costs.values())
     described = [f"{n} {_gib(c.fixed)} (weights {_gib(c.weights)}, activations {_gib(c.work)}, "
                  f"context {_gib(c.context)})" for n, c in costs.items()]
@@ -222,7 +239,7 @@ def _plan_device(device: str, stages: list[StageSpec], spec: PipelineSpec, pinne
             f"{{gpu_memory_utilization: F}}}}`), raise gpu_memory_utilization, or put fewer or smaller stages "
             f"on {device}")
     kv = split_kv(left, {n: c.kv_demand for n, c in costs.items() if c.kv_demand})
-    shares = {n: min(1.0, (c.fixed + kv.get(n, 0)) / total) for n, c in costs.items()}
+    shares = {n: min(1.0, (c.fixed + kv.get(n, 0)) / copies[n] / total) for n, c in costs.items()}
     logger.info("GPU memory plan of %s (%s x %s): %s; KV: %s; fixed: %s", device, _gib(total), util,
                 ", ".join(f"{n} {v:.3f}" for n, v in shares.items()),
                 ", ".join(f"{n} {_gib(b)} of {_gib(costs[n].kv_demand)} wanted" for n, b in kv.items()) or "none",
@@ -239,12 +256,14 @@ def plan_gpu_memory(spec: PipelineSpec, pinned: frozenset[str] = frozenset(),
     device_total = device_total or _cuda_total
     by_device: dict[str, list[StageSpec]] = {}
     for s in map(resolve_stage, spec.stages):   # unchanged when they come from detect_pipeline
-        if s.engine.device != "cpu":
-            by_device.setdefault(s.engine.device, []).append(s)
+        for dev in dict.fromkeys(_replica_devices(s)):
+            if dev != "cpu":
+                by_device.setdefault(dev, []).append(s)
     shares: dict[str, float] = {}
     for dev, stages in by_device.items():
-        if len(stages) > 1 or _renderer_on(spec, stages):
-            shares.update(_plan_device(dev, stages, spec, pinned, device_total(dev)))
+        if len(stages) > 1 or _renderer_on(spec, stages) or replicas_on(stages[0], dev) > 1:
+            for name, share in _plan_device(dev, stages, spec, pinned, device_total(dev)).items():
+                shares[name] = min(share, shares.get(name, 1.0))
     stages = [dataclasses.replace(s, engine=dataclasses.replace(s.engine, gpu_memory_utilization=shares[s.name]))
               if s.name in shares else s for s in spec.stages]
     return dataclasses.replace(spec, stages=stages)

@@ -19,7 +19,9 @@ at each audio stage); text from the stage that produces text, audio / images / v
 the stages that produce them. Completion finish reasons are held back until every stage of the
 request is done, so the last output a caller sees is the one with `finished=True`. An abort reaches
 every stage that holds the request. Stages run in-process here; `stage_client` puts one in its own
-process behind the same `StageEngine` interface. A stage whose process died fails the requests it
+process behind the same `StageEngine` interface (as a Ray actor's child with
+`distributed_executor_backend: ray`), and `replicas.ReplicaSet` runs `num_replicas` of them as one
+stage (least-loaded routing; a request sticks to its replica). A stage whose process died fails the requests it
 held (`StageDeadError`) and restarts in the background while the other stages keep stepping; until
 it is back, a new request whose route needs it is refused with `StageDeadError` naming it
 (`stage_states` says which stages are down).
@@ -69,6 +71,10 @@ def payload_bytes(obj: Any) -> int:
 
 
 def _build_stage(spec: StageSpec) -> Any:
+    if spec.engine.num_replicas > 1:
+        from omnistage.pipeline.replicas import ReplicaSet
+
+        return ReplicaSet(spec)
     if spec.runner == "process":
         from omnistage.pipeline.stage_client import StageClient
 
@@ -379,6 +385,9 @@ class Orchestrator:
         for name, stage in self.stages.items():
             if stage is not self.main:
                 stats.update({f"{name}:{k}": v for k, v in stage.stats().items()})
+        for name, stage in self.stages.items():   # "replica:<stage>:<i>:<what>" (metrics' `replica` label)
+            for i, rs in enumerate(stage.replica_stats() if hasattr(stage, "replica_stats") else ()):
+                stats.update({f"replica:{name}:{i}:{k}": v for k, v in rs.items()})
         for (src, dst), (seconds, nbytes, pieces) in self.edge_totals.items():
             stats[f"edge:{src}->{dst}:seconds"] = seconds
             stats[f"edge:{src}->{dst}:bytes"] = nbytes
@@ -389,6 +398,11 @@ class Orchestrator:
         """Stage name -> "ready", "restarting" or "failed" (`StageClient.state`; in-process stages are
         always ready). Safe to read from any thread."""
         return {name: getattr(stage, "state", "ready") for name, stage in self.stages.items()}
+
+    def replica_states(self) -> dict[str, list[str]]:
+        """Stage name -> each replica's state, for the stages that run several (`num_replicas` > 1);
+        such a stage is "ready" in `stage_states` while any replica is."""
+        return {name: stage.replica_states() for name, stage in self.stages.items() if hasattr(stage, "replica_states")}
 
     def stage_for(self, modality: str) -> Optional[tuple[str, Any]]:
         """(name, engine) of the stage that delivers `modality`, or None."""

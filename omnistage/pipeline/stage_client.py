@@ -1,8 +1,10 @@
 """`StageClient`: one stage engine in its own process, behind the `StageEngine` interface.
 
-The orchestrator's process holds the client; `python -m omnistage.pipeline.stage_client CMD OUT`
-is the stage's process. Control messages (`pipeline.stage_messages`) go over two zmq ipc sockets
-(commands in, outputs out), encoded by `pipeline.wire` (msgspec; arrays through shared memory).
+The orchestrator's process holds the client; `python -m omnistage.pipeline.stage_client CMD OUT CHK`
+is the stage's process, started on this host or under a Ray actor (`pipeline.launch`). Control
+messages (`pipeline.stage_messages`) go over zmq sockets (commands in, outputs out, checks; ipc files,
+or tcp for a Ray actor), encoded by `pipeline.wire` (msgspec; arrays through shared memory, or inline
+when the process runs on another host). One client is one replica; `pipeline.replicas` balances several.
 The stage process steps its engine whenever it has work, so it runs concurrently with the other
 stages; `step()` here only collects what it has produced. `add_request` and the optional
 `check_params` and `reset_prefix_cache` are round trips, so a bad request raises here as it would in-process, a
@@ -64,8 +66,14 @@ STATES = ("ready", "restarting", "failed")      # what `StageClient.state` may s
 
 
 class StageClient:
-    def __init__(self, spec, start_timeout_s: float = 180.0, max_restart_attempts: int = 3):
+    def __init__(self, spec, start_timeout_s: float = 180.0, max_restart_attempts: int = 3,
+                 replica: Optional[int] = None):
+        """`replica`: this client's index among its stage's replicas (None: the stage has one)."""
+        from omnistage.pipeline.launch import launcher_for
+
         self.spec = spec
+        self.label = repr(spec.name) if replica is None else f"{spec.name!r} (replica {replica})"
+        self._launcher = launcher_for(spec)     # where the stage process runs: this host or a Ray actor
         self.start_timeout_s = start_timeout_s
         self.max_restart_attempts = max_restart_attempts
         self._ctx = zmq.Context()
@@ -111,25 +119,30 @@ class StageClient:
     def _spawn(self) -> None:
         """Starts a stage process and sends it the stage to build; `_poll_start` says when it is ready."""
         self._generation += 1
+        self._launcher.prepare(self.start_timeout_s)
+        self._inline = self._launcher.remote    # another host: arrays inline in the messages
         base = os.path.join(self._dir, f"{self.spec.name}-{self._generation}")
         self._cmd = self._ctx.socket(zmq.PUSH)
-        self._cmd.setsockopt(zmq.LINGER, 0)
-        self._cmd.bind(f"ipc://{base}.cmd")
         self._out = self._ctx.socket(zmq.PULL)
-        self._out.setsockopt(zmq.LINGER, 0)
-        self._out.bind(f"ipc://{base}.out")
+        cmd, out = self._bind(self._cmd, base, "cmd"), self._bind(self._out, base, "out")
         with self._check_lock:                  # a check in another thread may still hold the old socket
             if self._chk is not None:
                 self._chk.close()
             self._chk = self._ctx.socket(zmq.REQ)
-            self._chk.setsockopt(zmq.LINGER, 0)
             self._chk.setsockopt(zmq.REQ_RELAXED, 1)    # a request left unanswered by a dead process
             self._chk.setsockopt(zmq.REQ_CORRELATE, 1)  # does not block the next one
-            self._chk.bind(f"ipc://{base}.chk")
-        self.proc = subprocess.Popen([sys.executable, "-m", "omnistage.pipeline.stage_client",
-                                      f"ipc://{base}.cmd", f"ipc://{base}.out", f"ipc://{base}.chk"])
-        self._init: Optional[bytes] = wire.encode(InitStage(self.spec))   # sent by `_poll_start`
+            chk = self._bind(self._chk, base, "chk")
+        self.proc = self._launcher.start(["-m", "omnistage.pipeline.stage_client", cmd, out, chk]
+                                         + (["inline"] if self._inline else []))
+        init = InitStage(self._launcher.stage_spec(self.spec))
+        self._init: Optional[bytes] = wire.encode(init, self._inline)   # sent by `_poll_start`
         self._deadline = time.monotonic() + self.start_timeout_s
+
+    def _bind(self, sock: zmq.Socket, base: str, name: str) -> str:
+        """Binds `sock` where the launcher's process can reach it; the endpoint to connect to."""
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(self._launcher.endpoint(base, name))
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def _poll_start(self, timeout_ms: int) -> Optional[StageReady]:
         """The starting process's `StageReady`, or None while it still loads (waits up to `timeout_ms`);
@@ -143,13 +156,13 @@ class StageClient:
         if self._out.poll(timeout_ms):
             msg = wire.decode(self._out.recv())
             if isinstance(msg, StageFatal):
-                raise RuntimeError(f"stage {self.spec.name!r} failed to start: {msg.message}")
+                raise RuntimeError(f"stage {self.label} failed to start: {msg.message}")
             return msg if isinstance(msg, StageReady) else None
         if self.proc.poll() is not None:
-            raise RuntimeError(f"stage {self.spec.name!r} process exited with {self.proc.returncode} at start")
+            raise RuntimeError(f"stage {self.label} process exited with {self.proc.returncode} at start")
         if time.monotonic() > self._deadline:
             self._stop_process(0)
-            raise RuntimeError(f"stage {self.spec.name!r} did not start in {self.start_timeout_s:.0f} s")
+            raise RuntimeError(f"stage {self.label} did not start in {self.start_timeout_s:.0f} s")
         return None
 
     @property
@@ -165,14 +178,14 @@ class StageClient:
         """Why the stage takes no requests now (names it, says what to do), or None when it does."""
         state = self.state
         if state == "restarting":
-            return f"stage {self.spec.name!r} is restarting after its process died; try again in a few seconds"
+            return f"stage {self.label} is restarting after its process died; try again in a few seconds"
         if state == "failed":
-            return f"stage {self.spec.name!r} is down: {self._failure}; restart the server"
+            return f"stage {self.label} is down: {self._failure}; restart the server"
         return None
 
     def _on_death(self) -> None:
         """The stage process is gone: fail every request it held now and start a new one in the background."""
-        reason = f"stage {self.spec.name!r} process died (exit code {self.proc.returncode}); it is being restarted"
+        reason = f"stage {self.label} process died (exit code {self.proc.returncode}); it is being restarted"
         logger.error(reason)
         self._ready.extend(_failed(rid, reason) for rid in sorted(self._held))
         self._held.clear()
@@ -206,19 +219,19 @@ class StageClient:
             self._state = "ready"
             self.restarts += 1
             self.last_recovery_s = time.monotonic() - self._down_since
-            logger.warning("stage %r is back after %.1f s (restart %d)", self.spec.name, self.last_recovery_s,
+            logger.warning("stage %s is back after %.1f s (restart %d)", self.label, self.last_recovery_s,
                            self.restarts)
 
     def _give_up(self, why: str) -> None:
         self._state, self._failure = "failed", why
-        logger.error("stage %r is down for good: %s", self.spec.name, why)
+        logger.error("stage %s is down for good: %s", self.label, why)
 
     def _stop_process(self, grace_s: float) -> None:
         """Stops the stage process: `StopStage` and up to `grace_s` to exit, then SIGKILL."""
         if self.proc is None or self.proc.poll() is not None:
             return
         try:
-            self._cmd.send(wire.encode(StopStage()), zmq.NOBLOCK)
+            self._cmd.send(wire.encode(StopStage(), self._inline), zmq.NOBLOCK)
             self.proc.wait(timeout=grace_s)
         except Exception:
             self.proc.kill()
@@ -227,6 +240,7 @@ class StageClient:
     def close(self) -> None:
         try:
             self._stop_process(5)
+            self._launcher.close()
         finally:
             self._ctx.destroy(linger=0)
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -241,7 +255,7 @@ class StageClient:
     def _send(self, command: Any) -> bool:
         """Sends a command; False when the process turned out dead (its requests are failed and a
         new one starts). A PUSH socket whose peer died blocks a plain send for ever: never wait on it."""
-        data = wire.encode(command)
+        data = wire.encode(command, self._inline)
         while True:
             try:
                 self._cmd.send(data, zmq.NOBLOCK)
@@ -322,10 +336,10 @@ class StageClient:
         video routes. The stage's engine's check is a pure function of the params."""
         with self._check_lock:
             proc, sock = self.proc, self._chk
-            sock.send(wire.encode(CallStage(1, "check_params", [params])))
+            sock.send(wire.encode(CallStage(1, "check_params", [params]), self._inline))
             while not sock.poll(50):
                 if proc.poll() is not None:     # the engine thread restarts it
-                    raise RuntimeError(f"stage {self.spec.name!r} process died; try again")
+                    raise RuntimeError(f"stage {self.label} process died; try again")
             reply = wire.decode(sock.recv())
         if reply.error is not None:
             raise reply.error.exception()
@@ -341,6 +355,16 @@ class StageClient:
         if request_id in self._held:
             self._held.discard(request_id)
             self._send(CallStage(0, "abort", [request_id]))
+
+    @property
+    def placement(self) -> tuple[Optional[str], bool]:
+        """(the Ray node id its process runs on, None without Ray; whether that is another node)."""
+        return getattr(self._launcher, "node_id", None), self._launcher.remote
+
+    @property
+    def in_flight(self) -> int:
+        """Requests the stage process holds (added, not yet finished, failed or aborted)."""
+        return len(self._held)
 
     def has_unfinished(self) -> bool:
         """Requests held or outputs to collect, or a process to (re)start: `step` has something to do."""
@@ -369,14 +393,17 @@ def _failed(request_id: str, reason: str) -> StageOutput:
                        error=StageError(reason, fatal=True))
 
 
-def wait_any(clients: list["StageClient"], timeout_ms: int = _WAIT_MS) -> None:
+def wait_any(clients: list[Any], timeout_ms: int = _WAIT_MS) -> None:
     """Blocks until one of the clients' stage processes has sent something (or `timeout_ms`), so an
-    orchestrator whose work all sits in stage processes sleeps instead of spinning."""
+    orchestrator whose work all sits in stage processes sleeps instead of spinning (`clients`: stage
+    clients or replica sets)."""
+    clients = [r for c in clients for r in getattr(c, "replicas", [c])]   # a ReplicaSet's clients
     if any(c._ready for c in clients):
         return
     poller = zmq.Poller()
     for c in clients:
-        poller.register(c._out, zmq.POLLIN)
+        if c.state == "ready":                  # a restarting one's socket may be closed
+            poller.register(c._out, zmq.POLLIN)
     poller.poll(timeout_ms)
 
 
@@ -400,7 +427,9 @@ def _answer_checks(ctx: zmq.Context, addr: str, engine: Any) -> None:
         sock.send(wire.encode(reply))
 
 
-def _serve(cmd_addr: str, out_addr: str, chk_addr: Optional[str] = None) -> None:
+def _serve(cmd_addr: str, out_addr: str, chk_addr: Optional[str] = None, inline: Optional[str] = None) -> None:
+    """The stage process's loop; `inline` ("inline"): the orchestrator is on another host (`wire`)."""
+    wire.set_inline_default(inline == "inline")
     ctx = zmq.Context()
     cmd, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     cmd.connect(cmd_addr)
@@ -504,4 +533,4 @@ def _send_outputs(out: Any, engine: Any, outs: list[StageOutput], held: set[str]
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s stage %(levelname)s %(message)s")
-    _serve(*sys.argv[1:4])
+    _serve(*sys.argv[1:5])

@@ -17,6 +17,11 @@ stage's process.
   more than the copy) is staged through pinned host memory -- all of a message's with one
   synchronisation -- and put back on its device by the receiver.
 
+* `encode(obj, inline=True)` (a stage process on another host: `pipeline/launch.py`) carries every
+  array inline in the message and stages CUDA tensors through host memory: no shared memory and no
+  CUDA IPC, which do not cross hosts. A stage process started that way makes it its default
+  (`set_inline_default`).
+
 * A PIL image travels as its mode, size, raw pixel bytes (an array, so shared memory when large)
   and palette, and is rebuilt with `Image.frombytes`: the same pixels in the same mode.
 
@@ -28,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import sys
-from typing import Any
+from typing import Any, Optional
 
 import msgspec
 import numpy as np
@@ -38,6 +43,7 @@ CUDA_IPC_MIN_BYTES = 1 << 20                    # CUDA tensors this large go by 
 _TYPE, _ARRAY, _SHM, _TENSOR, _CUDA_IPC = "__os_type__", "__os_array__", "__os_shm__", "__os_tensor__", "__os_ipc__"
 _IMAGE = "__os_image__"
 
+_inline_default = False                         # `encode`'s `inline` when not given (`set_inline_default`)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder()
 
@@ -68,10 +74,10 @@ def _host_bytes(t) -> np.ndarray:
     return t.contiguous().reshape(-1).view(_torch().uint8).numpy()
 
 
-def _tensor_to_wire(t, pending: list) -> dict:
+def _tensor_to_wire(t, pending: list, inline: bool) -> dict:
     t = t.detach()
     meta = {_TENSOR: str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "device": str(t.device)}
-    if t.device.type == "cuda" and t.numel() * t.element_size() >= CUDA_IPC_MIN_BYTES:
+    if t.device.type == "cuda" and t.numel() * t.element_size() >= CUDA_IPC_MIN_BYTES and not inline:
         from torch.multiprocessing.reductions import reduce_tensor
 
         t = t.contiguous()
@@ -83,10 +89,10 @@ def _tensor_to_wire(t, pending: list) -> dict:
         host = t.contiguous().to("cpu", non_blocking=True)
         pending.append((meta, host))
         return meta
-    return {**meta, "data": _array_to_wire(_host_bytes(t.cpu()))}
+    return {**meta, "data": _array_to_wire(_host_bytes(t.cpu()), inline)}
 
 
-def _image_to_wire(image) -> dict:
+def _image_to_wire(image, inline: bool) -> dict:
     """A PIL image as its mode, size, raw pixel bytes (a uint8 array: shared memory when large),
     palette and transparency; `Image.frombytes` rebuilds it exactly in every mode."""
     palette = None
@@ -95,7 +101,7 @@ def _image_to_wire(image) -> dict:
     transparency = image.info.get("transparency")
     return {_IMAGE: image.mode, "size": list(image.size), "palette": palette,
             "transparency": transparency if isinstance(transparency, (int, bytes, tuple)) else None,
-            "data": _array_to_wire(np.frombuffer(image.tobytes(), dtype=np.uint8))}
+            "data": _array_to_wire(np.frombuffer(image.tobytes(), dtype=np.uint8), inline)}
 
 
 def _image_from_wire(obj: dict):
@@ -120,10 +126,10 @@ def _to_wire(obj: Any, pending: list, inline: bool = False) -> Any:
         return obj.item()
     torch = sys.modules.get("torch")            # a tensor exists only once torch is imported
     if torch is not None and isinstance(obj, torch.Tensor):
-        return _tensor_to_wire(obj, pending)
+        return _tensor_to_wire(obj, pending, inline)
     pil = sys.modules.get("PIL.Image")          # likewise a PIL image
     if pil is not None and isinstance(obj, pil.Image):
-        return _image_to_wire(obj)
+        return _image_to_wire(obj, inline)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         cls = type(obj)
         fields = {f.name: _to_wire(getattr(obj, f.name), pending, inline) for f in dataclasses.fields(obj)}
@@ -189,15 +195,23 @@ def _from_wire(obj: Any) -> Any:
     return {k: _from_wire(v) for k, v in obj.items()}
 
 
-def encode(obj: Any) -> bytes:
+def set_inline_default(inline: bool) -> None:
+    """Makes `encode` carry arrays inline unless told otherwise (a stage process on another host)."""
+    global _inline_default
+    _inline_default = inline
+
+
+def encode(obj: Any, inline: Optional[bool] = None) -> bytes:
+    """`inline`: every array inside the message (None: `set_inline_default`'s choice, else False)."""
+    inline = _inline_default if inline is None else inline
     pending: list = []
-    wire = _to_wire(obj, pending)
+    wire = _to_wire(obj, pending, inline)
     if pending:                                 # one wait for all of the message's device -> host copies
         torch = _torch()
         for device in {meta["device"] for meta, _ in pending}:
             torch.cuda.current_stream(torch.device(device)).synchronize()
         for meta, host in pending:
-            meta["data"] = _array_to_wire(_host_bytes(host))
+            meta["data"] = _array_to_wire(_host_bytes(host), inline)
     return _encoder.encode(wire)
 
 

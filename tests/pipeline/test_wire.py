@@ -91,3 +91,26 @@ def test_tts_params_with_reference_audio_round_trip_and_fingerprint_without_shar
     assert key != wire.fingerprint(TTSParams(task_type="Base", ref_audio=(ref * 0.5, 24000), ref_text="hi",
                                              max_new_tokens=64))
     assert _shm_segments() <= before                            # no segment left behind by a key
+
+
+def test_inline_mode_carries_large_arrays_in_the_message():
+    """`encode(..., inline=True)` (a stage process on another host) creates no shared-memory segment:
+    tensors, arrays and images of any size ride in the bytes, and come back equal."""
+    from PIL import Image
+
+    t = torch.randn(300, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    a = np.arange(200_000, dtype=np.float32)
+    image = Image.fromarray(np.arange(256 * 256 * 3, dtype=np.uint8).reshape(256, 256, 3) % 251)
+    before = _shm_segments()
+    data = wire.encode({"t": t, "a": a, "image": image}, inline=True)
+    assert _shm_segments() == before and len(data) > t.numel() * 2 + a.nbytes
+    back = wire.decode(data)
+    assert back["t"].dtype == torch.bfloat16 and torch.equal(back["t"], t)
+    np.testing.assert_array_equal(back["a"], a)
+    assert back["image"].tobytes() == image.tobytes()
+    wire.set_inline_default(True)               # a stage process started with `inline`
+    try:
+        data = wire.encode(a)
+        assert _shm_segments() == before and wire.decode(data).tobytes() == a.tobytes()
+    finally:
+        wire.set_inline_default(False)

@@ -132,16 +132,19 @@ def build_app(engine: Any, served_model_name: str, api_key: Optional[str] = None
     @app.get("/health")
     async def health() -> Response:
         """200 `{"status": "ok", "stages": {name: "ready"}}`; 503 when the engine is down, or when a
-        stage is (its process "restarting" or "failed"): an error naming it, plus every stage's state."""
+        stage is (its process "restarting" or "failed"): an error naming it, plus every stage's state.
+        A stage with replicas is ready while any replica is; `replicas` lists each one's state."""
         if not engine.is_running:
             return OpenAIError(503, "the engine is not running", code="engine_dead").response()
         states = engine.stage_states()
+        replicas = engine.replica_states() if hasattr(engine, "replica_states") else {}
+        extra = {"replicas": replicas} if replicas else {}
         down = {name: state for name, state in states.items() if state != "ready"}
         if not down:
-            return JSONResponse({"status": "ok", "stages": states})
+            return JSONResponse({"status": "ok", "stages": states, **extra})
         message = "degraded: " + ", ".join(f"stage {name!r} is {state}" for name, state in down.items())
         return JSONResponse({**OpenAIError(503, message, code="stage_unavailable").body(), "status": "degraded",
-                             "stages": states}, status_code=503)
+                             "stages": states, **extra}, status_code=503)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

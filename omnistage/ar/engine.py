@@ -65,11 +65,11 @@ class AREngine:
         self.config = config = (config or EngineConfig()).resolved("ar", checkpoint_dtype(model_dir))
         self.model_dir = model_dir
         self.device = config.torch_device()
+        tp = config.tensor_parallel_size
+        init = ParallelInit.for_device(self.device, tp) if tp > 1 else None   # checks the devices exist
         # what this process held on the device before this engine (another inline stage, the renderer)
         self._mem_base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.dtype = config.torch_dtype()
-        tp = config.tensor_parallel_size
-        init = ParallelInit.for_device(self.device, tp) if tp > 1 else None   # checks the devices exist
         with sharding(tp, 0):                   # rank 0's shard; a size the model cannot split fails here
             self.model, self.hf_config, self.tokenizer, self.eos_ids = loader(
                 model_dir, self.device, self.dtype, config.max_model_len)
@@ -88,8 +88,12 @@ class AREngine:
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size, config.seed)
         if init is not None:                    # ranks 1..N-1 load their shards and follow this process
             self.runner.ranks = RankGroup.start(init, model_dir, loader, config)
-        num_blocks = self._num_kv_blocks(max_len)
-        self.runner.allocate_kv_cache(num_blocks)
+        try:
+            num_blocks = self._num_kv_blocks(max_len)
+            self.runner.allocate_kv_cache(num_blocks)
+        except BaseException:
+            self.close()                        # the ranks started above stop with it
+            raise
         self.max_model_len = min(max_len, num_blocks * config.block_size)
         if self.device.type == "cuda" and config.cuda_graphs and tp == 1:   # TP steps run eager
             self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len)

@@ -129,7 +129,7 @@ class ModelRunner:
         order = decodes + prefills
         if not prefills and self.graphs is not None and self.graphs.fits(len(decodes)):
             ids_dev, pos_dev, meta = self.graphs.load(inputs.ids, inputs.positions, inputs.slots,
-                                                      [s.seq.block_table for s in decodes])
+                                                      inputs.block_tables)
         else:
             ids_dev, pos_dev, meta = inputs.tensors(self.device)
         self._fill(ids_dev, inputs.fill, prev)
@@ -162,6 +162,8 @@ class ModelRunner:
 
     def release(self, seq_id: str) -> None:
         self.seq_generators.pop(seq_id, None)
+        if self.ranks is not None:
+            self.ranks.tables.drop(seq_id)
 
     def execute(self, sched: SchedulerOutput, eos_ids: frozenset[int]) -> RunnerOutput:
         """One step, waited for."""

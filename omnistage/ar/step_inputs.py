@@ -28,20 +28,27 @@ class StepInputs:
     positions: list                             # rope position per row, or 3 lists (multimodal rope prefill)
     slots: list[int]                            # KV-cache slot per row (block * block_size + offset)
     num_decodes: int                            # the first rows are this many single-token decodes
-    decode_tables: list[list[int]]              # block table per decode row, padded with 0 to one width
+    seq_ids: list[str]                          # the step's sequences: decodes, then one per prefill chunk
+    block_tables: list[list[int]]               # per sequence of `seq_ids`, its KV blocks (crossing ranks: [],
+    # sent as diffs against each rank's copy, ar/tensor_parallel.BlockTables)
     decode_ctx_lens: list[int]                  # context length per decode row, the new token included
-    prefills: list[tuple[int, int, int, list[int]]]  # per prefill chunk: (first row, rows, context, block table)
+    prefills: list[tuple[int, int, int]]        # per prefill chunk: (first row, rows, context after it)
+    block_size: int                             # tokens per KV block
     fill: list[tuple[int, int]]                 # (row, row in the previous step's sampled ids) of placeholders
     embeds: bool = False                        # rows enter as embeddings (rank 0 adds conditioning; broadcast)
     logit_rows: tuple[int, ...] = ()            # rows whose logits are computed (the sampling sequences' last)
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(ids [T], positions [T] or [3, T], metadata) on `device`; placeholder rows still hold 0."""
-        meta = AttentionMetadata(slot_mapping=to_device(self.slots, device, torch.long), num_decodes=self.num_decodes)
-        if self.num_decodes:
-            meta.decode_block_tables = to_device(self.decode_tables, device, torch.long)
+        d = self.num_decodes
+        meta = AttentionMetadata(slot_mapping=to_device(self.slots, device, torch.long), num_decodes=d)
+        if d:
+            width = max(len(t) for t in self.block_tables[:d])
+            tables = [t + [0] * (width - len(t)) for t in self.block_tables[:d]]
+            meta.decode_block_tables = to_device(tables, device, torch.long)
             meta.decode_ctx_lens = to_device(self.decode_ctx_lens, device, torch.long)
-        for row, n, ctx, table in self.prefills:
+        for (row, n, ctx), table in zip(self.prefills, self.block_tables[d:]):
+            table = table[: -(-ctx // self.block_size)]
             meta.prefills.append(PrefillChunk(row, n, ctx, to_device(table, device, torch.long)))
         return to_device(self.ids, device, torch.long), to_device(self.positions, device, torch.long), meta
 
@@ -69,15 +76,9 @@ def step_inputs(decodes: list[ScheduledSeq], prefills: list[ScheduledSeq], block
             ids.append(t)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
     pos, mrope_rows = _positions(order)
-    tables, ctx_lens = [], []
-    if decodes:
-        width = max(len(s.seq.block_table) for s in decodes)
-        tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes]
-        ctx_lens = [s.start + 1 for s in decodes]
     chunks, row = [], len(decodes)
     for s in prefills:
-        ctx = s.start + s.num_new_tokens
-        chunks.append((row, s.num_new_tokens, ctx, s.seq.block_table[: -(-ctx // bs)]))
+        chunks.append((row, s.num_new_tokens, s.start + s.num_new_tokens))
         row += s.num_new_tokens
     rows, row = [], 0
     for s in order:
@@ -85,8 +86,9 @@ def step_inputs(decodes: list[ScheduledSeq], prefills: list[ScheduledSeq], block
         if s.samples:
             rows.append(row - 1)
     embeds = any(s.seq.cond is not None and s.seq.cond.needs_embeds for s in order)
-    return StepInputs(ids, mrope_rows if mrope_rows else pos, slots, len(decodes), tables, ctx_lens, chunks,
-                      fill, embeds, tuple(rows))
+    return StepInputs(ids, mrope_rows if mrope_rows else pos, slots, len(decodes), [s.seq.seq_id for s in order],
+                      [s.seq.block_table for s in order], [s.start + 1 for s in decodes], chunks, bs, fill,
+                      embeds, tuple(rows))
 
 
 def _positions(order: list[ScheduledSeq]) -> tuple[list[int], Optional[list[list[int]]]]:

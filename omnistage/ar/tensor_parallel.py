@@ -6,8 +6,10 @@ processes (`parallel/group.spawn_ranks`) that run `run_rank`: load their shard (
 `parallel.tensor.sharding`), then follow rank 0's commands until `Stop`:
 
   Allocate(num_blocks)   make the KV cache (sized per rank: this rank's KV heads only)
-  Profile(tokens, rows)  run the CUDA memory profile's largest step with rank 0 (its collectives)
-  StepInputs             one step's rows (ar/step_inputs.py): rebuild the tensors, receive the
+  Profile(tokens, rows)  run the CUDA memory profile's largest step with rank 0 (its collectives),
+                         then free the one-block cache it ran on
+  Step                   one step's rows (ar/step_inputs.py; block tables as diffs against the
+                         rank's copy, `BlockTables`): rebuild the tensors, receive the
                          placeholder ids / conditioned embeddings rank 0 broadcasts, run the forward,
                          join the logits gather (only rank 0 samples)
   Stop                   leave the group and exit
@@ -20,6 +22,7 @@ stage's requests fail with that message, and every later step fails at once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -52,6 +55,52 @@ class Stop:
     pass
 
 
+@dataclass
+class Step:
+    """One step as it crosses: the rows, with block tables replaced by what changed since the last step."""
+
+    inputs: StepInputs                          # the step's rows; `block_tables` empty
+    tables: dict[str, tuple[int, list[int]]]    # seq_id -> (blocks kept of the rank's copy, blocks appended)
+    dropped: list[str]                          # seq ids whose tables the ranks forget (finished or aborted)
+
+
+class BlockTables:
+    """The block tables the other ranks hold, per sequence: rank 0 keeps their copy to send diffs (a
+    decode step of a long sequence sends nothing, or the one block it just got); ranks apply them."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, list[int]] = {}    # seq_id -> its table as the ranks have it
+        self.dropped: list[str] = []            # forgotten since the last step (sent with the next)
+
+    def diff(self, inputs: StepInputs) -> Step:
+        """Rank 0: the step to send, and the copy updated to match."""
+        changes = {}
+        for sid, table in zip(inputs.seq_ids, inputs.block_tables):
+            held = self.held.get(sid)
+            n = 0 if held is None else len(held)
+            if held is not None and n <= len(table) and table[:n] == held:
+                if len(table) > n:              # grew: send the new blocks
+                    changes[sid] = (n, table[n:])
+                    held.extend(table[n:])
+            else:                               # new, or re-allocated (preempted): send it whole
+                changes[sid] = (0, list(table))
+                self.held[sid] = list(table)
+        dropped, self.dropped = self.dropped, []
+        return Step(dataclasses.replace(inputs, block_tables=[]), changes, dropped)
+
+    def drop(self, seq_id: str) -> None:
+        if self.held.pop(seq_id, None) is not None:
+            self.dropped.append(seq_id)
+
+    def apply(self, step: Step) -> StepInputs:
+        """Ranks >= 1: the step's rows with full block tables from this rank's copy."""
+        for sid in step.dropped:
+            self.held.pop(sid, None)
+        for sid, (keep, new) in step.tables.items():
+            self.held[sid] = self.held.get(sid, [])[:keep] + new
+        return dataclasses.replace(step.inputs, block_tables=[self.held[sid] for sid in step.inputs.seq_ids])
+
+
 class RankFailure(RuntimeError):
     """A tensor-parallel rank died or its group broke; the engine cannot step any more."""
 
@@ -64,6 +113,7 @@ class RankGroup:
         self.workers = workers                  # ranks 1..N-1
         self.channel = group.StepChannel()
         self.failure: Optional[str] = None      # why the group broke (then every call raises it)
+        self.tables = BlockTables()             # the block tables the ranks hold
 
     @classmethod
     def start(cls, init: group.ParallelInit, model_dir: str, loader: Callable, config: EngineConfig) -> "RankGroup":
@@ -115,7 +165,7 @@ class RankGroup:
     def send_step(self, inputs: StepInputs, ids: torch.Tensor) -> None:
         """The step's rows, then its ids when some came from the step before (device to device)."""
         def go():
-            self.channel.send(inputs)
+            self.channel.send(self.tables.diff(inputs))
             if inputs.fill:
                 dist.broadcast(ids, 0)
         self.guarded(go)
@@ -130,8 +180,8 @@ class RankGroup:
                 self.channel.send(Stop())
             except Exception:                   # a rank died while stopping: it is killed below
                 logger.warning("tensor-parallel ranks did not take Stop; killing them")
-        self.workers.close(timeout)
         group.destroy()
+        self.workers.close(timeout)
 
 
 def run_rank(init: group.ParallelInit, rank: int, model_dir: str, loader: Callable, config: EngineConfig) -> None:
@@ -143,7 +193,7 @@ def run_rank(init: group.ParallelInit, rank: int, model_dir: str, loader: Callab
     with sharding(init.world_size, rank):
         model = loader(model_dir, device, dtype, config.max_model_len)[0]
     runner = ModelRunner(model, device, dtype, config.block_size, config.seed)
-    channel = group.StepChannel()
+    channel, tables = group.StepChannel(), BlockTables()
     try:
         with torch.inference_mode():
             while True:
@@ -152,12 +202,11 @@ def run_rank(init: group.ParallelInit, rank: int, model_dir: str, loader: Callab
                     break
                 if isinstance(cmd, Allocate):
                     runner.allocate_kv_cache(cmd.num_blocks)
-                elif isinstance(cmd, Profile):
-                    runner.allocate_kv_cache(1)
+                elif isinstance(cmd, Profile):         # after Allocate(1), as on rank 0
                     profile_step(model, cmd.tokens, cmd.rows, device)
                     runner.free_kv_cache()
                 else:
-                    _step(model, cmd, device)
+                    _step(model, tables.apply(cmd), device)
     finally:
         group.destroy()
 

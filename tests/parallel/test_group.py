@@ -62,3 +62,24 @@ def test_bad_sizes_name_the_option():
             group.check_world_fits_devices(64)
     with pytest.raises(ValueError, match="backend"):
         group.ParallelInit(2, "mpi", "tcp://127.0.0.1:1", "cpu")
+
+
+def test_block_table_diffs_rebuild_the_tables():
+    """What crosses per step: only new blocks; a re-allocated table goes whole; dropped ones are forgotten."""
+    from omnistage.ar.step_inputs import StepInputs
+    from omnistage.ar.tensor_parallel import BlockTables
+
+    def step(tables: dict) -> StepInputs:
+        return StepInputs([0] * len(tables), [0] * len(tables), [0] * len(tables), len(tables), list(tables),
+                          [list(t) for t in tables.values()], [1] * len(tables), [], 4, [])
+
+    sender, receiver = BlockTables(), BlockTables()
+    seen = []
+    for tables in ({"a": [3], "b": [5, 6]}, {"a": [3], "b": [5, 6, 7]}, {"a": [9, 2]}, {"b": [5, 6, 7, 8]}):
+        msg = sender.diff(step(tables))
+        seen.append(msg.tables)
+        assert receiver.apply(msg).block_tables == list(tables.values())
+        if "a" in tables and tables["a"] == [9, 2]:
+            sender.drop("a")
+    assert seen[1] == {"b": (2, [7])} and seen[2] == {"a": (0, [9, 2])} and seen[3] == {"b": (3, [8])}
+    assert "a" not in receiver.held

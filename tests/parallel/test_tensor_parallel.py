@@ -24,8 +24,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
 
 def engine(path, tp, loader=load_causal_lm, **kw) -> AREngine:
-    cfg = EngineConfig(device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=16,
-                       tensor_parallel_size=tp, **kw)
+    kw = {"block_size": 8, "max_num_batched_tokens": 16, **kw}
+    cfg = EngineConfig(device="cpu", dtype="float32", tensor_parallel_size=tp, **kw)
     return AREngine(path, cfg, loader=loader)
 
 
@@ -41,23 +41,32 @@ def run(eng: AREngine, prompts, params=GREEDY) -> list[list[int]]:
     return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
 
 
-def both(path, prompts, loader=load_causal_lm, params=GREEDY) -> tuple[list, list]:
-    one = engine(path, 1, loader)
+def both(path, prompts, loader=load_causal_lm, params=GREEDY, **kw) -> tuple[list, list, AREngine]:
+    one = engine(path, 1, loader, **kw)
     want = run(one, prompts, params)
-    two = engine(path, 2, loader)
+    two = engine(path, 2, loader, **kw)
     try:
         assert two.runner.ranks is not None and two.model.layers[0].self_attn.num_heads == 2
         got = run(two, prompts, params)
     finally:
         two.close()
-    return want, got
+    return want, got, two
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_engine_tp2_greedy_equals_tp1(arch, tiny_models):
-    want, got = both(tiny_models[arch], PROMPTS)
+def test_engine_tp2_greedy_equals_tp1_qwen2(tiny_models):
+    want, got, _ = both(tiny_models["qwen2"], PROMPTS)
     assert got == want
+
+
+@pytest.mark.slow
+def test_engine_tp2_greedy_equals_tp1_qwen3_with_preemption(tiny_models):
+    """A small KV pool: sequences are preempted and re-allocated (their tables cross again whole)."""
+    prompts = [f"Story number {i}: once upon a time there was a small robot who" for i in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want, got, two = both(tiny_models["qwen3"], prompts, params=params, block_size=4, num_kv_blocks=24,
+                          enable_prefix_caching=False)
+    assert got == want and two.stats()["num_preemptions"] > 0
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +86,7 @@ def test_qwen2_5_omni_thinker_tp2_equals_tp1(omni_dir):
     mrope = torch.tensor([[0, 1, 2, 2, 2, 3], [0, 1, 2, 3, 3, 4], [0, 1, 2, 2, 3, 5]])
     prompts = [[5, 17, 33, 48, 2, 9, 11],
                ARPrompt(prompt_token_ids=[1] * 6, prompt_embeds=embeds, mrope_positions=mrope, mrope_delta=-1)]
-    want, got = both(omni_dir, prompts, load_thinker)
+    want, got, _ = both(omni_dir, prompts, load_thinker)
     assert got == want
 
 

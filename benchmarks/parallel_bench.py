@@ -80,7 +80,7 @@ def bench_ours(path: str, device: str, dtype: str, tp: int, cuda_graphs: bool, a
     from omnistage import Omni, SamplingParams
 
     vocab = a.vocab
-    res: dict = {"tp": tp, "cuda_graphs": cuda_graphs and tp == 1}
+    res: dict = {"tp": tp, "cuda_graphs": cuda_graphs and tp == 1 and device.startswith("cuda")}
     t = time.perf_counter()
     with Omni(path, device=device, dtype=dtype, tensor_parallel_size=tp, max_num_seqs=256,
               cuda_graphs=cuda_graphs) as omni:

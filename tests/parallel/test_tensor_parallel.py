@@ -90,6 +90,30 @@ def test_qwen2_5_omni_thinker_tp2_equals_tp1(omni_dir):
     assert got == want
 
 
+@pytest.mark.slow
+def test_server_tp2_completions_equal_tp1(tiny_models):
+    """`AsyncOmni(..., tensor_parallel_size=2)` behind the real app on loopback, asked by the openai client."""
+    from live_server import live_server
+    from openai import OpenAI
+
+    from omnistage.entrypoints.async_omni import AsyncOmni
+    from omnistage.entrypoints.openai.api_server import build_app
+
+    one = engine(tiny_models["llama"], 1)
+    one.add_request("r", PROMPTS[1], GREEDY)
+    want = []
+    while one.has_unfinished():
+        want += [o.output.outputs[0].text for o in one.step() if o.finished]
+    omni = AsyncOmni(tiny_models["llama"], device="cpu", dtype="float32", tensor_parallel_size=2)
+    try:
+        with live_server(build_app(omni, "tiny-tp"), timeout=120) as url:
+            client = OpenAI(base_url=f"{url}/v1", api_key="x", timeout=120)
+            got = client.completions.create(model="tiny-tp", prompt=PROMPTS[1], max_tokens=12, temperature=0)
+        assert [got.choices[0].text] == want
+    finally:
+        omni.close()
+
+
 def test_bad_sizes_name_the_option(tiny_models):
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide num_attention_heads=4.*\[1, 2, 4\]"):
         engine(tiny_models["llama"], 3)

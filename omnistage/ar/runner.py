@@ -12,6 +12,10 @@ only), so the engine can queue step N+1 before it reads step N's ids (async sche
 N+1's rows for tokens step N sampled hold `sequence.PLACEHOLDER` in `Sequence.token_ids`; the
 runner takes their ids from step N's device tensor. Every host-to-device copy goes through pinned
 memory without a wait, so queueing a step never waits for the one before it.
+
+Under tensor parallelism (`ranks` set: ar/tensor_parallel.RankGroup) this is rank 0's runner: each
+step's rows (`ar/step_inputs.StepInputs`) go to the other ranks before its forward, which every rank
+runs on its shard; only rank 0 samples.
 """
 
 from __future__ import annotations
@@ -51,9 +55,6 @@ class Launched:
 
     def __post_init__(self) -> None:
         self.rows = {q.seq_id: i for i, q in enumerate(self.seqs)}   # seq_id -> its row in `tokens`
-
-    def row_of(self, seq_id: str) -> int:
-        return self.rows[seq_id]
 
 
 def logit_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -125,6 +125,16 @@ def test_bad_sizes_name_the_option(tiny_models):
                      loader=load_causal_lm)
 
 
+def test_cli_flag_reaches_the_engine_config():
+    from omnistage.entrypoints.cli import _check_engine_options, build_parser
+    from omnistage.entrypoints.common import engine_kwargs_from_args
+
+    args = build_parser().parse_args(["serve", "m", "--tensor-parallel-size", "2"])
+    assert engine_kwargs_from_args(args)["tensor_parallel_size"] == 2
+    with pytest.raises(SystemExit, match="tensor_parallel_size must be >= 1"):
+        _check_engine_options(build_parser().parse_args(["serve", "m", "--tensor-parallel-size", "0"]))
+
+
 # -- last: the shared Omni's process group lives until the module ends --
 
 @pytest.fixture(scope="module")

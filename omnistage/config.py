@@ -68,6 +68,8 @@ class EngineConfig:
     # generation_config.json max_new_tokens, or --override-generation-config), at most the room left; None = up to
     # max_model_len
     async_scheduling: bool = True               # AR: queue step N+1 before reading step N's ids (ar/engine.py)
+    tensor_parallel_size: int = 1               # AR: ranks (processes, one device each) the model is split over
+    # (ar/tensor_parallel.py); must divide the attention heads; on CPU the ranks talk over gloo
     # -- diffusion: step cache and VAE (vLLM-Omni's names; the tables below define them) --
     cache_backend: Optional[str] = None         # None | "tea_cache" | "cache_dit" (CACHE_BACKENDS)
     cache_config: Optional[dict] = None         # server-wide cache settings (CACHE_BACKENDS keys);
@@ -98,7 +100,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:

@@ -27,11 +27,14 @@ import torch
 from omnistage.ar.conditioning import Conditioning
 from omnistage.ar.detokenizer import IncrementalDetokenizer
 from omnistage.ar.kv_cache import BlockManager
-from omnistage.ar.runner import Launched, ModelRunner, RunnerOutput, kv_block_bytes, split_outputs
+from omnistage.ar.runner import Launched, ModelRunner, RunnerOutput, kv_block_bytes, profile_step
 from omnistage.ar.scheduler import Scheduler, SchedulerOutput
 from omnistage.ar.sequence import PLACEHOLDER, SeqStatus, Sequence
+from omnistage.ar.tensor_parallel import RankFailure, RankGroup
 from omnistage.config import CUDA_CONTEXT_BYTES, EngineConfig, checkpoint_dtype
 from omnistage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
+from omnistage.parallel.group import ParallelInit
+from omnistage.parallel.tensor import sharding
 from omnistage.params import ParamError, SamplingParams
 from omnistage.stage import ARPrompt, ExtraRows, StageError, StageOutput
 
@@ -64,11 +67,17 @@ class AREngine:
         self.config = config = (config or EngineConfig()).resolved("ar", checkpoint_dtype(model_dir))
         self.model_dir = model_dir
         self.device = config.torch_device()
+        tp = config.tensor_parallel_size
+        init = ParallelInit.for_device(self.device, tp) if tp > 1 else None   # checks the devices exist
         # what this process held on the device before this engine (another inline stage, the renderer)
         self._mem_base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.dtype = config.torch_dtype()
-        self.model, self.hf_config, self.tokenizer, self.eos_ids = loader(
-            model_dir, self.device, self.dtype, config.max_model_len)
+        with sharding(tp, 0):                   # rank 0's shard; a size the model cannot split fails here
+            self.model, self.hf_config, self.tokenizer, self.eos_ids = loader(
+                model_dir, self.device, self.dtype, config.max_model_len)
+        if tp > 1 and hasattr(self.model, "frame_head"):
+            raise ValueError(f"tensor_parallel_size must be 1 for {type(self.model).__name__} (a frame-head "
+                             f"talker); got {tp}")
         # A model may take its own request type: `make_request(inputs, params) -> (ARPrompt, SamplingParams)`
         # turns it into the AR request (e.g. Qwen3-TTS: text + `TTSParams` -> prompt rows); `params_type`
         # is then what the stage's requests carry.
@@ -79,10 +88,16 @@ class AREngine:
                 setattr(self, verb, getattr(self.model, verb))
         max_len = self._max_len()
         self.runner = ModelRunner(self.model, self.device, self.dtype, config.block_size, config.seed)
-        num_blocks = self._num_kv_blocks(max_len)
-        self.runner.allocate_kv_cache(num_blocks)
+        if init is not None:                    # ranks 1..N-1 load their shards and follow this process
+            self.runner.ranks = RankGroup.start(init, model_dir, loader, config)
+        try:
+            num_blocks = self._num_kv_blocks(max_len)
+            self.runner.allocate_kv_cache(num_blocks)
+        except BaseException:
+            self.close()                        # the ranks started above stop with it
+            raise
         self.max_model_len = min(max_len, num_blocks * config.block_size)
-        if self.device.type == "cuda" and config.cuda_graphs:
+        if self.device.type == "cuda" and config.cuda_graphs and tp == 1:   # TP steps run eager
             self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
@@ -128,19 +143,12 @@ class AREngine:
         torch.cuda.reset_peak_memory_stats(self.device)
         self.runner.allocate_kv_cache(1)
         n = min(cfg.max_num_batched_tokens, 8192)
-        from omnistage.layers.attention import AttentionMetadata, PrefillChunk
-        with torch.inference_mode():
-            ids = torch.zeros(n, dtype=torch.long, device=self.device)
-            meta = AttentionMetadata(slot_mapping=torch.zeros(n, dtype=torch.long, device=self.device))
-            meta.prefills.append(PrefillChunk(0, n, n, torch.zeros(1, dtype=torch.long, device=self.device)))
-            hidden = split_outputs(self.model(ids, torch.arange(n, device=self.device) % 16, meta))[0]
-            self.model.compute_logits(hidden[: min(n, cfg.max_num_seqs)])
+        if self.runner.ranks is not None:       # the other ranks run the same step (its collectives)
+            self.runner.ranks.profile(n, min(n, cfg.max_num_seqs))
+        profile_step(self.model, n, min(n, cfg.max_num_seqs), self.device)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        del ids, meta, hidden
-        for attn in self.model.attention_layers:
-            attn.kv_cache = None
-        self.runner.kv_caches = []
+        self.runner.free_kv_cache()
         torch.cuda.empty_cache()
         activations = peak - torch.cuda.memory_allocated(self.device)   # room a largest step needs again
         free, total = torch.cuda.mem_get_info(self.device)
@@ -280,11 +288,32 @@ class AREngine:
                 "prefix_cache_hits": bm.prefix_hits,
                 "steps_total": self._steps, "step_seconds_total": self._step_seconds}
 
+    def close(self) -> None:
+        """Stops the tensor-parallel ranks (nothing to do with one rank)."""
+        if self.runner.ranks is not None:
+            self.runner.ranks.close()
+            self.runner.ranks = None
+
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[StageOutput]:
         """Schedule and run one step; returns the outputs of the requests it changed. With async
         scheduling a step whose sequences allow it (`_overlappable`) is queued on the device and
-        the step before it is read while it runs, so its outputs come with the next call."""
+        the step before it is read while it runs, so its outputs come with the next call. Under
+        tensor parallelism a dead rank makes the step raise `RankFailure` naming it."""
+        ranks = self.runner.ranks
+        if ranks is None:
+            return self._step()
+        ranks.check()
+        try:
+            return self._step()
+        except RankFailure:
+            raise
+        except Exception as e:                  # a collective with a rank that died: say so
+            ranks.wait_dead(timeout=5.0)
+            ranks.check()
+            raise
+
+    def _step(self) -> list[StageOutput]:
         refused = self._admit_compiled() if self._compiling else []
         sched = self.scheduler.schedule()
         if sched.is_empty:

@@ -15,6 +15,10 @@ only), so the engine can queue step N+1 before it reads step N's ids (async sche
 N+1's rows for tokens step N sampled hold `sequence.PLACEHOLDER` in `Sequence.token_ids`; the
 runner takes their ids from step N's device tensor. Every host-to-device copy goes through pinned
 memory without a wait, so queueing a step never waits for the one before it.
+
+Under tensor parallelism (`ranks` set: ar/tensor_parallel.RankGroup) this is rank 0's runner: each
+step's rows (`ar/step_inputs.StepInputs`) go to the other ranks before its forward, which every rank
+runs on its shard; only rank 0 samples.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ import torch
 
 from omnistage.ar.sampler import SamplerOutput, SamplingBatch, sample, to_device
 from omnistage.ar.scheduler import ScheduledSeq, SchedulerOutput
-from omnistage.ar.sequence import PLACEHOLDER, Sequence
+from omnistage.ar.sequence import Sequence
+from omnistage.ar.step_inputs import StepInputs, step_inputs, step_order
 from omnistage.layers.attention import AttentionMetadata, PrefillChunk
 from omnistage.stage import HiddenStates
 
@@ -54,8 +59,23 @@ class Launched:
     def __post_init__(self) -> None:
         self.rows = {q.seq_id: i for i, q in enumerate(self.seqs)}   # seq_id -> its row in `tokens`
 
-    def row_of(self, seq_id: str) -> int:
-        return self.rows[seq_id]
+
+def logit_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The rows of `hidden` whose logits a step computes (a slice when they lead, in order)."""
+    if rows == list(range(len(rows))):
+        return hidden[:len(rows)]
+    return hidden[to_device(rows, hidden.device, torch.long)]
+
+
+def profile_step(model, tokens: int, rows: int, device: torch.device) -> None:
+    """The largest step the engine sizes memory for: one prefill of `tokens` rows, logits for `rows`
+    (every tensor-parallel rank runs it together: its collectives pair up)."""
+    with torch.inference_mode():
+        ids = torch.zeros(tokens, dtype=torch.long, device=device)
+        meta = AttentionMetadata(slot_mapping=torch.zeros(tokens, dtype=torch.long, device=device))
+        meta.prefills.append(PrefillChunk(0, tokens, tokens, torch.zeros(1, dtype=torch.long, device=device)))
+        hidden = split_outputs(model(ids, torch.arange(tokens, device=device) % 16, meta))[0]
+        model.compute_logits(hidden[:rows])
 
 
 def kv_block_bytes(model, block_size: int, dtype: torch.dtype) -> int:
@@ -75,6 +95,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.seq_generators: dict[str, torch.Generator] = {}   # seq_id -> generator of a seeded sequence
         self.graphs = None                                     # CudaGraphs once captured
+        self.ranks = None                       # ar/tensor_parallel.RankGroup: the other TP ranks (None: one rank)
 
     def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
         from omnistage.ar.cuda_graphs import CudaGraphs
@@ -83,7 +104,10 @@ class ModelRunner:
                                  max_batch, -(-max_model_len // self.block_size))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One extra block past `num_blocks` is scratch: padded rows of graph replays write there."""
+        """One extra block past `num_blocks` is scratch: padded rows of graph replays write there.
+        Under tensor parallelism every rank makes its own (its KV heads only)."""
+        if self.ranks is not None:
+            self.ranks.allocate(num_blocks)
         self.kv_caches = []
         self.scratch_slot = num_blocks * self.block_size
         for attn in self.model.attention_layers:
@@ -92,46 +116,28 @@ class ModelRunner:
             attn.kv_cache = cache
             self.kv_caches.append(cache)
 
+    def free_kv_cache(self) -> None:
+        for attn in self.model.attention_layers:
+            attn.kv_cache = None
+        self.kv_caches = []
+
     def _to_device(self, data, dtype=torch.long) -> torch.Tensor:
         return to_device(data, self.device, dtype)
 
     def prepare(self, sched: SchedulerOutput, prev: Optional[Launched] = None
-                ) -> tuple[list[ScheduledSeq], torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """The step's inputs on the device. `prev`: the queued step whose ids fill this step's placeholders."""
-        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1 and s.start > 0]
-        prefills = [s for s in sched.scheduled if not (s.num_new_tokens == 1 and s.start > 0)]
+                ) -> tuple[list[ScheduledSeq], StepInputs, torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's rows (`StepInputs`) and inputs on the device. `prev`: the queued step whose ids
+        fill this step's placeholders."""
+        decodes, prefills = step_order(sched)
+        inputs = step_inputs(decodes, prefills, self.block_size, None if prev is None else prev.rows)
         order = decodes + prefills
-        bs = self.block_size
-        ids, slots, fill = [], [], []           # fill: (row, row of prev's ids) for placeholder tokens
-        for s in order:
-            seq = s.seq
-            for p in range(s.start, s.start + s.num_new_tokens):
-                t = seq.token_ids[p]
-                if t == PLACEHOLDER:
-                    fill.append((len(ids), prev.row_of(seq.seq_id)))
-                    t = 0
-                ids.append(t)
-                slots.append(seq.block_table[p // bs] * bs + p % bs)
-        pos, mrope_rows = _positions(order)
         if not prefills and self.graphs is not None and self.graphs.fits(len(decodes)):
-            ids_dev, pos_dev, meta = self.graphs.load(ids, pos, slots, [s.seq.block_table for s in decodes])
-            self._fill(ids_dev, fill, prev)
-            return order, ids_dev, pos_dev, meta
-        meta = AttentionMetadata(slot_mapping=self._to_device(slots), num_decodes=len(decodes))
-        if decodes:
-            width = max(len(s.seq.block_table) for s in decodes)
-            tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes]
-            meta.decode_block_tables = self._to_device(tables)
-            meta.decode_ctx_lens = self._to_device([s.start + 1 for s in decodes])
-        row = len(decodes)
-        for s in prefills:
-            ctx = s.start + s.num_new_tokens
-            table = s.seq.block_table[: -(-ctx // bs)]
-            meta.prefills.append(PrefillChunk(row, s.num_new_tokens, ctx, self._to_device(table)))
-            row += s.num_new_tokens
-        ids_dev = self._to_device(ids)
-        self._fill(ids_dev, fill, prev)
-        return order, ids_dev, self._to_device(mrope_rows if mrope_rows else pos), meta
+            ids_dev, pos_dev, meta = self.graphs.load(inputs.ids, inputs.positions, inputs.slots,
+                                                      inputs.block_tables)
+        else:
+            ids_dev, pos_dev, meta = inputs.tensors(self.device)
+        self._fill(ids_dev, inputs.fill, prev)
+        return order, inputs, ids_dev, pos_dev, meta
 
     def _fill(self, ids: torch.Tensor, fill: list[tuple[int, int]], prev: Optional[Launched]) -> None:
         """Placeholder rows take the ids the queued step sampled, device to device."""
@@ -181,6 +187,8 @@ class ModelRunner:
 
     def release(self, seq_id: str) -> None:
         self.seq_generators.pop(seq_id, None)
+        if self.ranks is not None:
+            self.ranks.tables.drop(seq_id)
 
     def execute(self, sched: SchedulerOutput, eos_ids: frozenset[int]) -> RunnerOutput:
         """One step, waited for."""
@@ -190,21 +198,28 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput, eos_ids: frozenset[int], prev: Optional[Launched] = None) -> Launched:
         """Queue one step on the device. `prev`: the step before, still queued, whose sampled ids
         this step's placeholder tokens are."""
-        order, ids, pos, meta = self.prepare(sched, prev)
+        order, inputs, ids, pos, meta = self.prepare(sched, prev)
+        if self.ranks is not None:              # the other ranks get the step's rows and run its forward too
+            if any(s.seq.cond is not None and s.seq.cond.layer_embeds is not None for s in order):
+                raise ValueError("tensor_parallel_size > 1 does not take prompts with layer_embeds "
+                                 "(deepstack rows) yet")
+            self.ranks.send_step(inputs, ids)
         x = None
-        if meta.graph_batch or any(s.seq.cond is not None and s.seq.cond.needs_embeds for s in order):
+        if meta.graph_batch or inputs.embeds:
             x = self.model.embed_tokens(ids)
             row = 0
             for s in order:                     # prompt embeddings and streamed rows (ar/conditioning.py)
                 if s.seq.cond is not None:
                     s.seq.cond.fill(x[row:row + s.num_new_tokens], s.start)
                 row += s.num_new_tokens
+            if self.ranks is not None:
+                self.ranks.send_embeds(x)
         hidden, reported = split_outputs(self.forward(ids, pos, meta, x, self._layer_adds(order, x)))
         # Grammar masks are filled on the host while the device runs the forward (kernels are queued).
         bitmask = None
         if self.grammars is not None:
             bitmask = self.grammars.bitmask([s.seq for s in order if s.samples])
-        rows, sampling = [], []
+        rows, sampling = list(inputs.logit_rows), [s.seq for s in order if s.samples]
         reports: dict[str, HiddenStates] = {}
         row = 0
         for s in order:
@@ -212,12 +227,9 @@ class ModelRunner:
                 reports[s.seq.seq_id] = HiddenStates(s.start, reported[row:row + s.num_new_tokens].clone(),
                                                      x[row:row + s.num_new_tokens].clone())
             row += s.num_new_tokens
-            if s.samples:
-                rows.append(row - 1)
-                sampling.append(s.seq)
         if not sampling:
             return Launched([], result=RunnerOutput({}, {}), hidden=reports)
-        picked = hidden[:len(rows)] if rows == list(range(len(rows))) else hidden[self._to_device(rows)]
+        picked = logit_rows(hidden, rows)
         logits = self.model.compute_logits(picked)
         params = [q.params for q in sampling]
         penalized = any(p.needs_penalties for p in params)      # only penalties read earlier ids
@@ -290,24 +302,6 @@ class ModelRunner:
 def split_outputs(out) -> tuple[torch.Tensor, torch.Tensor]:
     """(last hidden states, rows reported as `HiddenStates.hidden`) of a forward's output."""
     return out if isinstance(out, tuple) else (out, out)
-
-
-def _positions(order: list[ScheduledSeq]) -> tuple[list[int], Optional[list[list[int]]]]:
-    """1-D positions of every row and, when a multimodal-rope prompt is being prefilled, 3-D rows."""
-    flat: list[int] = []
-    parts = []                                  # per sequence: (1-D positions, 3 rows or None)
-    for s in order:
-        a, b = s.start, s.start + s.num_new_tokens
-        one, three = (list(range(a, b)), None) if s.seq.cond is None else s.seq.cond.positions(a, b)
-        flat += one
-        parts.append((one, three))
-    if all(three is None for _, three in parts):
-        return flat, None
-    rows: list[list[int]] = [[], [], []]
-    for one, three in parts:
-        for r in range(3):
-            rows[r] += three[r] if three is not None else one
-    return flat, rows
 
 
 def _banned(seq: Sequence, eos_ids: frozenset[int]) -> list[int]:

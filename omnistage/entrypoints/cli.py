@@ -58,6 +58,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per engine step at most")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV-cache pool size in blocks")
     p.add_argument("--seed", type=int, default=None, help="seed of unseeded sampled requests")
+    p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="AR stages: split the model over N ranks (processes; one GPU each, or CPU over gloo); "
+                        "N must divide the attention heads (default: 1)")
     p.add_argument("--deploy-config", default=None, metavar="FILE.yaml",
                    help="pipeline overrides: per-stage devices, engine sizes, chunking (see pipeline/deploy_config.py)")
     p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",

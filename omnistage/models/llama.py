@@ -4,7 +4,8 @@ In: flattened token ids and positions of one engine step plus `AttentionMetadata
 states [T, hidden], and logits for the rows the runner asks for. The three families share one
 structure; they differ in declared flags: Qwen2 has q/k/v biases, Qwen3 normalises q and k per
 head and may set `head_dim` explicitly. Weights load from transformers checkpoints by name, with
-q/k/v and gate/up stacked into single matrices so each is one GEMM.
+q/k/v and gate/up stacked into single matrices so each is one GEMM. Under tensor parallelism the
+model declares its `tp_plan` and is built as one rank's shard (parallel/tensor.py).
 
 A layer's elementwise work goes through `layers.fused` (one Triton kernel each on CUDA): the residual
 add rides with the next RMSNorm (layers pass (hidden, residual) along), the Qwen3 q/k norms and the
@@ -24,6 +25,7 @@ from omnistage.layers import fused
 from omnistage.layers.attention import AttentionMetadata, attend
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding
+from omnistage.parallel.tensor import TPPlan, apply_plan, vocab_logits
 
 _ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -35,13 +37,21 @@ class Attention(nn.Module):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.scale = self.head_dim ** -0.5
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.kv_cache: torch.Tensor | None = None               # [2, blocks, block_size, KVH, D], bound by the runner
+
+    # per rank under tensor parallelism: the plan splits num_heads / num_kv_heads (parallel/tensor.py)
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden]; rope: the step's cos, sin rows [T, head_dim] (`RotaryEmbedding.tables`)."""
@@ -67,7 +77,7 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if self.act is None:
             return self.down_proj(fused.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.inter, dim=-1)
+        gate, up = gate_up.chunk(2, dim=-1)     # this rank's halves under tensor parallelism
         return self.down_proj(self.act(gate) * up)
 
 
@@ -95,6 +105,10 @@ class LlamaForCausalLM(nn.Module):
     """Llama-structured decoder; subclasses set the per-family flags."""
 
     qk_norm = False
+    # tensor parallelism (parallel/tensor.py): heads, stacked q|k|v and gate|up split by output, o / down by input
+    tp_plan = TPPlan(attention="layers.*.self_attn", qkv="layers.*.self_attn.qkv_proj",
+                     column={"layers.*.mlp.gate_up_proj": 2},
+                     row=("layers.*.self_attn.o_proj", "layers.*.mlp.down_proj"), vocab=("embed_tokens", "lm_head"))
 
     def qkv_bias(self, config) -> bool:
         return bool(getattr(config, "attention_bias", False))
@@ -112,6 +126,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        apply_plan(self, self.tp_plan)
 
     # ---- engine-facing interface --------------------------------------------------------------
     @property
@@ -129,7 +144,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return vocab_logits(hidden, weight, self.config.vocab_size)
 
     # ---- loading -------------------------------------------------------------------------------
     _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -151,8 +166,11 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
             param = params[target]
+            owner = self.get_submodule(target.rpartition(".")[0])
             with torch.no_grad():
-                if shard is None:
+                if hasattr(owner, "load_shard"):        # a tensor-parallel shard takes its slice itself
+                    owner.load_shard(param, tensor, shard)
+                elif shard is None:
                     param.copy_(tensor)
                 else:
                     sizes = self._shard_sizes(target)

@@ -10,6 +10,7 @@ stages:
   llm:                      # a stage of the detected pipeline, by name
     device: cuda:0          # any EngineConfig field: device, dtype, max_num_seqs, num_kv_blocks, ...
     max_num_seqs: 64
+    tensor_parallel_size: 2             # AR stage split over cuda:0 and cuda:1 (ranks: ar/tensor_parallel.py)
     gpu_memory_utilization: 0.5         # this stage's own share of its GPU, kept as given ("pinned");
                                         # unset, stages sharing a GPU get planned shares (pipeline/memory.py)
     params: {temperature: 0.7}          # default request params of the stage (merged)

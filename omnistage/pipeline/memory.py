@@ -163,13 +163,18 @@ def stage_cost(stage: StageSpec, device: str) -> StageCost:
 
         shape = lm_shape(load_config(stage.model_dir))
     e, size = stage.engine, dtype.itemsize
+    # Under tensor parallelism this device holds rank 0's shard: 1/N of the weights and of the MLP's
+    # activations, and its KV heads (at least one, parallel/tensor.py); ranks 1..N-1 hold the next devices.
+    tp = e.tensor_parallel_size
+    weights //= tp
+    kv_heads = max(shape["kv_heads"] // tp, 1)
     # A largest step's activations, twice for the allocator's slack, plus fp32 logits of every
     # sequence; an estimate: the engine measures its real peak before it sizes its KV.
     tokens = min(e.max_num_batched_tokens, 8192)
-    work = tokens * (4 * shape["hidden"] + 2 * shape["intermediate"]) * size * 2 + e.max_num_seqs * shape["vocab"] * 4
+    work = tokens * (4 * shape["hidden"] + 2 * shape["intermediate"] // tp) * size * 2 + e.max_num_seqs * shape["vocab"] * 4
     # as many blocks as the engine would ever use (`AREngine._num_kv_blocks`)
     blocks = e.num_kv_blocks if e.num_kv_blocks is not None else e.kv_blocks_wanted(shape["max_positions"])
-    per_token = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * size
+    per_token = 2 * shape["layers"] * kv_heads * shape["head_dim"] * size
     return StageCost(context, weights, work, blocks * e.block_size * per_token)
 
 

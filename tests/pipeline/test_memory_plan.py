@@ -179,3 +179,12 @@ def test_deploy_config_gpu_memory_utilization_pins_a_stage(omni_spec, tmp_path):
     assert spec.renderer_weights == omni_spec.renderer_weights and spec.model == omni_spec.model
     planned = plan_gpu_memory(spec, pinned=pinned_stages(config), device_total=total_80)
     assert planned.stage("talker").engine.gpu_memory_utilization == 0.3
+
+
+def test_tensor_parallel_stage_is_planned_for_rank_0s_shard(tiny_models):
+    """TP=2 on the tiny Llama (2 KV heads): half the weights and half the KV per token on cuda:0."""
+    def cost(tp: int):
+        return stage_cost(StageSpec("a", "ar", tiny_models["llama"], EngineConfig(
+            device="cuda:0", dtype="float32", max_num_seqs=8, num_kv_blocks=64, tensor_parallel_size=tp)), "cuda:0")
+    one, two = cost(1), cost(2)
+    assert two.weights == one.weights // 2 and two.kv_demand * 2 == one.kv_demand

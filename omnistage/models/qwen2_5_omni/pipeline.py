@@ -75,11 +75,13 @@ def omni_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
     runner = "process" if engine.torch_device().type == "cuda" else "inline"
     # Requests that feed the talker report hidden states and so skip the prefix cache (see
     # `ar/conditioning.Conditioning.cacheable`); text-only requests keep it.
-    thinker = StageSpec("thinker", "ar", model_dir, engine, final_output="text", runner=runner,
+    # In the shared layout (`stage_layout: shared`) the thinker's and talker's decode steps run on
+    # high-priority CUDA streams: code2wav's chunk decodes fill the GPU around them.
+    thinker = StageSpec("thinker", "ar", model_dir, engine, final_output="text", runner=runner, priority=1,
                         options={"component": THINKER},
                         memory={"weights_prefix": THINKER_WEIGHTS, "lm_shape": lm_shape(config.thinker_config.text_config)})
     talker = StageSpec("talker", "ar", model_dir, dataclasses.replace(engine, max_model_len=None),
-                       runner=runner, options={"component": TALKER},
+                       runner=runner, priority=2, options={"component": TALKER},
                        memory={"weights_prefix": TALKER_WEIGHTS, "lm_shape": lm_shape(config.talker_config)},
                        params=talker_params(config))
     # code2wav's chunk decodes (36 DiT evaluations each) in their own process overlap the talker's

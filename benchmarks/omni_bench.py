@@ -260,11 +260,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--thinker-tokens", type=int, default=None, help="text tokens per answer (default 64; smoke 8)")
     ap.add_argument("--talker-codes", type=int, default=None, help="codec ids per answer, 50/s (default 500; smoke 30)")
     ap.add_argument("--code2wav-chunk", type=int, default=None, help="codes per code2wav chunk (default: the pipeline's)")
-    ap.add_argument("--code2wav-runner", choices=("inline", "process"), default=None,
-                    help="code2wav in the orchestrator's process or its own (default: the pipeline's)")
+    ap.add_argument("--code2wav-batch", type=int, default=None,
+                    help="most requests per code2wav decode (max_batch_requests; default: the pipeline's)")
+    ap.add_argument("--code2wav-runner", choices=("inline", "shared", "process"), default=None,
+                    help="code2wav's runner in every layout measured (default: the layout's)")
     ap.add_argument("--no-code2wav-graphs", action="store_true", help="code2wav's ODE without CUDA graphs")
-    ap.add_argument("--ar-runner", choices=("inline", "process"), default=None,
-                    help="thinker and talker in the orchestrator's process or their own (default: the pipeline's)")
+    ap.add_argument("--ar-runner", choices=("inline", "shared", "process"), default=None,
+                    help="thinker's and talker's runner in every layout measured (default: the layout's)")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers reference")
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     args = ap.parse_args(argv)
@@ -284,8 +286,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     levels = [int(x) for x in args.levels.split(",")] if args.levels else levels
     tokens, codes = args.thinker_tokens or tokens, args.talker_codes or codes
     code2wav: dict[str, Any] = {}
-    if args.code2wav_chunk:
-        code2wav["options"] = {"chunk_codes": args.code2wav_chunk}
+    options = {"chunk_codes": args.code2wav_chunk, "max_batch_requests": args.code2wav_batch}
+    if any(options.values()):
+        code2wav["options"] = {k: v for k, v in options.items() if v}
     if args.code2wav_runner:
         code2wav["runner"] = args.code2wav_runner
     if args.no_code2wav_graphs:

@@ -13,9 +13,10 @@ engine's), with device work ordered:
 * before a step the stage's stream waits for the default stream (the edge adapters' work and the
   inputs they handed over); after a step the default stream waits for the stage's stream only when
   the stage feeds another stage (its hidden states), so no stage waits for a sink stage's bulk work;
-* tensors handed to a stage (inputs, streamed rows) and reported by it (hidden states) are marked
-  in use by the other stream (`record_stream`), so the caching allocator never reuses their memory
-  while queued work still reads it.
+* `add_request` / `add_input` run on the stage's stream too (the engine's copies of its inputs are
+  its stream's), and tensors handed to a stage (inputs, streamed rows) and reported by it (hidden
+  states) are marked in use by the other stream (`record_stream`), so the caching allocator never
+  reuses their memory while queued work still reads it.
 
 On a CPU there are no streams: the stage behaves as an inline one. A step that raises fails only the
 requests the stage holds (the orchestrator's `_step_stage`, as for inline stages).
@@ -23,6 +24,7 @@ requests the stage holds (the orchestrator's `_step_stage`, as for inline stages
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Optional
 
@@ -62,23 +64,28 @@ class SharedStage:
     def __getattr__(self, name: str) -> Any:   # everything not defined here is the engine's
         return getattr(self.__dict__["engine"], name)
 
-    def _handed_in(self, *objs: Any) -> None:
-        if self.stream is not None:
-            for obj in objs:
-                for t in _tensors(obj):
-                    t.record_stream(self.stream)
+    @contextlib.contextmanager
+    def _on_stream(self, *handed_in: Any):
+        """Runs the block on the stage's stream, after the default stream's queued work; the tensors of
+        `handed_in` (made on the default stream) stay allocated until the stage's work on them is done."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(self.default)
+        for obj in handed_in:
+            for t in _tensors(obj):
+                t.record_stream(self.stream)
+        with torch.cuda.stream(self.stream):
+            yield
 
     def add_request(self, request_id: str, inputs: Any, params: Any = None, arrival_time: Optional[float] = None):
-        self._handed_in(inputs)
-        return self.engine.add_request(request_id, inputs, params, arrival_time)
+        with self._on_stream(inputs):           # the engine's copies of the inputs are made on its stream
+            return self.engine.add_request(request_id, inputs, params, arrival_time)
 
     def step(self) -> list:
-        if self.stream is None:
-            return self.engine.step()
-        self.stream.wait_stream(self.default)
-        with torch.cuda.stream(self.stream):
+        with self._on_stream():
             outputs = self.engine.step()
-        if self.feeds_others:
+        if self.stream is not None and self.feeds_others:
             self.default.wait_stream(self.stream)
             for out in outputs:
                 for t in _tensors(out.hidden):
@@ -87,8 +94,8 @@ class SharedStage:
 
 
 def _add_input(self: SharedStage, request_id: str, piece: Any) -> None:
-    self._handed_in(piece)
-    self.engine.add_input(request_id, piece)
+    with self._on_stream(piece):
+        self.engine.add_input(request_id, piece)
 
 
 def shared_stage(engine: Any, device: torch.device, priority: int, feeds_others: bool) -> SharedStage:

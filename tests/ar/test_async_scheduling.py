@@ -69,17 +69,17 @@ def test_a_last_token_by_max_tokens_gets_no_extra_step(tiny_models):
         assert engine._steps == 3 and len(done["three"].outputs[0].token_ids) == 3
 
 
-def _run_conditioned(path, async_on: bool) -> tuple[dict, dict, int]:
+def _run_conditioned(path, async_on: bool, num_kv_blocks=None) -> tuple[dict, dict, int, int]:
     """A talker-like and a thinker-like workload on one engine: prompt embeddings with rows streamed
     in as the answer runs (some steps wait for them), hidden-state reports, a repetition penalty and
     seeded sampling. Returns (request -> token ids, request -> every reported hidden row, steps
-    overlapped)."""
+    overlapped, preemptions)."""
     import torch
 
     from omnistage.stage import ARPrompt, ExtraRows
 
     cfg = EngineConfig(device="cpu", dtype="float32", block_size=4, async_scheduling=async_on, max_num_seqs=8,
-                       max_num_batched_tokens=16)
+                       max_num_batched_tokens=16, num_kv_blocks=num_kv_blocks)
     engine = AREngine(path, cfg, loader=load_causal_lm)
     h = engine.model.embed_tokens.weight.shape[1]
     g = torch.Generator().manual_seed(0)
@@ -112,7 +112,7 @@ def _run_conditioned(path, async_on: bool) -> tuple[dict, dict, int]:
                 finals[out.request_id] = out.output.outputs[0].token_ids
         overlapped += engine._pending is not None
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    return finals, hidden, overlapped
+    return finals, hidden, overlapped, engine.scheduler.num_preemptions
 
 
 def test_conditioned_rows_with_async_scheduling_change_no_output(tiny_models):
@@ -120,13 +120,34 @@ def test_conditioned_rows_with_async_scheduling_change_no_output(tiny_models):
     ahead too (the talker and thinker of an omni model), and give the same ids and hidden rows."""
     import torch
 
-    sync, sync_hidden, none = _run_conditioned(tiny_models["llama"], False)
-    got, got_hidden, overlapped = _run_conditioned(tiny_models["llama"], True)
+    sync, sync_hidden, none, _ = _run_conditioned(tiny_models["llama"], False)
+    got, got_hidden, overlapped, _ = _run_conditioned(tiny_models["llama"], True)
     assert none == 0 and overlapped > 5
     assert got == sync and set(got) == {"talker-a", "talker-b", "thinker", "plain"}
     assert [s for s, _ in got_hidden["thinker"]] == [s for s, _ in sync_hidden["thinker"]]
     torch.testing.assert_close(torch.cat([t for _, t in got_hidden["thinker"]]),
                                torch.cat([t for _, t in sync_hidden["thinker"]]), rtol=0, atol=0)
+
+
+def test_conditioned_rows_with_async_scheduling_and_preemption(tiny_models):
+    """The same with a KV pool small enough to preempt: recomputed rows (prompt embeddings, streamed
+    rows) give the same ids, and a preempted thinker reports every position's row."""
+    import torch
+
+    sync, sync_hidden, _, _ = _run_conditioned(tiny_models["llama"], False, num_kv_blocks=20)
+    got, got_hidden, overlapped, preempted = _run_conditioned(tiny_models["llama"], True, num_kv_blocks=20)
+    assert overlapped > 0 and preempted > 0 and got == sync
+    # preemptions fall on other steps (a queued token holds a slot), so rows are reported again from
+    # other positions; each position's row is the same
+    rows = [_rows_by_position(h["thinker"]) for h in (got_hidden, sync_hidden)]
+    assert rows[0].keys() == rows[1].keys() == set(range(37 + 9))
+    for pos, row in rows[0].items():
+        torch.testing.assert_close(row, rows[1][pos], rtol=1e-5, atol=1e-5)
+
+
+def _rows_by_position(reports) -> dict:
+    """position -> its hidden row, from (start, rows) reports (a recomputed position's last report)."""
+    return {start + i: row for start, rows in reports for i, row in enumerate(rows)}
 
 
 def test_penalties_read_a_queued_token_from_the_device():

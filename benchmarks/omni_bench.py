@@ -8,20 +8,24 @@ layout with Qwen2.5-Omni-7B's shape -- random weights time exactly like real one
   token2wav transformers' defaults (DiT 22 layers x 1024, BigVGAN 1536 channels); the DiT's codec
            table covers all 8448 talker ids (real: 8194) so random codes always decode (same speed)
   encoders tiny (the prompts are text), the tiny tokenizer / processor (ids below 800), two voices.
-Then, through `AsyncOmni` (thinker, talker, code2wav on one GPU, each in its own stage process --
-the pipeline's default on a GPU; `--ar-runner inline` keeps thinker and talker in the orchestrator's),
-N concurrent requests (N = 1, 4, 8), each: a chat prompt, THINKER_TOKENS text tokens (EOS ignored),
-TALKER_CODES codec ids (stop codes banned) = TALKER_CODES / 50 s of audio, measured per request:
-  TTFA  request arrival -> the first audio samples reach the caller
-  RTF   (last audio samples - arrival) / seconds of audio; below 1 = faster than real time
+Then, through `AsyncOmni` (thinker, talker, code2wav on one GPU), for each stage layout -- `shared`
+(every stage in the orchestrator's process, each on a CUDA stream of its own, the thinker and talker
+on high-priority streams; pipeline/shared.py) and `process` (each stage in its own stage process, the
+pipeline's default on a GPU) -- N concurrent requests (N = 1, 8, 16, 32), each: a chat prompt,
+THINKER_TOKENS text tokens (EOS ignored), TALKER_CODES codec ids (stop codes banned) = TALKER_CODES /
+50 s of audio, measured per request from the times its audio pieces reach the caller:
+  TTFA      request arrival -> the first audio samples reach the caller (mean, p90)
+  RTF       (last audio samples - arrival) / seconds of audio; below 1 = faster than real time (mean, max)
+  underruns a listener that starts playing at the first piece runs dry: a piece arrives after the audio
+            before it has played out (count, and seconds of silence, over all requests)
 and transformers' `Qwen2_5OmniForConditionalGeneration.generate` on the same weights for 1
 request (not streaming: its first audio is its whole answer), and the floor: the RTF if every
 thinker token and talker code cost only reading the decoder weights once at the measured copy
 bandwidth (requests decoded together share those reads, so the floor holds at every concurrency;
 code2wav's compute is left out, so the true floor is higher). Prints a markdown table last.
 
-    python benchmarks/omni_bench.py [--work /tmp/omnibench] [--out results.json]
-    python benchmarks/omni_bench.py --smoke          # tiny checkpoint, CPU, seconds (a test runs it)
+    python benchmarks/omni_bench.py [--work /tmp/omnibench] [--out results.json] [--layouts shared,process]
+    python benchmarks/omni_bench.py --tiny           # tiny checkpoint, CPU, seconds (a test runs it; = --smoke)
 """
 
 from __future__ import annotations
@@ -104,19 +108,37 @@ def stage_params(thinker_tokens: int, talker_codes: int) -> list:
 
 async def one_request(engine, prompt: dict, params: list, voice: str) -> dict[str, float]:
     start = time.perf_counter()
-    first = last = None
+    pieces: list[tuple[float, int]] = []        # (arrival time, samples) of each new piece of audio
     samples = text = 0
     async for out in engine.generate(dict(prompt, modalities=["text", "audio"], voice=voice), params[0],
                                      sampling_params_list=params):
         n = 0 if out.audio is None else out.audio.samples.size
         if n > samples:
-            last = time.perf_counter()
-            first = first or last
+            pieces.append((time.perf_counter(), n - samples))
             samples = n
         text = len(out.outputs[0].token_ids)
     audio_s = samples / SAMPLE_RATE
-    return {"ttfa_s": first - start, "rtf": (last - start) / audio_s, "audio_s": audio_s, "text_tokens": text,
-            "seconds": last - start}
+    last = pieces[-1][0]
+    dry, dry_s = underruns(pieces)
+    return {"ttfa_s": pieces[0][0] - start, "rtf": (last - start) / audio_s, "audio_s": audio_s,
+            "text_tokens": text, "seconds": last - start, "underruns": dry, "underrun_s": dry_s}
+
+
+def underruns(pieces: list[tuple[float, int]]) -> tuple[int, float]:
+    """(times, seconds) a listener's playback ran dry: it starts at the first piece and plays each
+    piece on arrival or right after the one before, whichever is later."""
+    count, silent = 0, 0.0
+    played_out = pieces[0][0]                   # when the audio received so far has finished playing
+    for i, (t, n) in enumerate(pieces):
+        if i and t > played_out:
+            count, silent = count + 1, silent + t - played_out
+        played_out = max(played_out, t) + n / SAMPLE_RATE
+    return count, silent
+
+
+def p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
 
 
 BUSY_KEYS = {"thinker_model_s": "step_seconds_total", "thinker_steps": "steps_total",
@@ -137,8 +159,9 @@ async def concurrent(engine, prompt: dict, n: int, params: list) -> dict[str, An
     # where the time went: each stage's busy seconds (and steps) during this level
     busy = {name: round(after.get(key, 0) - before.get(key, 0), 3) for name, key in BUSY_KEYS.items()}
     ttfa = [r["ttfa_s"] for r in runs]
-    return {"concurrency": n, "ttfa_mean_s": statistics.mean(ttfa), "ttfa_max_s": max(ttfa),
+    return {"concurrency": n, "ttfa_mean_s": statistics.mean(ttfa), "ttfa_p90_s": p90(ttfa), "ttfa_max_s": max(ttfa),
             "rtf_mean": statistics.mean(r["rtf"] for r in runs), "rtf_max": max(r["rtf"] for r in runs),
+            "underruns": sum(r["underruns"] for r in runs), "underrun_s": sum(r["underrun_s"] for r in runs),
             "audio_s_per_request": runs[0]["audio_s"], "audio_s_per_wall_s": sum(r["audio_s"] for r in runs) / wall,
             "wall_s": wall, "busy": busy}
 
@@ -180,9 +203,9 @@ def bench_hf(path: str, device: str, dtype: torch.dtype, thinker_tokens: int, ta
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     seconds, audio_s = timings[-1]
-    return {"concurrency": 1, "ttfa_mean_s": seconds, "ttfa_max_s": seconds, "rtf_mean": seconds / audio_s,
-            "rtf_max": seconds / audio_s, "audio_s_per_request": audio_s, "audio_s_per_wall_s": audio_s / seconds,
-            "wall_s": seconds}
+    return {"concurrency": 1, "ttfa_mean_s": seconds, "ttfa_p90_s": seconds, "ttfa_max_s": seconds,
+            "rtf_mean": seconds / audio_s, "rtf_max": seconds / audio_s, "underruns": 0, "underrun_s": 0.0,
+            "audio_s_per_request": audio_s, "audio_s_per_wall_s": audio_s / seconds, "wall_s": seconds}
 
 
 def _copy_bandwidth() -> float:
@@ -207,33 +230,43 @@ def floor(path: str, thinker_tokens: int, talker_codes: int, bandwidth: float) -
 
 
 def table(res: dict) -> str:
-    rows = [f"| engine, concurrent requests ({res['shape']}, {res['device']}) | TTFA mean s | TTFA max s | "
-            "RTF mean | RTF max | audio s per wall s |", "|---|---|---|---|---|---|"]
-    for name, runs in (("omnistage AsyncOmni, streaming", res["ours"]), ("transformers generate", res["hf"])):
-        for r in runs:
-            rows.append(f"| {name}, {r['concurrency']} | {r['ttfa_mean_s']:.3f} | {r['ttfa_max_s']:.3f} | "
-                        f"{r['rtf_mean']:.3f} | {r['rtf_max']:.3f} | {r['audio_s_per_wall_s']:.2f} |")
+    rows = [f"| engine, stage layout, streams ({res['shape']}, {res['device']}) | TTFA mean s | TTFA p90 s | "
+            "RTF mean | RTF max | underruns (s dry) | audio s per wall s |", "|---|---|---|---|---|---|---|"]
+
+    def row(name: str, r: dict) -> str:
+        return (f"| {name}, {r['concurrency']} | {r['ttfa_mean_s']:.3f} | {r['ttfa_p90_s']:.3f} | {r['rtf_mean']:.3f} | "
+                f"{r['rtf_max']:.3f} | {r['underruns']} ({r['underrun_s']:.2f}) | {r['audio_s_per_wall_s']:.2f} |")
+
+    for layout, runs in res["layouts"].items():
+        rows += [row(f"omnistage AsyncOmni streaming, {layout}", r) for r in runs]
+    rows += [row("transformers generate, whole answer", r) for r in res["hf"]]
     if res.get("floor"):
         f = res["floor"]
         rows.append(f"| floor: decoder weights read once per token ({f['thinker_bytes'] / 1e9:.1f} + "
                     f"{f['talker_bytes'] / 1e9:.1f} GB at {f['bandwidth_Bps'] / 1e9:.0f} GB/s) | - | - | "
-                    f"{f['rtf']:.3f} | - | - |")
+                    f"{f['rtf']:.3f} | - | - | - |")
     return "\n".join(rows)
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", default="/tmp/omnibench", help="where the random checkpoint is kept")
-    ap.add_argument("--smoke", action="store_true", help="tiny checkpoint on CPU with short answers")
-    ap.add_argument("--levels", default=None, help="comma-separated concurrency levels (default 1,4,8; smoke 1,2)")
+    ap.add_argument("--tiny", "--smoke", dest="smoke", action="store_true",
+                    help="tiny checkpoint on CPU with short answers")
+    ap.add_argument("--levels", default=None, help="comma-separated concurrency levels (default 1,8,16,32; tiny 1,2)")
+    ap.add_argument("--layouts", default="shared,process",
+                    help="comma-separated stage layouts to measure, each a deploy `stage_layout`: shared, process "
+                         "or inline (default shared,process)")
     ap.add_argument("--thinker-tokens", type=int, default=None, help="text tokens per answer (default 64; smoke 8)")
     ap.add_argument("--talker-codes", type=int, default=None, help="codec ids per answer, 50/s (default 500; smoke 30)")
     ap.add_argument("--code2wav-chunk", type=int, default=None, help="codes per code2wav chunk (default: the pipeline's)")
-    ap.add_argument("--code2wav-runner", choices=("inline", "process"), default=None,
-                    help="code2wav in the orchestrator's process or its own (default: the pipeline's)")
+    ap.add_argument("--code2wav-batch", type=int, default=None,
+                    help="most requests per code2wav decode (max_batch_requests; default: the pipeline's)")
+    ap.add_argument("--code2wav-runner", choices=("inline", "shared", "process"), default=None,
+                    help="code2wav's runner in every layout measured (default: the layout's)")
     ap.add_argument("--no-code2wav-graphs", action="store_true", help="code2wav's ODE without CUDA graphs")
-    ap.add_argument("--ar-runner", choices=("inline", "process"), default=None,
-                    help="thinker and talker in the orchestrator's process or their own (default: the pipeline's)")
+    ap.add_argument("--ar-runner", choices=("inline", "shared", "process"), default=None,
+                    help="thinker's and talker's runner in every layout measured (default: the layout's)")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers reference")
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     args = ap.parse_args(argv)
@@ -249,12 +282,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
     else:
         path = build_checkpoint(os.path.join(args.work, "qwen2_5_omni_7b_shape"))
         device, dtype, shape = "cuda", "bfloat16", "Qwen2.5-Omni-7B shape, bf16"
-        levels, tokens, codes = [1, 4, 8], 64, 500
+        levels, tokens, codes = [1, 8, 16, 32], 64, 500
     levels = [int(x) for x in args.levels.split(",")] if args.levels else levels
     tokens, codes = args.thinker_tokens or tokens, args.talker_codes or codes
     code2wav: dict[str, Any] = {}
-    if args.code2wav_chunk:
-        code2wav["options"] = {"chunk_codes": args.code2wav_chunk}
+    options = {"chunk_codes": args.code2wav_chunk, "max_batch_requests": args.code2wav_batch}
+    if any(options.values()):
+        code2wav["options"] = {k: v for k, v in options.items() if v}
     if args.code2wav_runner:
         code2wav["runner"] = args.code2wav_runner
     if args.no_code2wav_graphs:
@@ -262,10 +296,16 @@ def main(argv: Optional[list[str]] = None) -> dict:
     stages = {"code2wav": code2wav} if code2wav else {}
     if args.ar_runner:
         stages.update({name: {"runner": args.ar_runner} for name in ("thinker", "talker")})
-    deploy = {"stages": stages} if stages else None
+    layouts = [x for x in args.layouts.split(",") if x]
+    bad = [x for x in layouts if x not in ("shared", "process", "inline")]
+    if bad or not layouts:
+        ap.error(f"--layouts must list shared, process or inline; got {args.layouts!r}")
+    deploys = {layout: {"stage_layout": layout, "stages": stages} for layout in layouts}
+    measured = {layout: bench_ours(path, device, dtype, levels, tokens, codes, deploy)
+                for layout, deploy in deploys.items()}
     res = {"shape": shape, "device": torch.cuda.get_device_name() if device == "cuda" else "CPU",
-           "thinker_tokens": tokens, "talker_codes": codes, "deploy_config": deploy,
-           "ours": bench_ours(path, device, dtype, levels, tokens, codes, deploy),
+           "thinker_tokens": tokens, "talker_codes": codes, "deploy_configs": deploys, "layouts": measured,
+           "ours": measured[layouts[0]],
            "hf": [] if args.skip_hf else [bench_hf(path, device, getattr(torch, dtype), tokens, codes)],
            "floor": floor(path, tokens, codes, _copy_bandwidth()) if device == "cuda" else None}
     print(json.dumps(res, indent=1))

@@ -19,6 +19,7 @@ from typing import Any, Optional
 from omnistage.config import STAGE_KINDS, EngineConfig
 
 MODALITIES = ("text", "audio", "image", "video")
+RUNNERS = ("inline", "shared", "process")       # where a stage's engine runs (`StageSpec.runner`)
 # Keys of `StageSpec.memory`, the hints only the GPU memory planner reads (pipeline/memory.py):
 #   weights_prefix: str or list of tensor-name prefixes the stage loads (absent: every tensor)
 #   weights_dtype: "float32" | "bfloat16" | "float16", the dtype a codec runs its weights in (absent: as stored)
@@ -42,7 +43,10 @@ class StageSpec:
     backend: Optional[str] = None               # implementation of the kind, e.g. codec "piper"
     options: dict[str, Any] = field(default_factory=dict)  # back-end settings (voices, batch limits)
     params: dict[str, Any] = field(default_factory=dict)   # default request params of this stage (field -> value)
-    runner: str = "inline"                      # "inline": in the orchestrator's process; "process": its own (stage_client)
+    # "inline": in the orchestrator's process; "shared": there too, on a CUDA stream of its own (pipeline/shared.py);
+    # "process": its own process (stage_client)
+    runner: str = "inline"
+    priority: int = 0                           # runner shared: > 0 puts its GPU work first (a high-priority stream)
     memory: dict[str, Any] = field(default_factory=dict)   # hints for the GPU memory plan (MEMORY_HINTS); engines ignore them
     replica_devices: list[str] = field(default_factory=list)  # one EngineConfig device per replica
     # (engine.num_replicas of them, e.g. ["cuda:0", "cuda:1"]); empty = every replica on engine.device
@@ -51,8 +55,10 @@ class StageSpec:
     def __post_init__(self) -> None:
         if self.kind not in STAGE_KINDS:
             raise ValueError(f"stage {self.name!r}: kind must be one of {', '.join(STAGE_KINDS)}; got {self.kind!r}")
-        if self.runner not in ("inline", "process"):
-            raise ValueError(f"stage {self.name!r}: runner must be inline or process; got {self.runner!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"stage {self.name!r}: runner must be one of {', '.join(RUNNERS)}; got {self.runner!r}")
+        if not isinstance(self.priority, int) or self.priority < 0:
+            raise ValueError(f"stage {self.name!r}: priority must be an integer >= 0; got {self.priority!r}")
         if self.engine.num_replicas > 1 or self.engine.distributed_executor_backend == "ray":
             self.runner = "process"             # replicas and Ray actors are stage processes by nature
         if self.replica_devices and len(self.replica_devices) != self.engine.num_replicas:

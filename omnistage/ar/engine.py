@@ -361,8 +361,10 @@ class AREngine:
         """Stop checks and outputs for a step whose sampled ids are in `result` (and in the sequences)."""
         now = time.time()
         # Requests that report hidden states emit an output every step they compute, sampled or not.
+        # A request finished or aborted while its step was queued (async scheduling) has none.
         changed: dict[str, _Request] = {s.seq.request_id: self.requests[s.seq.request_id]
-                                        for s in sched.scheduled if s.seq.seq_id in result.hidden}
+                                        for s in sched.scheduled
+                                        if s.seq.seq_id in result.hidden and s.seq.request_id in self.requests}
         by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
         failed: dict[str, Exception] = {}       # request id -> what its host work raised
         for seq_id, token in result.sampled.items():
@@ -460,8 +462,12 @@ class AREngine:
 
 
 def _overlappable(seq: Sequence) -> bool:
-    """A sequence whose next step may be queued before its last sampled id is on the host: its
-    inputs are token ids only and its sampling reads no earlier ids or host-side results (a grammar's
-    mask needs the last token)."""
+    """A sequence whose next step may be queued before its last sampled id is on the host. Its input
+    rows may carry conditioning (prompt embeddings, multimodal rope, streamed rows: all on the device
+    or known on the host before the step) and report hidden states (device tensors, read after the
+    step); penalties take the queued id from the device (`SamplingBatch.pending_ids`). Not: a grammar
+    (its mask needs the last token on the host), logprobs and a frame head (their results are read
+    on the host in the step itself)."""
     p = seq.params
-    return seq.cond is None and seq.grammar is None and p.logprobs is None and not p.needs_penalties
+    frame_head = seq.cond is not None and seq.cond.frame_feedback
+    return seq.grammar is None and p.logprobs is None and not frame_head

@@ -239,7 +239,8 @@ class ModelRunner:
             prompt_ids=[q.token_ids[:q.prompt_len] if penalized else [] for q in sampling],
             output_ids=[q.output_token_ids if penalized else [] for q in sampling],
             banned=[_banned(q, eos_ids) for q in sampling],
-            token_bitmask=None if bitmask is None else bitmask.to(self.device, non_blocking=True))
+            token_bitmask=None if bitmask is None else bitmask.to(self.device, non_blocking=True),
+            pending_ids=self._pending_ids(sampling, prev) if penalized else None)
         num_logprobs = max((q.params.logprobs for q in sampling if q.params.logprobs is not None), default=-1)
         out = sample(logits, batch, self.generator, num_logprobs)
         codes = self._frames(sampling, picked, out.token_ids, batch)
@@ -256,6 +257,15 @@ class ModelRunner:
         else:
             done.host = out.token_ids
         return done
+
+    def _pending_ids(self, seqs: list[Sequence], prev: Optional[Launched]) -> Optional[torch.Tensor]:
+        """[S] on the device: for each row whose last token is a placeholder, the id `prev` sampled for
+        it (penalties count it without waiting for it to reach the host); 0 for the other rows."""
+        rows = [prev.row_of(q.seq_id) if q.token_ids[-1] == PLACEHOLDER else -1 for q in seqs]
+        if all(r < 0 for r in rows):
+            return None
+        picked = prev.tokens[self._to_device([max(r, 0) for r in rows])]
+        return torch.where(self._to_device([r >= 0 for r in rows], torch.bool), picked, 0)
 
     def collect(self, step: Launched) -> RunnerOutput:
         """Wait for a launched step's ids (only its own work, not steps queued after it)."""

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from omnistage.ar.sequence import PLACEHOLDER
 from omnistage.params import SamplingParams
 
 
@@ -33,6 +34,9 @@ class SamplingBatch:
     banned: list[list[int]] = field(default_factory=list)  # per row: ids masked this step (min_tokens)
     # int32 [S, ceil(V / 32)] on the logits' device: bit j of word i set = token 32 i + j allowed; None = no grammar
     token_bitmask: Optional[torch.Tensor] = None
+    # [S] long on the logits' device: per row, the id a PLACEHOLDER ending its output_ids stands for (the
+    # queued step's sample, async scheduling); None when no row's ids end in one
+    pending_ids: Optional[torch.Tensor] = None
 
     @property
     def all_greedy(self) -> bool:
@@ -54,6 +58,16 @@ def to_device(values: list, device: torch.device, dtype=None) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
+def _history(b: SamplingBatch, i: int, ids: list[int], dev: torch.device) -> torch.Tensor:
+    """Row i's `ids` (its prompt and / or output ids) on the device; a PLACEHOLDER ending them (a
+    queued step's sample the host has not read) is taken from `pending_ids`, device to device."""
+    if not ids or ids[-1] != PLACEHOLDER:
+        return to_device(ids, dev, torch.long)
+    out = to_device(ids[:-1] + [0], dev, torch.long)
+    out[-1:] = b.pending_ids[i:i + 1]
+    return out
+
+
 def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     s, v = logits.shape
     dev = logits.device
@@ -62,7 +76,7 @@ def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         seen = torch.zeros(s, v, dtype=torch.bool, device=dev)
         for i, p in enumerate(b.params):
             if p.repetition_penalty != 1:
-                seen[i, to_device(b.prompt_ids[i] + b.output_ids[i], dev, torch.long)] = True
+                seen[i, _history(b, i, b.prompt_ids[i] + b.output_ids[i], dev)] = True
         r = rep[:, None]
         # a tiny penalty would push a logit to +inf, and softmax to NaN (a masked token could win)
         boosted = (logits / r).clamp(max=torch.finfo(logits.dtype).max)
@@ -73,7 +87,7 @@ def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         counts = torch.zeros(s, v, device=dev)
         for i, out in enumerate(b.output_ids):
             if out:
-                ids = to_device(out, dev, torch.long)
+                ids = _history(b, i, out, dev)
                 counts[i].scatter_add_(0, ids, torch.ones_like(ids, dtype=counts.dtype))
         logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).float()
     return logits

@@ -4,7 +4,9 @@ In: `add(request)` with a `CodecRequest` (the codec model's state of the request
 settings it may share a decode under, whether its input is complete); `ready(request)`, given at
 construction, says what a request's next chunk is, or None when it waits for input or has nothing
 left. Out: `schedule()` -> a `CodecBatch`: the next chunk of up to `max_batch` ready requests that
-share the batch key of the first of them, oldest-served first (round-robin); `update(batch, audio)`
+share the batch key of the first of them -- requests with no audio yet first (a listener waits for
+its first chunk; the others have audio playing), in arrival order, then the rest oldest-served first
+(round-robin); `update(batch, audio)`
 appends each decoded chunk to its request, moves the served requests to the back of the queue and
 returns a `CodecReport` for every request that changed (served, or finished without a chunk);
 finished requests leave the scheduler. `abort(request_id)` drops a request.
@@ -70,9 +72,10 @@ class CodecScheduler:
         self.requests[request.request_id] = request
 
     def schedule(self) -> CodecBatch:
-        """The ready chunks of this step, all with the batch key of the least recently served ready request."""
+        """The ready chunks of this step, all with the batch key of the first ready request: first
+        chunks before later ones, then the least recently served."""
         batch = CodecBatch()
-        for req in self.requests.values():
+        for req in sorted(self.requests.values(), key=lambda r: bool(r.chunks)):   # stable: keeps queue order
             if len(batch) == self.max_batch:
                 break
             if batch.requests and req.batch_key != batch.requests[0].batch_key:

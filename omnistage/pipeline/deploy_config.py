@@ -6,6 +6,7 @@ stage's EngineConfig, so an overridden `device: auto` / `dtype: auto` is resolve
 Only what the file names changes:
 
 ```yaml
+stage_layout: shared        # every stage's runner at once (inline | shared | process); a stage's runner wins
 stages:
   llm:                      # a stage of the detected pipeline, by name
     device: cuda:0          # any EngineConfig field: device, dtype, max_num_seqs, num_kv_blocks, ...
@@ -16,7 +17,9 @@ stages:
     params: {temperature: 0.7}          # default request params of the stage (merged)
   tts:
     device: cpu
-    runner: process                     # its own process (default: inline, in the orchestrator's)
+    runner: process                     # its own process (default: inline, in the orchestrator's;
+                                        # shared: there too, on a CUDA stream of its own)
+    priority: 1                         # runner shared: its GPU work first (a high-priority CUDA stream)
     num_replicas: 2                     # two copies, each its own process; requests go to the least loaded
     # replica_devices: [cuda:0, cuda:1] # one device per replica (default: all on `device`)
     # distributed_executor_backend: ray # the stage's processes as Ray actors (`ray_address`: the cluster)
@@ -38,11 +41,11 @@ import dataclasses
 from typing import Any, Union
 
 from omnistage.config import EngineConfig
-from omnistage.spec import PipelineSpec, StageSpec
+from omnistage.spec import RUNNERS, PipelineSpec, StageSpec
 
 _ENGINE_KEYS = {f.name for f in dataclasses.fields(EngineConfig)}
-_STAGE_KEYS = {"options", "params", "memory", "enabled", "final_output", "model_dir", "runner", "replica_devices",
-               "ray"}
+_STAGE_KEYS = {"options", "params", "memory", "enabled", "final_output", "model_dir", "runner", "priority",
+               "replica_devices", "ray"}
 _EDGE_KEYS = {"src", "dst", "chunk_size", "first_chunk_size", "adapter", "options"}
 
 
@@ -73,9 +76,13 @@ def apply_deploy_config(spec: PipelineSpec, config: Union[str, dict[str, Any], N
     if config is None:
         return spec
     data = _load(config)
-    unknown = set(data) - {"stages", "edges"}
+    unknown = set(data) - {"stages", "edges", "stage_layout"}
     if unknown:
-        raise ValueError(f"deploy config: unknown top-level keys {sorted(unknown)}; allowed: ['edges', 'stages']")
+        raise ValueError(f"deploy config: unknown top-level keys {sorted(unknown)}; "
+                         "allowed: ['edges', 'stage_layout', 'stages']")
+    layout = data.get("stage_layout")
+    if layout is not None and layout not in RUNNERS:
+        raise ValueError(f"deploy config: stage_layout must be one of {', '.join(RUNNERS)}; got {layout!r}")
     names = [s.name for s in spec.stages]
     overrides = _stage_overrides(data)
     stages: list[StageSpec] = []
@@ -94,6 +101,8 @@ def apply_deploy_config(spec: PipelineSpec, config: Union[str, dict[str, Any], N
         options = {**s.options, **(over.pop("options", None) or {})}
         params = {**s.params, **(over.pop("params", None) or {})}
         memory = {**s.memory, **(over.pop("memory", None) or {})}
+        if layout is not None:
+            over.setdefault("runner", layout)
         stages.append(dataclasses.replace(s, engine=engine, options=options, params=params, memory=memory, **over))
     kept = {s.name for s in stages}
     if spec.main_stage.name not in kept:

@@ -225,7 +225,7 @@ def _plan_device(device: str, stages: list[StageSpec], spec: PipelineSpec, pinne
     reserves = {f"{s.name} (pinned)": int(s.engine.gpu_memory_utilization * total)
                 for s in stages if s.name in pinned}
     renderer = _renderer_on(spec, stages)
-    if renderer or any(s.runner == "inline" for s in stages):
+    if renderer or any(s.runner != "process" for s in stages):
         reserves["entry point's CUDA context"] = CUDA_CONTEXT_BYTES
     if renderer:                                # in the main stage's dtype (`OmniChatRenderer`)
         main = next(s for s in stages if s.name == spec.main_stage.name)

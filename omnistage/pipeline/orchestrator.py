@@ -18,10 +18,11 @@ prompt, token ids and metrics (plus the audio's timing, `AudioTiming`, at the pi
 at each audio stage); text from the stage that produces text, audio / images / video from
 the stages that produce them. Completion finish reasons are held back until every stage of the
 request is done, so the last output a caller sees is the one with `finished=True`. An abort reaches
-every stage that holds the request. Stages run in-process here; `stage_client` puts one in its own
-process behind the same `StageEngine` interface (as a Ray actor's child with
-`distributed_executor_backend: ray`), and `replicas.ReplicaSet` runs `num_replicas` of them as one
-stage (least-loaded routing; a request sticks to its replica). A stage whose process died fails the requests it
+every stage that holds the request. Stages run in-process here (`runner: shared` ones each on a CUDA
+stream of its own, `pipeline/shared.py`); `stage_client` puts one in its own process behind the same
+`StageEngine` interface (as a Ray actor's child with `distributed_executor_backend: ray`), and
+`replicas.ReplicaSet` runs `num_replicas` of them as one stage (least-loaded routing; a request sticks
+to its replica). A stage whose process died fails the requests it
 held (`StageDeadError`) and restarts in the background while the other stages keep stepping; until
 it is back, a new request whose route needs it is refused with `StageDeadError` naming it
 (`stage_states` says which stages are down).
@@ -70,7 +71,7 @@ def payload_bytes(obj: Any) -> int:
     return 0
 
 
-def _build_stage(spec: StageSpec) -> Any:
+def _build_stage(spec: StageSpec, pipeline: PipelineSpec) -> Any:
     if spec.engine.num_replicas > 1:
         from omnistage.pipeline.replicas import ReplicaSet
 
@@ -79,7 +80,14 @@ def _build_stage(spec: StageSpec) -> Any:
         from omnistage.pipeline.stage_client import StageClient
 
         return StageClient(spec)
-    return build_engine(spec)
+    engine = build_engine(spec)
+    if spec.runner == "shared":
+        from omnistage.pipeline.build import resolve_stage
+        from omnistage.pipeline.shared import shared_stage
+
+        device = resolve_stage(spec).engine.torch_device()
+        return shared_stage(engine, device, spec.priority, bool(pipeline.edges_from(spec.name)))
+    return engine
 
 
 @dataclass
@@ -114,7 +122,7 @@ class Orchestrator:
         self.stages = {}
         try:
             for s in spec.stages:
-                self.stages[s.name] = given[s.name] if s.name in given else _build_stage(s)
+                self.stages[s.name] = given[s.name] if s.name in given else _build_stage(s, spec)
         except BaseException:                   # e.g. one stage failed to start: stop the processes started
             for name, stage in self.stages.items():
                 if name not in given and hasattr(stage, "close"):

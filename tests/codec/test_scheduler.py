@@ -94,3 +94,16 @@ def test_abort_and_ids():
 def test_scheduler_and_engine_import_no_torch():
     code = "import sys, omnistage.codec.engine, omnistage.codec.scheduler; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_first_chunks_go_before_later_ones():
+    """A request with no audio yet (its listener waits) is served before requests whose audio plays,
+    even when the batch is full with them."""
+    sched = CodecScheduler(ready, max_batch=2)
+    add(sched, "a", 3)
+    add(sched, "b", 3)
+    assert step(sched) == [("a", "a0", False), ("b", "b0", False)]
+    add(sched, "new", 2)
+    assert [r.request_id for r in sched.schedule().requests] == ["new", "a"]
+    assert step(sched) == [("new", "new0", False), ("a", "a1", False)]
+    assert step(sched) == [("b", "b1", False), ("new", "new1", True)]      # then round-robin again

@@ -257,7 +257,9 @@ class Code2Wav:
         tf32 = bool(options.pop("tf32", True))
         device = spec.engine.torch_device()
         if device.type == "cuda":
-            if spec.runner == "process":        # before the graphs are captured: they keep the setting
+            # Before the graphs are captured: they keep the setting. A shared-layout stage sets it for the
+            # whole process, so the edge adapters' float32 projections use TF32 too (AR stages run bf16).
+            if spec.runner in ("process", "shared"):
                 torch.backends.cuda.matmul.allow_tf32 = tf32
             elif tf32:
                 logger.info("code2wav runs inline: its float32 matmuls follow the process's TF32 setting "

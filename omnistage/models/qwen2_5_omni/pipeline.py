@@ -49,6 +49,9 @@ RENDERER_WEIGHTS = ("thinker.audio_tower.", "thinker.visual.", "thinker.model.em
 # each chunk costs about the same (36 DiT evaluations, launch-bound), so larger chunks decode faster
 # than real time: chunk 48 -> RTF 1.7, 96 -> 0.98, 192 -> 0.86 (with code2wav in its own process).
 CODE2WAV_OPTIONS = {"first_chunk_codes": 12, "chunk_codes": 96, "past_blocks": 2, "future_blocks": 1}
+# Where the stages run on a GPU: "process" (one process each) or "shared" (all in the serving process, each
+# on a CUDA stream of its own); benchmarks/omni_bench.py measures both in one run.
+GPU_STAGE_LAYOUT = "process"
 
 
 def talker_params(config) -> dict[str, Any]:
@@ -71,17 +74,19 @@ def omni_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
     config = omni_config(model_dir)
     names = voices(model_dir)
     default_voice = DEFAULT_VOICE if DEFAULT_VOICE in names else names[0]
-    # On a GPU every stage runs in its own process (the default of the issue): the thinker, talker and
-    # code2wav steps overlap instead of taking turns in one Python thread; the hidden states they
-    # pass cross as tensors (`pipeline.wire`).
-    runner = "process" if engine.torch_device().type == "cuda" else "inline"
+    # On a GPU every stage runs in its own process (GPU_STAGE_LAYOUT): the thinker, talker and code2wav
+    # steps overlap instead of taking turns in one Python thread; the hidden states they pass cross as
+    # tensors (`pipeline.wire`). `stage_layout: shared` in a deploy config runs them in one process.
+    runner = GPU_STAGE_LAYOUT if engine.torch_device().type == "cuda" else "inline"
     # Requests that feed the talker report hidden states and so skip the prefix cache (see
     # `ar/conditioning.Conditioning.cacheable`); text-only requests keep it.
-    thinker = StageSpec("thinker", "ar", model_dir, engine, final_output="text", runner=runner,
+    # In the shared layout (`stage_layout: shared`) the thinker's and talker's decode steps run on
+    # high-priority CUDA streams: code2wav's chunk decodes fill the GPU around them.
+    thinker = StageSpec("thinker", "ar", model_dir, engine, final_output="text", runner=runner, priority=1,
                         options={"component": THINKER},
                         memory={"weights_prefix": THINKER_WEIGHTS, "lm_shape": lm_shape(config.thinker_config.text_config)})
     talker = StageSpec("talker", "ar", model_dir, dataclasses.replace(engine, max_model_len=None),
-                       runner=runner, options={"component": TALKER},
+                       runner=runner, priority=2, options={"component": TALKER},
                        memory={"weights_prefix": TALKER_WEIGHTS, "lm_shape": lm_shape(config.talker_config)},
                        params=talker_params(config))
     # code2wav's chunk decodes (36 DiT evaluations each) in their own process overlap the talker's

@@ -1,4 +1,5 @@
-"""benchmarks/omni_bench.py --smoke runs end to end on the tiny checkpoint (CPU), transformers included."""
+"""benchmarks/omni_bench.py --tiny runs end to end on the tiny checkpoint (CPU), transformers included
+(the shared stage layout; the process layout is the same code with other deploy settings)."""
 
 import importlib.util
 import os
@@ -10,9 +11,21 @@ def test_omni_bench_smoke(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("omni_bench", os.path.join(ROOT, "benchmarks", "omni_bench.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    res = bench.main(["--smoke", "--work", str(tmp_path), "--levels", "1,2", "--talker-codes", "26"])
+    res = bench.main(["--tiny", "--work", str(tmp_path), "--levels", "1,2", "--talker-codes", "26", "--layouts", "shared"])
     assert [r["concurrency"] for r in res["ours"]] == [1, 2] and len(res["hf"]) == 1
     for r in res["ours"] + res["hf"]:
         assert abs(r["audio_s_per_request"] - 26 * 480 / 24000) < 1e-9
-        assert 0 < r["ttfa_mean_s"] <= r["ttfa_max_s"] and r["rtf_mean"] > 0
-    assert "| omnistage AsyncOmni, streaming, 2 |" in capsys.readouterr().out
+        assert 0 < r["ttfa_mean_s"] <= r["ttfa_p90_s"] <= r["ttfa_max_s"] and 0 < r["rtf_mean"] <= r["rtf_max"]
+        assert r["underruns"] >= 0 and r["underrun_s"] >= 0
+    assert list(res["layouts"]) == ["shared"]
+    assert "| omnistage AsyncOmni streaming, shared, 2 |" in capsys.readouterr().out
+
+
+def test_underruns_count_a_listener_running_dry():
+    spec = importlib.util.spec_from_file_location("omni_bench", os.path.join(ROOT, "benchmarks", "omni_bench.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    second = bench.SAMPLE_RATE                  # one second of audio per piece
+    assert bench.underruns([(0.0, second), (0.5, second), (1.9, second)]) == (0, 0.0)   # always ahead
+    count, dry = bench.underruns([(0.0, second), (1.5, second), (2.5, second), (4.0, second)])
+    assert count == 2 and abs(dry - 1.0) < 1e-9  # dry 1.0-1.5 and 3.5-4.0

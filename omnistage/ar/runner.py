@@ -30,7 +30,7 @@ import torch
 
 from omnistage.ar.sampler import SamplerOutput, SamplingBatch, sample, to_device
 from omnistage.ar.scheduler import ScheduledSeq, SchedulerOutput
-from omnistage.ar.sequence import Sequence
+from omnistage.ar.sequence import PLACEHOLDER, Sequence
 from omnistage.ar.step_inputs import StepInputs, step_inputs, step_order
 from omnistage.layers.attention import AttentionMetadata, PrefillChunk
 from omnistage.stage import HiddenStates
@@ -58,6 +58,9 @@ class Launched:
 
     def __post_init__(self) -> None:
         self.rows = {q.seq_id: i for i, q in enumerate(self.seqs)}   # seq_id -> its row in `tokens`
+
+    def row_of(self, seq_id: str) -> int:
+        return self.rows[seq_id]
 
 
 def logit_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -18,7 +18,10 @@ failure, `error`. Built by the orchestrator through `from_stage_spec` from the s
 with its requests; skipped steps in `metrics.cached_steps` and `stats()["num_cached_steps"]`). Each
 phase (encode, prepare, the runner's denoise, decode) runs inside `Accelerator.phase`
 (diffusion/speed.py: attention backend, offload moves; FP8 and regional compile are applied to the
-modules once, at start, before the step cache wraps the blocks' compiled forwards).
+modules once, at start, before the step cache wraps the blocks' compiled forwards). With a
+`parallel_config` of world size > 1 this process is rank 0 of a parallel DiT (`diffusion/ranks.py`:
+the other ranks are child processes that run only the denoiser, on their piece of each forward);
+`close()` stops them.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 
 from omnistage.config import EngineConfig
 from omnistage.diffusion.pipelines.base import DiffusionFamily, load_components, read_model_index
+from omnistage.diffusion.ranks import DiTRanks
 from omnistage.diffusion.runner import DiffusionRunner
 from omnistage.diffusion.scheduler import DiffusionRunnerOutput, DiffusionScheduler, SchedEntry
 from omnistage.diffusion.step_cache import StepCache
@@ -72,7 +76,7 @@ class DiffusionEngine:
         family = family_cls(model_dir, index, load_components(model_dir, index, dtype, load_device), device, dtype)
         if vae_tile_pixels is not None:
             family.tile_threshold = vae_tile_pixels
-        self._start(family, *batch_limits(config), config, speed=speed)
+        self._start(family, *batch_limits(config), config, speed=speed, ranks_from=(model_dir, family_cls))
 
     @classmethod
     def from_family(cls, family: DiffusionFamily, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
@@ -87,11 +91,20 @@ class DiffusionEngine:
         return engine
 
     def _start(self, family: DiffusionFamily, max_num_seqs: int, max_num_batched_tokens: int,
-               config: EngineConfig, speed: Optional[DiffusionSpeed] = None) -> None:
+               config: EngineConfig, speed: Optional[DiffusionSpeed] = None,
+               ranks_from: Optional[tuple[str, type]] = None) -> None:
+        """`ranks_from`: (model folder, family class) the other ranks of a parallel DiT load."""
         self.family, self.device, self.dtype = family, family.device, family.dtype
         # First the speed features (FP8, regional compile, offload hooks), then the step cache, whose
-        # wrapper around each block's forward is outside the compiled code.
+        # wrapper around each block's forward is outside the compiled code; then the parallel plan.
         self.accel = Accelerator(family, speed or DiffusionSpeed(compile=False))   # phases run in its contexts
+        self.ranks: Optional[DiTRanks] = None   # the parallel DiT's other ranks (None: one process)
+        pc = config.parallel_config
+        if pc is not None and pc.world_size > 1:
+            if ranks_from is None:
+                raise ValueError("parallel_config needs the engine built from a model folder "
+                                 "(DiffusionEngine(model_dir, family_cls, config)): the other ranks load it")
+            self.ranks = DiTRanks(family, ranks_from[0], ranks_from[1], config.resolved("diffusion"))
         if config.vae_use_tiling:
             family.tile_threshold = 0           # every decode tiles (diffusers' enable_tiling on the VAE)
         self.cache: Optional[StepCache] = None  # the step cache (config.cache_backend), state keyed by request
@@ -110,7 +123,8 @@ class DiffusionEngine:
         self.default_fps = getattr(self.family, "default_fps", None)   # video models: fps of an unset `fps`
         self.limits = self.family.limits()            # sizes, steps, frames a request may ask for; defaults
         self.scheduler = DiffusionScheduler(max_num_seqs, max_num_batched_tokens)
-        self.runner = DiffusionRunner(self.family, self.cache, self.accel.phase)
+        self.runner = DiffusionRunner(self.family, self.cache, self.accel.phase,
+                                      denoise=self.ranks.denoise if self.ranks is not None else None)
         self.tasks: dict[str, DiffusionTask] = {}
         self._metrics: dict[str, RequestMetrics] = {}
         self._pending: list[StageOutput] = []       # outputs produced between steps (aborts)
@@ -134,7 +148,18 @@ class DiffusionEngine:
         else return them resolved (the model's defaults filled in). Safe to call from any thread."""
         params = params if params is not None else DiffusionParams()
         self._check_cache_config(params)
-        return self.family.resolve(params, {})
+        resolved = self.family.resolve(params, {})
+        if self.ranks is not None and not self.takes_image:
+            self._check_sequence(self.family.new_task("check", {"prompt": ""}, resolved))
+        return resolved
+
+    def _check_sequence(self, task: DiffusionTask) -> None:
+        """ParamError unless the task's latent tokens split evenly over a parallel DiT's sequence ranks."""
+        n = self.ranks.parallel.sequence_multiple()
+        if task.tokens_per_row % n:
+            raise ParamError("height", f"height x width (x frames) gives {task.tokens_per_row} latent tokens, which "
+                                       f"ulysses_degree x ring_degree = {n} must divide: choose a size whose token "
+                                       f"count is a multiple of {n}")
 
     def _check_cache_config(self, params: DiffusionParams) -> None:
         """A request's `cache_config`: ParamError unless valid for this stage's cache backend."""
@@ -156,6 +181,8 @@ class DiffusionEngine:
         params = params if params is not None else DiffusionParams()
         self._check_cache_config(params)
         task = self.family.new_task(request_id, inputs, params)
+        if self.ranks is not None:
+            self._check_sequence(task)
         if self.cache is not None:
             self.cache.add(request_id, params.cache_config)
         task.arrival_time = arrival_time if arrival_time is not None else time.time()
@@ -268,6 +295,14 @@ class DiffusionEngine:
     def _forget(self, request_id: str) -> None:
         if self.cache is not None:
             self.cache.drop(request_id)
+        if self.ranks is not None:
+            self.ranks.forget(request_id)
+
+    def close(self) -> None:
+        """Stop a parallel DiT's other ranks (nothing to do for one process); safe to call twice."""
+        if self.ranks is not None:
+            ranks, self.ranks = self.ranks, None
+            ranks.close()
 
     @torch.no_grad()
     def _finish_all(self, request_ids: list[str]) -> list[StageOutput]:

@@ -204,7 +204,22 @@ class EngineConfig:
         device, dtype = concrete_device(self.device), self.dtype
         if kind is not None and dtype == "auto":
             dtype = _auto_dtype(kind, device, checkpoint_dtype)
-        return dataclasses.replace(self, device=device, dtype=dtype)
+        out = dataclasses.replace(self, device=device, dtype=dtype)
+        return out._dit_tensor_parallel() if kind == "diffusion" else out
+
+    def _dit_tensor_parallel(self) -> "EngineConfig":
+        """A diffusion stage reads the AR option `tensor_parallel_size` (`--tensor-parallel-size`) as DiT
+        tensor parallel: moved into `parallel_config` (which must not set another size)."""
+        tp = getattr(self, "tensor_parallel_size", 1)
+        if tp == 1:
+            return self
+        pc = self.parallel_config or DiffusionParallelConfig()
+        if pc.tensor_parallel_size not in (1, tp):
+            raise ValueError(f"tensor_parallel_size={tp} and parallel_config.tensor_parallel_size="
+                             f"{pc.tensor_parallel_size} disagree; set one of them")
+        out = dataclasses.replace(self, parallel_config=dataclasses.replace(pc, tensor_parallel_size=tp))
+        out.tensor_parallel_size = 1
+        return out
 
     def torch_device(self) -> "torch.device":
         """`device` as a torch.device ("auto" resolved as in `resolved`)."""

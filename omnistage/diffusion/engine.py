@@ -27,6 +27,7 @@ the other ranks are child processes that run only the denoiser, on their piece o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Optional
 
@@ -34,7 +35,7 @@ import torch
 
 from omnistage.config import EngineConfig
 from omnistage.diffusion.pipelines.base import DiffusionFamily, load_components, read_model_index
-from omnistage.diffusion.ranks import DiTRanks
+from omnistage.diffusion.ranks import DiTRanks, load_family
 from omnistage.diffusion.runner import DiffusionRunner
 from omnistage.diffusion.scheduler import DiffusionRunnerOutput, DiffusionScheduler, SchedEntry
 from omnistage.diffusion.step_cache import StepCache
@@ -76,24 +77,27 @@ class DiffusionEngine:
         family = family_cls(model_dir, index, load_components(model_dir, index, dtype, load_device), device, dtype)
         if vae_tile_pixels is not None:
             family.tile_threshold = vae_tile_pixels
-        self._start(family, *batch_limits(config), config, speed=speed, ranks_from=(model_dir, family_cls))
+        self._start(family, *batch_limits(config), config, speed=speed,
+                    rank_loader=functools.partial(load_family, model_dir, family_cls))
 
     @classmethod
     def from_family(cls, family: DiffusionFamily, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                    config: Optional[EngineConfig] = None, speed: Optional[DiffusionSpeed] = None
-                    ) -> "DiffusionEngine":
+                    config: Optional[EngineConfig] = None, speed: Optional[DiffusionSpeed] = None,
+                    rank_loader=None) -> "DiffusionEngine":
         """An engine around a family whose components were built in code (benchmarks, tests);
-        `config` gives the step-cache and VAE options (its batch limits are not read); `speed` None:
-        the default attention backend only, no compile, FP8 or offload."""
+        `config` gives the step-cache, VAE and parallel options (its batch limits are not read); `speed`
+        None: the default attention backend only, no compile, FP8 or offload. A parallel config needs
+        `rank_loader(device, dtype) -> family` (picklable), which the other ranks build theirs with."""
         engine = cls.__new__(cls)
-        engine._start(family, max_num_seqs, max_num_batched_tokens, config or EngineConfig(), speed=speed)
+        engine._start(family, max_num_seqs, max_num_batched_tokens, config or EngineConfig(), speed=speed,
+                      rank_loader=rank_loader)
         return engine
 
     def _start(self, family: DiffusionFamily, max_num_seqs: int, max_num_batched_tokens: int,
                config: EngineConfig, speed: Optional[DiffusionSpeed] = None,
-               ranks_from: Optional[tuple[str, type]] = None) -> None:
-        """`ranks_from`: (model folder, family class) the other ranks of a parallel DiT load."""
+               rank_loader=None) -> None:
+        """`rank_loader(device, dtype) -> family`: how the other ranks of a parallel DiT build theirs."""
         self.family, self.device, self.dtype = family, family.device, family.dtype
         # First the speed features (FP8, regional compile, offload hooks), then the step cache, whose
         # wrapper around each block's forward is outside the compiled code; then the parallel plan.
@@ -101,10 +105,11 @@ class DiffusionEngine:
         self.ranks: Optional[DiTRanks] = None   # the parallel DiT's other ranks (None: one process)
         pc = config.parallel_config
         if pc is not None and pc.world_size > 1:
-            if ranks_from is None:
+            if rank_loader is None:
                 raise ValueError("parallel_config needs the engine built from a model folder "
-                                 "(DiffusionEngine(model_dir, family_cls, config)): the other ranks load it")
-            self.ranks = DiTRanks(family, ranks_from[0], ranks_from[1], config.resolved("diffusion"))
+                                 "(DiffusionEngine(model_dir, family_cls, config)) or a rank_loader: the other "
+                                 "ranks build the same model")
+            self.ranks = DiTRanks(family, rank_loader, config.resolved("diffusion"))
         if config.vae_use_tiling:
             family.tile_threshold = 0           # every decode tiles (diffusers' enable_tiling on the VAE)
         self.cache: Optional[StepCache] = None  # the step cache (config.cache_backend), state keyed by request

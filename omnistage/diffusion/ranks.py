@@ -3,8 +3,8 @@
 In: a diffusion stage whose `EngineConfig.parallel_config` has a world size > 1, and the family it
 serves (which declares a `parallel_plan`, `parallel/mesh.py`). `DiTRanks` (rank 0, built by the
 engine) checks the config against the family (`check_parallel`: modes, heads, widths -> ValueError
-naming the option), spawns ranks 1..N-1 (`parallel/group.py`; each loads the same model folder
-on its own device and applies the same plan), joins the group and then, every step, sends one
+naming the option), spawns ranks 1..N-1 (`parallel/group.py`; each builds the same family -- the same
+model folder, or a benchmark's seeded weights -- on its own device and applies the same plan), joins the group and then, every step, sends one
 `DenoiseCommand` over the gloo step channel: the batching key, each row block's (request, CFG
 branch, step), the tasks the ranks have not seen yet (their conditioning, on the host, once per
 request) and the requests to forget; the stacked sample and timesteps follow by broadcast on the
@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 import torch.distributed as dist
@@ -124,11 +124,13 @@ class DiTParallel:
 class DiTRanks:
     """Rank 0's side: starts the other ranks, joins the group, sends each step's command."""
 
-    def __init__(self, family, model_dir: str, family_cls: type, config: EngineConfig):
+    def __init__(self, family, loader: Callable, config: EngineConfig):
+        """`loader(device, dtype) -> family`: picklable (a module-level function or a partial of one);
+        each other rank calls it to build the same family (weights) on its own device."""
         pc = config.parallel_config
         check_parallel(family, pc)
         init = group.ParallelInit.for_device(config.torch_device(), pc.world_size, option="parallel_config")
-        self.workers = group.spawn_ranks(init, rank_main, (model_dir, family_cls, config))
+        self.workers = group.spawn_ranks(init, rank_main, (loader, config))
         group.init_rank(init, 0)
         self.device = family.device
         self.parallel = DiTParallel(family, pc)
@@ -164,16 +166,20 @@ class DiTRanks:
             group.destroy()
 
 
-def rank_main(init: group.ParallelInit, rank: int, model_dir: str, family_cls: type, config: EngineConfig) -> None:
-    """A child rank: load the model on this rank's device, apply the plan, run commands until None."""
+def load_family(model_dir: str, family_cls: type, device: torch.device, dtype: torch.dtype):
+    """A family loaded from its diffusers folder onto `device` (the loader of engines built from a folder)."""
+    index = read_model_index(model_dir)
+    return family_cls(model_dir, index, load_components(model_dir, index, dtype, device), device, dtype)
+
+
+def rank_main(init: group.ParallelInit, rank: int, loader: Callable, config: EngineConfig) -> None:
+    """A child rank: build the family on this rank's device, apply the plan, run commands until None."""
     group.init_rank(init, rank)
     device = init.device(rank)
     config = dataclasses.replace(config, device=str(device))
     if device.type == "cpu":
         config.apply_cpu_threads()
-    dtype = config.torch_dtype()
-    index = read_model_index(model_dir)
-    family = family_cls(model_dir, index, load_components(model_dir, index, dtype, device), device, dtype)
+    family = loader(device, config.torch_dtype())
     accel = Accelerator(family, DiffusionSpeed.from_config(config))
     parallel = DiTParallel(family, config.parallel_config)
     channel = group.StepChannel()

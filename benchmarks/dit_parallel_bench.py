@@ -51,7 +51,8 @@ def make_family(kind: str, shapes: dict, device, dtype):
 
     s = shapes[kind]
     # a small VAE with FLUX's 8x downsampling (4 levels), so the latent sizes are the real ones
-    small = dict(block_out_channels=[8, 8, 16, 16], layers_per_block=1, latent_channels=16, norm_num_groups=4)
+    small = dict(block_out_channels=[8, 8, 16, 16], layers_per_block=1, latent_channels=s["cfg"]["in_channels"] // 4,
+                 norm_num_groups=4)
     if kind == "flux":
         vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
                             up_block_types=["UpDecoderBlock2D"] * 4, use_quant_conv=False, use_post_quant_conv=False,
@@ -59,8 +60,10 @@ def make_family(kind: str, shapes: dict, device, dtype):
         family = dit_bench.build(dit_bench.BenchFlux, FluxTransformer2DModel, s["cfg"], vae, dit_bench.FLUX_SCHEDULER,
                                  s["text"], device, dtype)
     else:
-        vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
-                               scale_factor_temporal=4, scale_factor_spatial=8)
+        z = s["cfg"]["in_channels"]
+        vae = AutoencoderKLWan(base_dim=8, z_dim=z, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
+                               latents_mean=[0.0] * z, latents_std=[1.0] * z, scale_factor_temporal=4,
+                               scale_factor_spatial=8)
         family = dit_bench.build(dit_bench.BenchWan, WanTransformer3DModel, s["cfg"], vae, dit_bench.WAN_SCHEDULER,
                                  s["text"], device, dtype)
     return family

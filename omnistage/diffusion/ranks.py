@@ -129,7 +129,7 @@ class DiTRanks:
         each other rank calls it to build the same family (weights) on its own device."""
         pc = config.parallel_config
         check_parallel(family, pc)
-        init = group.ParallelInit.for_device(config.torch_device(), pc.world_size, option="parallel_config")
+        init = group.ParallelInit.for_device(config.torch_device(), pc.world_size, option="parallel_config world size")
         self.workers = group.spawn_ranks(init, rank_main, (loader, config))
         group.init_rank(init, 0)
         self.device = family.device

@@ -140,3 +140,18 @@ def test_bad_options(options, words):
     with pytest.raises(ValueError, match=words):
         EngineConfig(**options)
     assert DiffusionParallelConfig(2, 2, 2, 1).world_size == 8
+
+
+def test_omni_parallel_config(tiny_dir, reference):
+    """The user-facing form: `Omni(model, parallel_config=...)` gives the one-process images."""
+    from omnistage.entrypoints.omni import Omni
+
+    p = PARAMS["flux"]
+    with Omni(tiny_dir("flux"), device="cpu", dtype="float32", parallel_config={"ulysses_degree": 2}) as omni:
+        assert omni.orchestrator.stages["dit"].ranks.workers.alive()
+        outs = omni.generate([{"prompt": "a red cat", "negative_prompt": "blurry"},
+                              {"prompt": "a blue dog", "negative_prompt": "dark"}], [p, p.clone(seed=7)],
+                             use_tqdm=False)
+    want = reference("flux")
+    for rid, out in zip("ab", outs):
+        assert np.abs(np.asarray(out.images[0]).astype(np.int16) - want[rid][1]).max() <= 1

@@ -7,6 +7,9 @@ resolves each stage's config once (`pipeline/build.py`); the memory planner, the
 chat renderer read the resolved values (`torch_device()`, `torch_dtype()`). Engines built directly
 (tests, benchmarks) resolve the config they are given the same way; resolving again changes nothing.
 The AR engine derives the rest (block count) from it and the checkpoint's config.
+`DiffusionParallelConfig` (vLLM-Omni's names: Ulysses / Ring sequence parallel, CFG-parallel, DiT
+tensor parallel) is the diffusion stage's `parallel_config`; its sizes are checked here, the model-
+dependent rules (heads, families) where the engine starts (`parallel/plan.py`).
 Also defined here, once: the diffusion step-cache backends and their settings (`CACHE_BACKENDS`,
 checked by `cache_config_problem`), read at start-up (EngineConfig), per request (the diffusion
 engine) and by `diffusion/step_cache.py`.
@@ -86,6 +89,8 @@ class EngineConfig:
     enforce_eager: bool = False                 # True: no regional torch.compile of the DiT's repeated blocks
     enable_cpu_offload: bool = False            # model-level: text encoder / DiT / VAE take turns on the GPU
     enable_layerwise_offload: bool = False      # DiT blocks live in pinned CPU memory; one runs, the next prefetches
+    # -- diffusion parallelism (vLLM-Omni's DiffusionParallelConfig; a dict is accepted and converted) --
+    parallel_config: Optional["DiffusionParallelConfig"] = None   # None: one process, one device
 
     # -- scale-out: stage replicas and placement (pipeline/replicas.py, pipeline/launch.py) --
     num_replicas: int = 1                       # copies of the stage, each in its own process; a new request goes
@@ -112,6 +117,7 @@ class EngineConfig:
         self._check_cache_options()
         self._check_diffusion_speed()
         self._check_scale_out()
+        self._check_parallel()
 
     def _check_scale_out(self) -> None:
         """`num_replicas` a positive integer, `distributed_executor_backend` among EXECUTOR_BACKENDS."""
@@ -123,6 +129,30 @@ class EngineConfig:
         if not isinstance(self.ray_address, str) or not self.ray_address:
             raise ValueError(f"ray_address must be a Ray cluster address (host:port, ray://host:port or auto); "
                              f"got {self.ray_address!r}")
+
+    def _check_parallel(self) -> None:
+        """`parallel_config` as a DiffusionParallelConfig (dict keys checked), and what it cannot run with."""
+        pc = self.parallel_config
+        if pc is None:
+            return
+        if isinstance(pc, dict):
+            known = {f.name for f in dataclasses.fields(DiffusionParallelConfig)}
+            unknown = sorted(set(pc) - known)
+            if unknown:
+                raise ValueError(f"parallel_config: unknown keys {unknown}; allowed: {sorted(known)}")
+            pc = self.parallel_config = DiffusionParallelConfig(**pc)
+        if not isinstance(pc, DiffusionParallelConfig):
+            raise ValueError(f"parallel_config must be a dict or DiffusionParallelConfig, got {type(pc).__name__}")
+        if pc.world_size == 1:
+            return
+        clashes = [name for name, on in (("cache_backend", self.cache_backend is not None),
+                                         ("enable_cpu_offload", self.enable_cpu_offload),
+                                         ("enable_layerwise_offload", self.enable_layerwise_offload)) if on]
+        if pc.tensor_parallel_size > 1 and self.quantization is not None:
+            clashes.append("quantization")
+        if clashes:
+            raise ValueError(f"parallel_config (world size {pc.world_size}) cannot run with {', '.join(clashes)}: "
+                             "unset those options or use one process (all sizes 1)")
 
     def _check_cache_options(self) -> None:
         """`cache_backend` among CACHE_BACKENDS (or None), `cache_config` valid for it."""
@@ -197,7 +227,22 @@ class EngineConfig:
         device, dtype = concrete_device(self.device), self.dtype
         if kind is not None and dtype == "auto":
             dtype = _auto_dtype(kind, device, checkpoint_dtype)
-        return dataclasses.replace(self, device=device, dtype=dtype)
+        out = dataclasses.replace(self, device=device, dtype=dtype)
+        return out._dit_tensor_parallel() if kind == "diffusion" else out
+
+    def _dit_tensor_parallel(self) -> "EngineConfig":
+        """A diffusion stage reads the AR option `tensor_parallel_size` (`--tensor-parallel-size`) as DiT
+        tensor parallel: moved into `parallel_config` (which must not set another size)."""
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return self
+        pc = self.parallel_config or DiffusionParallelConfig()
+        if pc.tensor_parallel_size not in (1, tp):
+            raise ValueError(f"tensor_parallel_size={tp} and parallel_config.tensor_parallel_size="
+                             f"{pc.tensor_parallel_size} disagree; set one of them")
+        out = dataclasses.replace(self, parallel_config=dataclasses.replace(pc, tensor_parallel_size=tp))
+        out.tensor_parallel_size = 1
+        return out
 
     def torch_device(self) -> "torch.device":
         """`device` as a torch.device ("auto" resolved as in `resolved`)."""
@@ -211,6 +256,39 @@ class EngineConfig:
             raise ValueError("dtype is 'auto': resolve the config for its stage first "
                              "(EngineConfig.resolved(kind, checkpoint_dtype))")
         return dtype_by_name(self.dtype)
+
+
+@dataclass
+class DiffusionParallelConfig:
+    """How one diffusion stage spreads its denoiser over ranks (one process and one device per rank).
+
+    The ranks form a mesh cfg x ring x ulysses x tensor (tensor innermost); world size = the product.
+    Sizes that depend on the model (heads, the families that support a mode) are checked when the
+    engine starts (`omnistage.parallel.plan.check_plan`), the image size per request."""
+
+    ulysses_degree: int = 1                     # Ulysses sequence parallel: all-to-all heads <-> sequence
+    ring_degree: int = 1                        # Ring attention: K/V blocks passed around, sequence stays split
+    cfg_parallel_size: int = 1                  # 1 | 2: the CFG branches (positive, negative) on two ranks
+    tensor_parallel_size: int = 1               # DiT tensor parallel: attention heads and MLP split, all-reduce
+
+    def __post_init__(self) -> None:
+        for name in ("ulysses_degree", "ring_degree", "cfg_parallel_size", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel_config.{name} must be an integer >= 1, got {value!r}")
+        if self.cfg_parallel_size not in (1, 2):
+            raise ValueError(f"parallel_config.cfg_parallel_size must be 1 or 2 (the two CFG branches), "
+                             f"got {self.cfg_parallel_size}")
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """Ranks one sequence is split over (ulysses x ring)."""
+        return self.ulysses_degree * self.ring_degree
+
+    @property
+    def world_size(self) -> int:
+        """Ranks (processes, devices) the stage runs on."""
+        return self.cfg_parallel_size * self.sequence_parallel_size * self.tensor_parallel_size
 
 
 # -- diffusion step caches: the options of each backend, defined once ----------------------------------

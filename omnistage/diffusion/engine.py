@@ -18,12 +18,16 @@ failure, `error`. Built by the orchestrator through `from_stage_spec` from the s
 with its requests; skipped steps in `metrics.cached_steps` and `stats()["num_cached_steps"]`). Each
 phase (encode, prepare, the runner's denoise, decode) runs inside `Accelerator.phase`
 (diffusion/speed.py: attention backend, offload moves; FP8 and regional compile are applied to the
-modules once, at start, before the step cache wraps the blocks' compiled forwards).
+modules once, at start, before the step cache wraps the blocks' compiled forwards). With a
+`parallel_config` of world size > 1 this process is rank 0 of a parallel DiT (`diffusion/ranks.py`:
+the other ranks are child processes that run only the denoiser, on their piece of each forward);
+`close()` stops them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Optional
 
@@ -31,6 +35,7 @@ import torch
 
 from omnistage.config import EngineConfig
 from omnistage.diffusion.pipelines.base import DiffusionFamily, load_components, read_model_index
+from omnistage.diffusion.ranks import DiTRanks, load_family
 from omnistage.diffusion.runner import DiffusionRunner
 from omnistage.diffusion.scheduler import DiffusionRunnerOutput, DiffusionScheduler, SchedEntry
 from omnistage.diffusion.step_cache import StepCache
@@ -72,26 +77,39 @@ class DiffusionEngine:
         family = family_cls(model_dir, index, load_components(model_dir, index, dtype, load_device), device, dtype)
         if vae_tile_pixels is not None:
             family.tile_threshold = vae_tile_pixels
-        self._start(family, *batch_limits(config), config, speed=speed)
+        self._start(family, *batch_limits(config), config, speed=speed,
+                    rank_loader=functools.partial(load_family, model_dir, family_cls))
 
     @classmethod
     def from_family(cls, family: DiffusionFamily, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                    config: Optional[EngineConfig] = None, speed: Optional[DiffusionSpeed] = None
-                    ) -> "DiffusionEngine":
+                    config: Optional[EngineConfig] = None, speed: Optional[DiffusionSpeed] = None,
+                    rank_loader=None) -> "DiffusionEngine":
         """An engine around a family whose components were built in code (benchmarks, tests);
-        `config` gives the step-cache and VAE options (its batch limits are not read); `speed` None:
-        the default attention backend only, no compile, FP8 or offload."""
+        `config` gives the step-cache, VAE and parallel options (its batch limits are not read); `speed`
+        None: the default attention backend only, no compile, FP8 or offload. A parallel config needs
+        `rank_loader(device, dtype) -> family` (picklable), which the other ranks build theirs with."""
         engine = cls.__new__(cls)
-        engine._start(family, max_num_seqs, max_num_batched_tokens, config or EngineConfig(), speed=speed)
+        engine._start(family, max_num_seqs, max_num_batched_tokens, config or EngineConfig(), speed=speed,
+                      rank_loader=rank_loader)
         return engine
 
     def _start(self, family: DiffusionFamily, max_num_seqs: int, max_num_batched_tokens: int,
-               config: EngineConfig, speed: Optional[DiffusionSpeed] = None) -> None:
+               config: EngineConfig, speed: Optional[DiffusionSpeed] = None,
+               rank_loader=None) -> None:
+        """`rank_loader(device, dtype) -> family`: how the other ranks of a parallel DiT build theirs."""
         self.family, self.device, self.dtype = family, family.device, family.dtype
         # First the speed features (FP8, regional compile, offload hooks), then the step cache, whose
-        # wrapper around each block's forward is outside the compiled code.
+        # wrapper around each block's forward is outside the compiled code; then the parallel plan.
         self.accel = Accelerator(family, speed or DiffusionSpeed(compile=False))   # phases run in its contexts
+        self.ranks: Optional[DiTRanks] = None   # the parallel DiT's other ranks (None: one process)
+        pc = config.parallel_config
+        if pc is not None and pc.world_size > 1:
+            if rank_loader is None:
+                raise ValueError("parallel_config needs the engine built from a model folder "
+                                 "(DiffusionEngine(model_dir, family_cls, config)) or a rank_loader: the other "
+                                 "ranks build the same model")
+            self.ranks = DiTRanks(family, rank_loader, config.resolved("diffusion"))
         if config.vae_use_tiling:
             family.tile_threshold = 0           # every decode tiles (diffusers' enable_tiling on the VAE)
         self.cache: Optional[StepCache] = None  # the step cache (config.cache_backend), state keyed by request
@@ -110,7 +128,8 @@ class DiffusionEngine:
         self.default_fps = getattr(self.family, "default_fps", None)   # video models: fps of an unset `fps`
         self.limits = self.family.limits()            # sizes, steps, frames a request may ask for; defaults
         self.scheduler = DiffusionScheduler(max_num_seqs, max_num_batched_tokens)
-        self.runner = DiffusionRunner(self.family, self.cache, self.accel.phase)
+        self.runner = DiffusionRunner(self.family, self.cache, self.accel.phase,
+                                      denoise=self.ranks.denoise if self.ranks is not None else None)
         self.tasks: dict[str, DiffusionTask] = {}
         self._metrics: dict[str, RequestMetrics] = {}
         self._pending: list[StageOutput] = []       # outputs produced between steps (aborts)
@@ -134,7 +153,18 @@ class DiffusionEngine:
         else return them resolved (the model's defaults filled in). Safe to call from any thread."""
         params = params if params is not None else DiffusionParams()
         self._check_cache_config(params)
-        return self.family.resolve(params, {})
+        resolved = self.family.resolve(params, {})
+        if self.ranks is not None and not self.takes_image:
+            self._check_sequence(self.family.new_task("check", {"prompt": ""}, resolved))
+        return resolved
+
+    def _check_sequence(self, task: DiffusionTask) -> None:
+        """ParamError unless the task's latent tokens split evenly over a parallel DiT's sequence ranks."""
+        n = self.ranks.parallel.sequence_multiple()
+        if task.tokens_per_row % n:
+            raise ParamError("height", f"height x width (x frames) gives {task.tokens_per_row} latent tokens, which "
+                                       f"ulysses_degree x ring_degree = {n} must divide: choose a size whose token "
+                                       f"count is a multiple of {n}")
 
     def _check_cache_config(self, params: DiffusionParams) -> None:
         """A request's `cache_config`: ParamError unless valid for this stage's cache backend."""
@@ -156,6 +186,8 @@ class DiffusionEngine:
         params = params if params is not None else DiffusionParams()
         self._check_cache_config(params)
         task = self.family.new_task(request_id, inputs, params)
+        if self.ranks is not None:
+            self._check_sequence(task)
         if self.cache is not None:
             self.cache.add(request_id, params.cache_config)
         task.arrival_time = arrival_time if arrival_time is not None else time.time()
@@ -268,6 +300,14 @@ class DiffusionEngine:
     def _forget(self, request_id: str) -> None:
         if self.cache is not None:
             self.cache.drop(request_id)
+        if self.ranks is not None:
+            self.ranks.forget(request_id)
+
+    def close(self) -> None:
+        """Stop a parallel DiT's other ranks (nothing to do for one process); safe to call twice."""
+        if self.ranks is not None:
+            ranks, self.ranks = self.ranks, None
+            ranks.close()
 
     @torch.no_grad()
     def _finish_all(self, request_ids: list[str]) -> list[StageOutput]:

@@ -24,11 +24,17 @@ from omnistage.diffusion.task import DiffusionTask
 
 
 class DiffusionRunner:
-    def __init__(self, family: DiffusionFamily, cache: Optional[StepCache] = None, phase: Optional[Callable] = None):
+    def __init__(self, family: DiffusionFamily, cache: Optional[StepCache] = None, phase: Optional[Callable] = None,
+                 denoise: Optional[Callable] = None):
         """`cache`: the step cache consulted inside the denoiser's blocks, or None. `phase(name)`: the
         context the denoiser call runs in (diffusion/speed.py `Accelerator.phase`: its attention
-        backend, offload moves); None runs it as is."""
+        backend, offload moves); None runs it as is. `denoise(key, x, t, conds, row_tasks, branches)`:
+        the denoiser call over the stacked rows (`branches[i]`: block i's CFG branch, 0 = prompt,
+        1 = negative); None: the family's own `denoise` in this process (a parallel DiT passes
+        `DiTRanks.denoise`, diffusion/ranks.py)."""
         self.family = family
+        self.denoise = denoise or (lambda key, x, t, conds, row_tasks, branches:
+                                   family.denoise(key, x, t, conds, row_tasks))
         self.cache = cache
         self.phase = phase or (lambda name: contextlib.nullcontext())
         self.last_batch_rows = 0                # rows of the most recent forward
@@ -81,20 +87,21 @@ class DiffusionRunner:
     def _velocities(self, tasks: list[DiffusionTask]) -> list[torch.Tensor]:
         """ONE denoiser call over every task's rows -> each task's guided velocity (changes no task)."""
         fam = self.family
-        xs, ts, conds, row_tasks = [], [], [], []
+        xs, ts, conds, row_tasks, branches = [], [], [], [], []
         for task in tasks:
             x = fam.model_input(task)
             t = fam.model_timestep(task).reshape(1).expand(x.shape[0])
-            for cond in [task.cond] + ([task.uncond] if task.do_cfg else []):
+            for branch, cond in enumerate([task.cond] + ([task.uncond] if task.do_cfg else [])):
                 xs.append(x)
                 ts.append(t)
                 conds.append(cond)
                 row_tasks.append(task)
+                branches.append(branch)
         key = fam.key(tasks[0])
         x = torch.cat(xs)
         cached = self.cache.forward(tasks) if self.cache is not None else contextlib.nullcontext()
         with self.phase("denoise"), cached:
-            out = fam.denoise(key, x, torch.cat(ts).to(x.device), conds, row_tasks)
+            out = self.denoise(key, x, torch.cat(ts).to(x.device), conds, row_tasks, branches)
         velocities, row = [], 0
         for task in tasks:
             n = task.num_images

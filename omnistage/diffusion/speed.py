@@ -53,10 +53,12 @@ class DiffusionSpeed:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "DiffusionSpeed":
-        """What a stage's (resolved) config asks for; compile is on for CUDA unless enforce_eager."""
+        """What a stage's (resolved) config asks for; compile is on for CUDA unless enforce_eager, and
+        off for a parallel DiT (its collectives and attention hooks run eagerly, diffusion/ranks.py)."""
+        parallel = config.parallel_config is not None and config.parallel_config.world_size > 1
         offload = "model" if config.enable_cpu_offload else "layerwise" if config.enable_layerwise_offload else None
         return cls(attention=attention_backends(config.attention_backend),
-                   compile=config.torch_device().type == "cuda" and not config.enforce_eager,
+                   compile=config.torch_device().type == "cuda" and not config.enforce_eager and not parallel,
                    quantization=config.quantization, ignored_layers=tuple(config.ignored_layers), offload=offload)
 
 

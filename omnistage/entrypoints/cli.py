@@ -101,6 +101,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the deploy config's per-stage `ray:` (needs omnistage[ray]) (default: mp)")
     p.add_argument("--ray-address", default=None, metavar="auto|HOST:PORT",
                    help="the Ray cluster to join with --distributed-executor-backend ray (default: auto)")
+    # -- diffusion parallelism (vLLM-Omni's DiffusionParallelConfig; world size = the product of the sizes,
+    # with --tensor-parallel-size meaning DiT tensor parallel on a diffusion stage) --
+    p.add_argument("--ulysses-degree", "--usp", type=int, default=None, metavar="N",
+                   help="diffusion: Ulysses sequence parallel over N ranks (all-to-all around attention)")
+    p.add_argument("--ring-degree", "--ring", type=int, default=None, metavar="N",
+                   help="diffusion: Ring attention over N ranks (K/V blocks passed around)")
+    p.add_argument("--cfg-parallel-size", type=int, default=None, choices=(1, 2),
+                   help="diffusion: 2 = the CFG branches (prompt, negative prompt) on two ranks")
 
 
 def build_parser() -> argparse.ArgumentParser:

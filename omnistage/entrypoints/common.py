@@ -169,4 +169,9 @@ def engine_kwargs_from_args(args) -> dict:
              "attention_backend", "quantization", "ignored_layers", "enforce_eager", "enable_cpu_offload",
              "enable_layerwise_offload", "num_replicas", "distributed_executor_backend", "ray_address",
              "generation_config", "override_generation_config")
-    return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
+    kwargs = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
+    parallel = {k: getattr(args, k) for k in ("ulysses_degree", "ring_degree", "cfg_parallel_size")
+                if getattr(args, k, None) is not None}
+    if parallel:
+        kwargs["parallel_config"] = parallel
+    return kwargs

@@ -27,6 +27,7 @@ import torch
 from omnistage.diffusion.solvers import Schedule, make_schedule, mu_for
 from omnistage.diffusion.step_cache import BlockCacheSpec
 from omnistage.diffusion.task import Conditioning, DiffusionTask
+from omnistage.parallel.mesh import DiTParallelPlan
 from omnistage.params import DiffusionParams, ParamError
 
 _TOKENIZER_HINTS = ("Tokenizer", "TokenizersBackend")
@@ -123,6 +124,8 @@ class DiffusionFamily:
     # layer by layer, FP8-quantized)
     dit_components: tuple[str, ...] = ("transformer", "transformer_2")
     repeated_blocks: tuple[str, ...] = ("transformer_blocks",)
+    # what a parallel DiT reads (parallel/mesh.py, diffusion/ranks.py); None: one process only
+    parallel_plan: Optional[DiTParallelPlan] = None
 
     def __init__(self, model_dir: str, index: dict, components: dict[str, Any], device: torch.device,
                  dtype: torch.dtype):

@@ -15,6 +15,7 @@ from omnistage.diffusion.pipelines.base import ImageFamily, assign_conds, cfg_pr
 from omnistage.diffusion.pipelines.qwen_image import pack, unpack
 from omnistage.diffusion.step_cache import BlockCacheSpec
 from omnistage.diffusion.task import Conditioning, DiffusionTask
+from omnistage.parallel.mesh import DiTParallelPlan
 from omnistage.params import DiffusionParams
 
 T5_MAX = 512
@@ -39,6 +40,17 @@ class FluxFamily(ImageFamily):
                                  coefficients=(4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00,
                                                2.64230861e-01))
     repeated_blocks = ("transformer_blocks", "single_transformer_blocks")
+    # text and image tokens are both split (joint attention: the rope table runs over text, then image);
+    # CFG-parallel applies to true CFG (negative prompt + true_cfg_scale > 1)
+    parallel_plan = DiTParallelPlan(
+        modes=("ulysses", "ring", "cfg", "tensor"), lists=("transformer_blocks", "single_transformer_blocks"),
+        seq_args=("hidden_states", "encoder_hidden_states"),
+        rope_args={"image_rotary_emb": (0, ("encoder_hidden_states", "hidden_states"))}, self_attention=("attn",),
+        column=("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
+                "ff.net.0.proj", "ff_context.net.0.proj", "proj_mlp"),
+        row=("attn.to_out.0", "attn.to_add_out", "ff.net.2", "ff_context.net.2", "proj_out"),
+        packed_row={"proj_out": ("attn.to_q", "proj_mlp")}, heads=("attn",),
+        fixed_seq={"encoder_hidden_states (T5 text)": T5_MAX})
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -25,6 +25,7 @@ from omnistage.diffusion.pipelines.base import (DiffusionFamily, DiffusionLimits
 from omnistage.diffusion.solvers import make_schedule
 from omnistage.diffusion.step_cache import BlockCacheSpec
 from omnistage.diffusion.task import Conditioning, DiffusionTask
+from omnistage.parallel.mesh import DiTParallelPlan
 from omnistage.params import DiffusionParams, ParamError
 
 MAX_TEXT = 512
@@ -51,6 +52,14 @@ class WanFamily(DiffusionFamily):
     block_cache = BlockCacheSpec(lists=("blocks",), batched=("hidden_states", "encoder_hidden_states", "temb"),
                                  outputs=("hidden_states",), modulated="temb")
     repeated_blocks = ("blocks",)
+    # video tokens are split; the text (cross-attention keys) stays whole on every rank
+    parallel_plan = DiTParallelPlan(
+        modes=("ulysses", "ring", "cfg", "tensor"), lists=("blocks",), seq_args=("hidden_states",),
+        rope_args={"rotary_emb": (1, ("hidden_states",))}, self_attention=("attn1",),
+        column=("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn2.to_q", "attn2.to_k", "attn2.to_v",
+                "attn2.add_k_proj", "attn2.add_v_proj", "ffn.net.0.proj"),
+        row=("attn1.to_out.0", "attn2.to_out.0", "ffn.net.2"), heads=("attn1", "attn2"),
+        head_norms=("attn1.norm_q", "attn1.norm_k", "attn2.norm_q", "attn2.norm_k", "attn2.norm_added_k"))
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

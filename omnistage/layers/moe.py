@@ -1,0 +1,166 @@
+"""Sparse mixture-of-experts MLP: routing, the expert GEMMs, and the block the decoders use (stage process).
+
+In: hidden rows x [T, H] of one engine step. Out: [T, H], the weighted sum of each row's top-k experts
+(SiLU(gate) * up, then down), plus a sigmoid-gated shared expert where the model has one.
+
+  route(router_logits [T, E], top_k, norm_topk_prob) -> (topk_weights fp32 [T, K], topk_ids int64 [T, K])
+        softmax over all experts in float32, then the k largest (renormalised to sum 1 when asked),
+        exactly as transformers' Qwen3-MoE / Qwen3-Omni routers do
+  fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights, topk_ids) -> [T, H]
+        on CUDA with Triton: `triton_moe.fused_moe` (rows sorted by expert, one grouped-GEMM launch for
+        gate-up with SiLU * up fused, one for down with the routing weight; no host syncs, so CUDA
+        graphs capture it); elsewhere `fused_moe_ref`, the PyTorch reference: the rows sorted by
+        expert and one matmul pair per expert that has rows
+  SparseMoeBlock(hidden, num_experts, top_k, moe_intermediate, norm_topk_prob, shared_expert_intermediate=0)
+        the module; `load_weights` takes the checkpoint's names relative to the block
+        (`experts.{e}.gate_proj|up_proj|down_proj.weight`, `gate.weight`, `shared_expert.*`,
+        `shared_expert_gate.weight`) or transformers' fused in-memory ones (`experts.gate_up_proj`,
+        `experts.down_proj`)
+
+The reference rounds to the model dtype where transformers' block does (gate-up output, the product,
+down output, then times the routing weight cast to the model dtype), so in float32 both agree to
+rounding of sums. `fused.ENABLED` (OMNISTAGE_FUSED_KERNELS) switches the Triton path off too.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnistage.layers import fused, triton_moe
+
+
+def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights float32 [T, K], expert ids int64 [T, K]); see the module docstring."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H] = [gate | up] per expert; w2 [E, H, I]; topk_* [T, K] -> [T, H]."""
+    if fused.use_triton(x) and triton_moe.triton is not None:
+        return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """The PyTorch reference of `fused_moe`: (row, slot) pairs sorted by expert, one matmul pair per
+    expert with rows, each pair's output times its weight added into its row."""
+    t, k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    rows = order // k                                      # token of each sorted pair
+    weights = topk_weights.reshape(-1)[order].to(x.dtype)
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        sel = slice(start, start + n)
+        h = fused.silu_and_mul(F.linear(x[rows[sel]], w13[expert]))
+        h = F.linear(h, w2[expert]) * weights[sel, None]
+        out.index_add_(0, rows[sel], h)
+        start += n
+    return out
+
+
+class SharedExpert(nn.Module):
+    """The dense SiLU MLP every row also goes through (checkpoint names gate_proj / up_proj / down_proj)."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.inter = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + routed experts (+ a sigmoid-gated shared expert when `shared_expert_intermediate` > 0)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, moe_intermediate: int, norm_topk_prob: bool,
+                 shared_expert_intermediate: int = 0):
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.inter = moe_intermediate
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * moe_intermediate, hidden))   # [gate | up] per expert
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, moe_intermediate))
+        self.shared_expert = SharedExpert(hidden, shared_expert_intermediate) if shared_expert_intermediate else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_expert_intermediate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
+        out = fused_moe(x, self.w13, self.w2, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+    # ---- loading -------------------------------------------------------------------------------
+    def expected_weights(self) -> set[str]:
+        """The names `load_weights` must see once each (per-expert names for the routed experts)."""
+        names = {"gate.weight"}
+        names |= {f"experts.{e}.{p}.weight" for e in range(self.num_experts)
+                  for p in ("gate_proj", "up_proj", "down_proj")}
+        if self.shared_expert is not None:
+            names |= {f"shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+            names.add("shared_expert_gate.weight")
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copies weights named relative to the block; returns the names of `expected_weights` it covered
+        (a fused `experts.gate_up_proj` covers every expert's gate and up). Unknown names raise."""
+        loaded: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                loaded |= self._load_one(name, tensor)
+        return loaded
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> set[str]:
+        parts = name.split(".")
+        inter = self.inter
+        if name == "gate.weight":
+            self.gate.weight.copy_(tensor)
+        elif name == "experts.gate_up_proj":
+            self.w13.copy_(tensor)
+            return {f"experts.{e}.{p}.weight" for e in range(self.num_experts) for p in ("gate_proj", "up_proj")}
+        elif name == "experts.down_proj":
+            self.w2.copy_(tensor)
+            return {f"experts.{e}.down_proj.weight" for e in range(self.num_experts)}
+        elif parts[0] == "experts" and len(parts) == 4 and parts[1].isdigit() and int(parts[1]) < self.num_experts:
+            e, proj = int(parts[1]), parts[2]
+            if proj == "gate_proj":
+                self.w13[e, :inter].copy_(tensor)
+            elif proj == "up_proj":
+                self.w13[e, inter:].copy_(tensor)
+            elif proj == "down_proj":
+                self.w2[e].copy_(tensor)
+            else:
+                raise ValueError(f"unexpected MoE weight {name!r}")
+        elif parts[0] == "shared_expert" and self.shared_expert is not None and len(parts) == 3:
+            shared = self.shared_expert
+            if parts[1] == "gate_proj":
+                shared.gate_up_proj.weight[:shared.inter].copy_(tensor)
+            elif parts[1] == "up_proj":
+                shared.gate_up_proj.weight[shared.inter:].copy_(tensor)
+            elif parts[1] == "down_proj":
+                shared.down_proj.weight.copy_(tensor)
+            else:
+                raise ValueError(f"unexpected MoE weight {name!r}")
+        elif name == "shared_expert_gate.weight" and self.shared_expert_gate is not None:
+            self.shared_expert_gate.weight.copy_(tensor)
+        else:
+            raise ValueError(f"unexpected MoE weight {name!r}")
+        return {name}

@@ -43,6 +43,7 @@ class ARPrompt:
     prompt_embeds: Any = None                   # [P, H] rows fed instead of the prompt tokens' embeddings (tensor)
     mrope_positions: Any = None                 # [3, P] multimodal-rope positions (t, h, w) of the prompt (int tensor)
     mrope_delta: int = 0                        # with mrope_positions: generated position p is rotated as p + delta
+    layer_embeds: Any = None                    # [L, P, H] rows added to the prompt's hidden states after decoder layers 0..L-1 (deepstack; tensor)
     return_hidden_states: bool = False          # report every computed row as `StageOutput.hidden`; n = 1
     stream_extra: bool = False                  # generated position P + j adds streamed row j (`ExtraRows`); n = 1
     extra_rows: Any = None                      # [k, H] rows added to generated positions P..P+k-1, given up front; n = 1
@@ -86,7 +87,7 @@ class HiddenStates:
     """Rows an AR stage computed this step for a request that asked for them (`return_hidden_states`)."""
 
     start: int                                  # position of the first row
-    hidden: Any                                 # last hidden states after the final norm [n, H] (device tensor)
+    hidden: Any                                 # last hidden states after the final norm [n, H], or after layer `report_layer` of a model that declares one (device tensor)
     inputs: Any                                 # the rows fed to the first layer [n, H] (embeddings + conditioning)
 
 

@@ -7,7 +7,7 @@ the text row given up front for it (`extra_rows`) and the frame row its model's 
 when the row's token was sampled (`frame_feedback`). In: the request's `ARPrompt` (`Conditioning.of`, at
 `add_request`) and its streamed `ExtraRows` (`add`, at `add_input`). Out, for the positions the
 scheduler picked: their rope positions (`positions`), their input rows (`fill`, on the token
-embeddings), and whether they can run yet (`max_computable`). A plain token-id prompt has none
+embeddings; `fill_layers`: rows added after the first decoder layers), and whether they can run yet (`max_computable`). A plain token-id prompt has none
 (`Sequence.cond` is None).
 """
 
@@ -30,6 +30,7 @@ class Conditioning:
     prompt_embeds: Optional[torch.Tensor] = None  # [P, H] on the engine's device: replaces the prompt's embedding rows
     mrope_positions: Optional[torch.Tensor] = None  # [3, P] on the CPU: multimodal-rope positions of the prompt
     position_delta: int = 0                     # generated position p is rotated as p + delta (multimodal rope)
+    layer_embeds: Optional[torch.Tensor] = None  # [L, P, H] on the engine's device: added after decoder layers 0..L-1 (deepstack)
     return_hidden: bool = False                 # report last hidden states + input rows of every computed row
     stream_extra: bool = False                  # generated position P + j adds streamed row j (fed by `add`)
     frame_feedback: bool = False                # generated position P + j adds frame row j (`add_frame`, the model's frame head)
@@ -80,21 +81,29 @@ class Conditioning:
                 raise ParamError("mrope_positions", f"mrope_positions must be [3, {n}], got {list(positions.shape)}")
             cond.mrope_positions = positions.cpu()
             cond.position_delta = int(prompt.mrope_delta)
-        plain = (embeds is None and positions is None and not cond.return_hidden and not cond.stream_extra
-                 and not cond.frame_feedback)
+        layers = prompt.layer_embeds
+        if layers is not None:
+            if layers.ndim != 3 or tuple(layers.shape[1:]) != (n, hidden_size):
+                raise ParamError("layer_embeds", f"layer_embeds must be [layers, {n}, {hidden_size}], "
+                                                 f"got {list(layers.shape)}")
+            cond.layer_embeds = layers.to(device, dtype)
+        plain = (embeds is None and positions is None and layers is None and not cond.return_hidden
+                 and not cond.stream_extra and not cond.frame_feedback)
         return None if plain else cond
 
     @property
     def cacheable(self) -> bool:
         """Only plain token-id sequences may share KV blocks through the prefix cache (a sequence that
         reports hidden states must compute every position itself)."""
-        return (self.prompt_embeds is None and self.mrope_positions is None and not self.stream_extra
+        return (self.prompt_embeds is None and self.mrope_positions is None and self.layer_embeds is None
+                and not self.stream_extra
                 and not self.return_hidden and not self.frame_feedback)
 
     @property
     def needs_embeds(self) -> bool:
         """True when the sequence's rows are not just the embedding of its token ids (or must be reported)."""
-        return self.prompt_embeds is not None or self.stream_extra or self.return_hidden or self.frame_feedback
+        return (self.prompt_embeds is not None or self.layer_embeds is not None or self.stream_extra
+                or self.return_hidden or self.frame_feedback)
 
     def max_computable(self, start: int, n: int) -> int:
         """How many of the n positions from `start` on have all their inputs (streamed rows) available."""
@@ -141,6 +150,14 @@ class Conditioning:
             return flat, None
         e = min(b, n)
         return flat, [[int(v) for v in self.mrope_positions[r, a:e].tolist()] + flat[e - a:] for r in range(3)]
+
+    def fill_layers(self, adds: torch.Tensor, a: int) -> None:
+        """In place on adds [L', k, H] (zeros) for positions a..a+k-1: the prompt rows' `layer_embeds`."""
+        n = self.prompt_len
+        if self.layer_embeds is None or a >= n:
+            return
+        e = min(a + adds.shape[1], n)
+        adds[:len(self.layer_embeds), :e - a] = self.layer_embeds[:, a:e].to(adds)
 
     def fill(self, x: torch.Tensor, a: int) -> None:
         """In place on the token embeddings x [k, H] of positions a..a+k-1: prompt rows given as

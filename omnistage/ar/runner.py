@@ -141,10 +141,31 @@ class ModelRunner:
             ids[self._to_device(dst)] = prev.tokens[self._to_device(src)]
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
-                x: Optional[torch.Tensor]) -> torch.Tensor:
+                x: Optional[torch.Tensor], layer_adds: Optional[torch.Tensor] = None):
+        """The model's output: last hidden states, or (them, the reported rows) for a model with a
+        `report_layer`. `layer_adds` [L, T, H]: rows added after decoder layers 0..L-1 (prefills only)."""
         if self.graphs is not None and meta.graph_batch:
             return self.graphs.replay(meta, x)
+        if layer_adds is not None:
+            return self.model(ids, pos, meta, inputs_embeds=x, layer_adds=layer_adds)
         return self.model(ids, pos, meta, inputs_embeds=x)
+
+    @staticmethod
+    def _layer_adds(order: list[ScheduledSeq], x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """[L, T, H] per-layer rows of this step's prompt rows that have `layer_embeds`, else None."""
+        layered = [s for s in order if s.seq.cond is not None and s.seq.cond.layer_embeds is not None
+                   and s.start < s.seq.cond.prompt_len]
+        if not layered:
+            return None
+        depth = max(len(s.seq.cond.layer_embeds) for s in layered)
+        adds = x.new_zeros(depth, *x.shape)
+        wanted = {id(s) for s in layered}
+        row = 0
+        for s in order:
+            if id(s) in wanted:
+                s.seq.cond.fill_layers(adds[:, row:row + s.num_new_tokens], s.start)
+            row += s.num_new_tokens
+        return adds
 
     def _generator_for(self, seq: Sequence) -> Optional[torch.Generator]:
         if seq.seed is None:
@@ -175,7 +196,7 @@ class ModelRunner:
                 if s.seq.cond is not None:
                     s.seq.cond.fill(x[row:row + s.num_new_tokens], s.start)
                 row += s.num_new_tokens
-        hidden = self.forward(ids, pos, meta, x)
+        hidden, reported = _outputs(self.forward(ids, pos, meta, x, self._layer_adds(order, x)))
         # Grammar masks are filled on the host while the device runs the forward (kernels are queued).
         bitmask = None
         if self.grammars is not None:
@@ -185,7 +206,7 @@ class ModelRunner:
         row = 0
         for s in order:
             if s.seq.cond is not None and s.seq.cond.return_hidden:
-                reports[s.seq.seq_id] = HiddenStates(s.start, hidden[row:row + s.num_new_tokens].clone(),
+                reports[s.seq.seq_id] = HiddenStates(s.start, reported[row:row + s.num_new_tokens].clone(),
                                                      x[row:row + s.num_new_tokens].clone())
             row += s.num_new_tokens
             if s.samples:
@@ -261,6 +282,11 @@ class ModelRunner:
                 top = [(int(host[i, 2 + j]), float(host[i, 2 + num_logprobs + j])) for j in range(k)]
                 res.logprobs[q.seq_id] = (float(host[i, 1]), top)
         return res
+
+
+def _outputs(out) -> tuple[torch.Tensor, torch.Tensor]:
+    """(last hidden states, rows reported as `HiddenStates.hidden`) of a forward's output."""
+    return out if isinstance(out, tuple) else (out, out)
 
 
 def _positions(order: list[ScheduledSeq]) -> tuple[list[int], Optional[list[list[int]]]]:

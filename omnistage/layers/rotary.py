@@ -2,6 +2,8 @@
 
 The inverse frequencies come from transformers' rope initialisers (default, linear, llama3, yarn,
 longrope), so every rope variant a checkpoint declares in `rope_parameters` means what it means there.
+Multimodal rope (`mrope_section`) picks each frequency's position row (t, h, w) in sections, or
+interleaved when `rope_parameters["mrope_interleaved"]` is set (Qwen3-Omni's thinker and talker).
 The model looks up each token's cos / sin rows once per forward (`tables`); the rotation itself is
 `fused.rotary_and_cache` (a Triton kernel on CUDA, `fused.rotary_ref` elsewhere).
 """
@@ -48,11 +50,20 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * scaling).to(device)
         self.sin = (emb.sin() * scaling).to(device)
-        section = (getattr(self.config, "rope_parameters", None) or {}).get("mrope_section")
+        params = getattr(self.config, "rope_parameters", None) or {}
+        section = params.get("mrope_section")
         if section:
-            # Frequency chunk i takes its angle from position row i % 3 (temporal, height, width);
-            # the cos/sin halves are duplicated, so the map repeats for the second half.
-            rows = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])
+            if params.get("mrope_interleaved"):
+                # Qwen3-VL / Qwen3-Omni: frequency j takes row j % 3 (t, h, w) while that row's section
+                # lasts (h: j < 3 * section[1], w: j < 3 * section[2]); every other one is temporal.
+                j = torch.arange(sum(section))
+                rows = torch.zeros_like(j)
+                for r in (1, 2):
+                    rows[(j % 3 == r) & (j < 3 * section[r])] = r
+            else:
+                # Frequency chunk i takes its angle from position row i % 3 (temporal, height, width).
+                rows = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(section)])
+            # the cos/sin halves are duplicated, so the map repeats for the second half
             self.section_rows = torch.cat([rows, rows]).to(device)
         return self
 

@@ -56,7 +56,7 @@ _LLAMA = "omnistage.models.llama"
 _DIFFUSERS = "omnistage.diffusion.pipelines"
 _OMNI = "omnistage.models.qwen2_5_omni"
 _TTS = "omnistage.models.qwen3_tts"
-_Q3 = "omnistage.models.qwen3_omni"
+_Q3O = "omnistage.models.qwen3_omni"
 
 MODELS: tuple[ModelEntry, ...] = (
     ModelEntry("llama", "llm", ("LlamaForCausalLM", "MistralForCausalLM"), decoder=f"{_LLAMA}:LlamaForCausalLM",
@@ -73,18 +73,20 @@ MODELS: tuple[ModelEntry, ...] = (
         codecs={"qwen2_5_omni_code2wav": f"{_OMNI}.code2wav:Code2Wav"},
         chat_renderer=f"{_OMNI}.pipeline:OmniChatRenderer", tool_parser="hermes"),
     ModelEntry(
+        "qwen3_omni", "omni", ("qwen3_omni_moe",),
+        components={"qwen3_omni.thinker": f"{_Q3O}.thinker:load_thinker",
+                    "qwen3_omni.talker": f"{_Q3O}.talker:load_talker"},
+        pipeline=f"{_Q3O}.pipeline:qwen3_omni_pipeline",
+        adapters={"qwen3_omni.thinker_to_talker": f"{_Q3O}.adapters:ThinkerToTalker",
+                  "qwen3_omni.talker_to_code2wav": f"{_TTS}.pipeline:talker_to_decoder"},
+        codecs={"qwen3_omni_code2wav": f"{_Q3O}.code2wav:Code2WavStage"},
+        chat_renderer=f"{_Q3O}.pipeline:Qwen3OmniChatRenderer", tool_parser="hermes"),
+    ModelEntry(
         "qwen3_tts", "omni", ("qwen3_tts",),
         components={"qwen3_tts.talker": f"{_TTS}.talker:load_talker"},
         pipeline=f"{_TTS}.pipeline:qwen3_tts_pipeline",
         adapters={"qwen3_tts.talker_to_decoder": f"{_TTS}.pipeline:talker_to_decoder"},
         codecs={"qwen3_tts_decoder": f"{_TTS}.codec:Qwen3TTSDecoderStage"}),
-    ModelEntry(
-        "qwen3_omni", "omni", ("qwen3_omni_moe",),
-        components={"qwen3_omni.talker": f"{_Q3}.talker:load_talker"},
-        pipeline=f"{_Q3}.pipeline:qwen3_omni_pipeline",
-        adapters={"qwen3_omni.thinker_to_talker": f"{_Q3}.adapters:ThinkerToTalker",
-                  "qwen3_omni.talker_to_code2wav": f"{_TTS}.pipeline:talker_to_decoder"},
-        codecs={"qwen3_omni_code2wav": f"{_Q3}.code2wav:Code2WavStage"}, tool_parser="hermes"),
     ModelEntry("qwen_image", "diffusion", ("QwenImagePipeline",), family=f"{_DIFFUSERS}.qwen_image:QwenImageFamily"),
     ModelEntry("qwen_image_edit", "diffusion", ("QwenImageEditPipeline",),
                family=f"{_DIFFUSERS}.qwen_image_edit:QwenImageEditFamily"),

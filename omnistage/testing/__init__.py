@@ -2,7 +2,8 @@
 
 Nothing here is used while serving: `llm` (tokenizer + Llama / Qwen2 / Qwen3 decoders), `diffusion`
 (every diffusers family) and `qwen2_5_omni` (thinker + talker + token2wav), `qwen3_tts` (talker +
-code predictor + speech tokenizer, three variants) each write random
+code predictor + speech tokenizer, three variants), `qwen3_omni` (MoE thinker + MoE talker + code
+predictor + code2wav) each write random
 checkpoints with `save_pretrained`, so the real loading code runs on them. Runs in the caller's
 process, on the CPU, in seconds.
 
@@ -50,9 +51,15 @@ def _build_qwen3_tts(out_dir: str) -> list[str]:
     return [make_tiny_qwen3_tts(os.path.join(out_dir, f"tiny-qwen3_tts-{v}"), v) for v in VARIANTS]
 
 
+def _build_qwen3_omni(out_dir: str) -> list[str]:
+    from omnistage.testing.qwen3_omni import make_tiny_qwen3_omni
+
+    return [make_tiny_qwen3_omni(os.path.join(out_dir, "tiny-qwen3_omni"))]
+
+
 # kind -> builder(out_dir) returning the folders it wrote. Other model families register here.
 TINY_BUILDERS: dict[str, Callable[[str], list[str]]] = {"llm": _build_llms, "qwen2_5_omni": _build_omni,
-                                                     "qwen3_tts": _build_qwen3_tts}
+                                                     "qwen3_tts": _build_qwen3_tts, "qwen3_omni": _build_qwen3_omni}
 TINY_BUILDERS.update({kind: _diffusion_builder(kind) for kind in DIFFUSION_KINDS})
 # What `omnistage make-tiny --kind` accepts (its --help and README list exactly these; importing this
 # package imports no torch, so --help stays instant).

@@ -156,19 +156,20 @@ def thinker_input_embeds(thinker, inputs: ThinkerInputs) -> torch.Tensor:
     if inputs["input_features"] is not None:
         audio = model.get_audio_features(inputs["input_features"].to(thinker.device, embeds.dtype),
                                          inputs["feature_attention_mask"].to(thinker.device)).last_hidden_state
-        embeds = _scatter(embeds, ids == config.audio_token_index, audio, "audio")
+        embeds = scatter_rows(embeds, ids == config.audio_token_index, audio, "audio")
     if inputs["pixel_values"] is not None:
         grid = inputs["image_grid_thw"].to(thinker.device)
         image = torch.cat(model.get_image_features(inputs["pixel_values"].to(thinker.device), grid).pooler_output)
-        embeds = _scatter(embeds, ids == config.image_token_index, image, "image")
+        embeds = scatter_rows(embeds, ids == config.image_token_index, image, "image")
     if inputs["pixel_values_videos"] is not None:
         pixels, grid = inputs["pixel_values_videos"].to(thinker.device), inputs["video_grid_thw"].to(thinker.device)
         video = torch.cat(model.get_video_features(pixels, grid).pooler_output)
-        embeds = _scatter(embeds, ids == config.video_token_index, video, "video")
+        embeds = scatter_rows(embeds, ids == config.video_token_index, video, "video")
     return embeds
 
 
-def _scatter(embeds: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, what: str) -> torch.Tensor:
+def scatter_rows(embeds: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, what: str) -> torch.Tensor:
+    """A copy of `embeds` with `rows` written over the positions of `mask` (counts must agree)."""
     if int(mask.sum()) != rows.shape[0]:
         raise ValueError(f"{int(mask.sum())} {what} placeholders in the prompt but {rows.shape[0]} {what} feature rows")
     out = embeds.clone()

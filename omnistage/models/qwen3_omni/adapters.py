@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from omnistage.adapters import EdgeContext
 from omnistage.models.qwen2_5_omni.adapters import TalkerInput, _rows
-from omnistage.models.qwen2_5_omni.stages import omni_config
+from omnistage.models.qwen3_omni.thinker import omni_config
 from omnistage.stage import ARPrompt, HiddenStates, StageOutput
 
 DEFAULT_VOICE = "ethan"

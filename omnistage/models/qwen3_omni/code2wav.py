@@ -19,15 +19,25 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
 from omnistage.models.loader import safetensors_files
-from omnistage.models.qwen3_tts.codec import Qwen3TTSDecoderStage
+from omnistage.params import check_param
+from omnistage.models.qwen3_tts.codec import SAMPLE_RATE, Qwen3TTSDecoderStage
 from omnistage.models.qwen3_tts.decoder import SpeechDecoder
 
 PREFIX = "code2wav."
+
+
+@dataclass
+class VoiceParams:
+    """What a Qwen3-Omni request says of its audio: the talker's speaker (the vocoder has no options)."""
+
+    voice: Optional[str] = None                 # a speaker of config.json talker_config.speaker_id (any case)
 
 
 class Code2WavDecoder(SpeechDecoder):
@@ -58,7 +68,23 @@ def load_code2wav(model_dir: str, device: torch.device) -> Code2WavDecoder:
 
 
 class Code2WavStage(Qwen3TTSDecoderStage):
-    """The codec model of the code2wav stage: `FramesInput` pieces in, audio chunks out."""
+    """The codec model of the code2wav stage: `FramesInput` pieces in, audio chunks out. It also
+    answers for the pipeline's voices (the talker's speakers): listed, and checked before any work."""
+
+    params_type = VoiceParams
+
+    def __init__(self, model_dir: str, device: Any = "cpu", **options):
+        super().__init__(model_dir, device, **options)
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            speakers = json.load(f)["talker_config"].get("speaker_id") or {}
+        self.speakers = sorted(name.lower() for name in speakers)
+
+    def voices(self) -> list[dict[str, Any]]:
+        return [{"id": v, "name": v, "sample_rate": SAMPLE_RATE, "backend": "qwen3_omni"} for v in self.speakers]
+
+    def check_params(self, params: Optional[VoiceParams]) -> None:
+        voice = getattr(params, "voice", None)
+        check_param(voice is None or voice.lower() in self.speakers, "voice", f"one of {self.speakers}", voice)
 
     @staticmethod
     def load_decoder(model_dir: str, device: torch.device) -> SpeechDecoder:

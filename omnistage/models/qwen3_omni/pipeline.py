@@ -1,4 +1,5 @@
-"""Qwen3-Omni as an omnistage pipeline: thinker -> talker -> code2wav (entry point's process, at start-up).
+"""Qwen3-Omni as an omnistage pipeline (thinker -> talker -> code2wav), and its chat input (entry point's
+process, at start-up).
 
 `qwen3_omni_pipeline(model_dir, engine)` (registry entry "qwen3_omni", config.json `model_type`
 "qwen3_omni_moe") returns, on the engine's device:
@@ -18,25 +19,30 @@ and a `voice` (a speaker of config.json `talker_config.speaker_id`, any case; de
 On a GPU each stage runs in its own process and the stages share the GPU by the memory plan
 (`pipeline/memory.py`), as for Qwen2.5-Omni: each stage's `memory` hints name the checkpoint
 tensors it loads and its decoder's shape; the chat renderer's weights are `renderer_weights`.
+
+`Qwen3OmniChatRenderer(spec)` is the registry entry's `chat_renderer`: chat messages with text,
+image, audio and video (frames only) parts -> the thinker's `ARPrompt` fields (`processor.py`). The
+audio and vision encoders run here, in the entry point's process, on the thinker's device.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
+
+import torch
 
 from omnistage.config import EngineConfig
 from omnistage.models.loader import lm_shape
-from omnistage.models.qwen2_5_omni.stages import omni_config
 from omnistage.models.qwen3_omni.adapters import load_constants
+from omnistage.models.qwen3_omni.processor import ENCODER_WEIGHTS
 from omnistage.models.qwen3_omni.talker import TALKER, talker_text_config
+from omnistage.models.qwen3_omni.thinker import THINKER, omni_config
 from omnistage.spec import EdgeSpec, PipelineSpec, StageSpec
 
-THINKER = "qwen3_omni.thinker"
 THINKER_WEIGHTS = ["thinker.model.", "thinker.lm_head."]
 TALKER_WEIGHTS = ["talker."]
 CODE2WAV_WEIGHTS = ["code2wav."]
-RENDERER_WEIGHTS = ("thinker.audio_tower.", "thinker.visual.", "thinker.model.embed_tokens.")
 # 4 frames (320 ms of audio) first for a quick first packet, then 24 (fewer, larger decodes); 25
 # frames of left context as transformers' chunked_decode.
 CODE2WAV_OPTIONS = {"first_chunk_frames": 4, "chunk_frames": 24, "left_context_frames": 25}
@@ -74,7 +80,7 @@ def qwen3_omni_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
                         memory={"weights_prefix": THINKER_WEIGHTS,
                                 "lm_shape": lm_shape(config.thinker_config.text_config)})
     if not has_audio_output(model_dir):
-        return PipelineSpec([thinker], [], model="qwen3_omni", renderer_weights=RENDERER_WEIGHTS)
+        return PipelineSpec([thinker], [], model="qwen3_omni", renderer_weights=ENCODER_WEIGHTS)
     voice = load_constants(model_dir).default_voice
     talker = StageSpec("talker", "ar", model_dir, dataclasses.replace(engine, max_model_len=None), runner=runner,
                        options={"component": TALKER}, params=talker_params(config),
@@ -85,4 +91,30 @@ def qwen3_omni_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
     edges = [EdgeSpec("thinker", "talker", "qwen3_omni.thinker_to_talker", chunk_size=1,
                       options={"model_dir": model_dir, "default_voice": voice}),
              EdgeSpec("talker", "code2wav", "qwen3_omni.talker_to_code2wav", chunk_size=1)]
-    return PipelineSpec([thinker, talker, code2wav], edges, model="qwen3_omni", renderer_weights=RENDERER_WEIGHTS)
+    return PipelineSpec([thinker, talker, code2wav], edges, model="qwen3_omni", renderer_weights=ENCODER_WEIGHTS)
+
+
+class Qwen3OmniChatRenderer:
+    """Chat messages -> the thinker's request inputs, a dict of `ARPrompt` fields."""
+
+    media_types = ("image", "audio", "video")   # message parts this renderer reads besides text
+
+    def __init__(self, spec: PipelineSpec):
+        from transformers import AutoProcessor
+
+        from omnistage.config import checkpoint_dtype
+        from omnistage.models.qwen3_omni.processor import load_thinker_encoders
+
+        stage = spec.main_stage
+        self.processor = AutoProcessor.from_pretrained(stage.model_dir)
+        engine = stage.engine.resolved("ar", checkpoint_dtype(stage.model_dir))
+        self.encoders = load_thinker_encoders(stage.model_dir, engine.torch_device(), engine.torch_dtype())
+
+    @torch.no_grad()
+    def __call__(self, messages: list[dict], chat_template_kwargs: Optional[dict] = None) -> dict[str, Any]:
+        from omnistage.models.qwen2_5_omni.processor import build_thinker_inputs
+        from omnistage.models.qwen3_omni.processor import thinker_prompt
+
+        inputs = build_thinker_inputs(self.processor, list(messages), **(chat_template_kwargs or {}))
+        return {"prompt": inputs.text, "prompt_token_ids": inputs.input_ids[0].tolist(),
+                **thinker_prompt(self.encoders, inputs)}

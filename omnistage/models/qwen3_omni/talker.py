@@ -4,9 +4,9 @@ Registered as component "qwen3_omni.talker" (`models/registry.py`); `load_talker
 dtype, max_positions)` follows the AR loader contract and returns `(Qwen3OmniTalker, text config,
 None, {codec eos})`:
 
-  * the decoder (`talker.model.*`): Qwen3 attention (q / k norms) with a sparse MoE block in every
-    layer -- routed experts (`norm_topk_prob` off) plus a sigmoid-gated shared expert
-    (`layers.moe.SparseMoeBlock`) -- over codebook 0, with `embed_tokens` = the codec embedding and
+  * the decoder (`talker.model.*`): the thinker's Qwen3-MoE decoder (`thinker.Qwen3MoeForCausalLM`)
+    with a sparse MoE block in every layer -- routed experts (`norm_topk_prob` off) plus a
+    sigmoid-gated shared expert (`layers.moe.SparseMoeBlock`) -- over codebook 0, with `embed_tokens` = the codec embedding and
     `lm_head` = `codec_head`, so the AR engine gives it paged KV, continuous batching and CUDA graphs.
     Its rope is multimodal (interleaved sections); a text or audio conversation gives equal
     positions in all three rows, which is plain 1-D rope with the same frequencies;
@@ -24,19 +24,14 @@ The talker's prompt rows and its streamed text rows come from the thinker throug
 from __future__ import annotations
 
 import copy
-import re
-from collections import defaultdict
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 
-from omnistage.layers.moe import SparseMoeBlock
-from omnistage.models.llama import Qwen3ForCausalLM
-from omnistage.models.qwen2_5_omni.stages import omni_config, read_tensors
+from omnistage.models.qwen3_omni.thinker import MoeDecoderLayer, Qwen3MoeForCausalLM, omni_config, read_tensors
 from omnistage.models.qwen3_tts.talker import CodePredictor
 
 TALKER = "qwen3_omni.talker"
-_MOE = re.compile(r"^(?:model\.)?layers\.(\d+)\.mlp\.(.+)$")
 
 
 def talker_text_config(model_dir: str):
@@ -46,7 +41,7 @@ def talker_text_config(model_dir: str):
     theta = (config.rope_parameters or {}).get("rope_theta", 10000.0)
     config.rope_parameters = {"rope_type": "default", "rope_theta": float(theta)}
     config.tie_word_embeddings = False
-    config.architectures = ["Qwen3ForCausalLM"]
+    config.architectures = ["Qwen3MoeForCausalLM"]
     return config
 
 
@@ -58,41 +53,23 @@ def predictor_config(talker) -> dict:
     return cfg
 
 
-class Qwen3OmniTalker(Qwen3ForCausalLM):
-    """The talker decoder: Qwen3 layers whose MLP is a sparse MoE block with a shared expert."""
+class Qwen3OmniTalker(Qwen3MoeForCausalLM):
+    """The talker decoder: the thinker's Qwen3-MoE structure with a shared expert in every layer
+    (transformers' talker makes every layer sparse, whatever `decoder_sparse_step` says)."""
 
     def __init__(self, config, max_positions: int):
         super().__init__(config, max_positions)
-        for layer in self.layers:
-            layer.mlp = SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
-                                       config.moe_intermediate_size, bool(config.norm_topk_prob),
-                                       int(config.shared_expert_intermediate_size))
+        shared = int(config.shared_expert_intermediate_size)
+        for i in range(config.num_hidden_layers):
+            self.layers[i] = MoeDecoderLayer(config, shared)
         self.frame_head: Optional[CodePredictor] = None
-
-    def _expected_shards(self, name: str) -> list:
-        return [] if ".mlp." in name else super()._expected_shards(name)   # loaded by each MoE block
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        moe: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
-        rest = []
-        for name, tensor in weights:
-            found = _MOE.match(name)
-            if found:
-                moe[int(found[1])][found[2]] = tensor
-            else:
-                rest.append((name, tensor))
-        super().load_weights(rest)
-        for i, layer in enumerate(self.layers):
-            missing = layer.mlp.expected_weights() - layer.mlp.load_weights(moe.get(i, {}).items())
-            if missing:
-                raise ValueError(f"checkpoint is missing talker layer {i}'s MoE weights: {sorted(missing)[:4]}")
 
 
 def load_talker(model_dir: str, device: torch.device, dtype: torch.dtype, max_positions: Optional[int]):
     talker = omni_config(model_dir).talker_config
     config = talker_text_config(model_dir)
     most = min(max_positions or config.max_position_embeddings, config.max_position_embeddings)
-    tensors = {name[len("talker."):]: t for name, t in read_tensors(model_dir, lambda n: n.startswith("talker."))}
+    tensors = {name[len("talker."):]: t for name, t in read_tensors(model_dir, ("talker.",))}
     with torch.device("meta"):
         model = Qwen3OmniTalker(config, most)
     model = model.to_empty(device=device).to(dtype=dtype)

@@ -1,0 +1,191 @@
+"""Qwen3-Omni-30B-A3B thinker decode on one GPU: omnistage vs transformers vs the active-weight floor.
+
+The real thinker text shape (hidden 2048, 48 layers, 32 q / 4 kv heads of 128, 128 experts top-8 of
+width 768, vocab 152064; ~30B parameters, ~3B active per token) in bf16 with random weights, which
+time like real ones. No checkpoint is written (60 GB): a folder with config.json + tokenizer only,
+and the weights drawn on the GPU -- omnistage's native `Qwen3MoeForCausalLM` (the served thinker
+component, Triton fused MoE, CUDA graphs) run by its `AREngine`, then transformers'
+`Qwen3OmniMoeThinkerForConditionalGeneration.generate` (its default experts implementation) on its own
+random weights, one after the other (each takes ~60 GB).
+Per batch size (1 and 64; 128 prompt tokens, 128 new tokens, greedy, ignore eos) it prints output
+tok/s and the floor: every decode step reads the attention, router, norm and lm_head weights and the
+expected number of distinct experts the batch hits (128 * (1 - (1 - 8/128)^B) per layer), at the
+copy bandwidth measured in the same run. Target: bs1 >= 50% of that floor.
+
+    PYTHONPATH=$PWD python benchmarks/q3_thinker_bench.py [--work /tmp/q3bench] [--out q3_thinker.json] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+THINKER_30B = dict(vocab_size=152064, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                   num_key_value_heads=4, head_dim=128, moe_intermediate_size=768, num_experts=128,
+                   num_experts_per_tok=8, max_position_embeddings=65536, initializer_range=0.02,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [24, 20, 20],
+                                    "interleaved": True})
+IN_LEN, OUT_LEN = 128, 128
+
+
+def config_folder(path: str):
+    """A Qwen3-Omni folder without weights: the tiny checkpoint's config with the 30B-A3B thinker text shape."""
+    from omnistage.testing.qwen3_omni import make_config, make_omni_tokenizer, token_ids
+
+    config = make_config(token_ids(), text_overrides=THINKER_30B)
+    config.thinker_config.audio_config.output_dim = THINKER_30B["hidden_size"]
+    config.thinker_config.vision_config.out_hidden_size = THINKER_30B["hidden_size"]
+    config.talker_config.thinker_hidden_size = THINKER_30B["hidden_size"]
+    config.thinker_config.dtype = "bfloat16"
+    config.dtype = "bfloat16"
+    os.makedirs(path, exist_ok=True)
+    config.save_pretrained(path)
+    make_omni_tokenizer().save_pretrained(path)
+    return config
+
+
+def random_loader(model_dir, device, dtype, max_positions):
+    """`ar.engine.ModelLoader` of the native thinker with random weights drawn on the device."""
+    from transformers import AutoTokenizer
+
+    from omnistage.models.qwen3_omni.thinker import Qwen3MoeForCausalLM, thinker_text_config
+
+    config = thinker_text_config(model_dir)
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(config, min(max_positions or 4096, 4096), report_layer=None)
+    model = model.to_empty(device=device).to(dtype=dtype)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    model.rotary.build(device)
+    return model.eval(), config, AutoTokenizer.from_pretrained(model_dir), frozenset()
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, THINKER_30B["vocab_size"] - 100, (n, IN_LEN), generator=g).tolist()
+
+
+def bench_ours(path: str, batches) -> list[dict]:
+    from omnistage.ar.engine import AREngine
+    from omnistage.config import EngineConfig
+    from omnistage.params import SamplingParams
+
+    engine = AREngine(path, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
+                                         max_model_len=1024, enable_prefix_caching=False), loader=random_loader)
+    params = SamplingParams(max_tokens=OUT_LEN, temperature=0, ignore_eos=True)
+
+    def run(n: int, seed: int, new: int = OUT_LEN) -> tuple[float, int]:
+        for i, p in enumerate(prompts(n, seed)):
+            engine.add_request(f"{seed}-{i}", {"prompt_token_ids": p}, params.clone(max_tokens=new))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        tokens = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    tokens += len(out.output.outputs[0].token_ids)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t, tokens
+
+    run(4, 1, 16)                                             # warm-up: Triton compiles, graphs
+    rows = []
+    for i, b in enumerate(batches):
+        dt, n = run(b, 10 + i)
+        rows.append({"batch": b, "seconds": dt, "output_tokens": n, "tok_s": n / dt})
+    del engine
+    torch.cuda.empty_cache()
+    return rows
+
+
+def bench_hf(path: str, batches) -> list[dict]:
+    from transformers import AutoConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerForConditionalGeneration
+
+    config = AutoConfig.from_pretrained(path).thinker_config
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3OmniMoeThinkerForConditionalGeneration._from_config(config, dtype=torch.bfloat16).eval()
+    rows = []
+
+    def generate(ids, new):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                           min_new_tokens=new, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    generate(torch.tensor(prompts(1, 1), device="cuda"), 8)
+    for b in batches:
+        dt = generate(torch.tensor(prompts(b, 2), device="cuda"), OUT_LEN)
+        rows.append({"batch": b, "seconds": dt, "output_tokens": b * OUT_LEN, "tok_s": b * OUT_LEN / dt})
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (time.perf_counter() - t)
+
+
+def floor_tok_s(batch: int, bandwidth: float) -> dict:
+    """Output tok/s if each decode step only read the weights it must (bf16) at `bandwidth`."""
+    s = THINKER_30B
+    h, layers, d = s["hidden_size"], s["num_hidden_layers"], s["head_dim"]
+    q, kv = s["num_attention_heads"] * d, s["num_key_value_heads"] * d
+    dense = layers * (h * (q + 2 * kv) + q * h + s["num_experts"] * h + 2 * h + 2 * d) + s["vocab_size"] * h
+    e, k = s["num_experts"], s["num_experts_per_tok"]
+    hit = e * (1 - (1 - k / e) ** batch)
+    experts = layers * hit * 3 * h * s["moe_intermediate_size"]
+    step_bytes = 2 * (dense + experts)
+    return {"batch": batch, "step_bytes": step_bytes, "active_params_per_token": dense + layers * k * 3 * h * s["moe_intermediate_size"],
+            "tok_s": batch / (step_bytes / bandwidth)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--work", default="/tmp/q3bench")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    batches = (1, 64)
+    config_folder(args.work)
+    bw = copy_bandwidth()
+    res = {"copy_bandwidth_GBs": bw / 1e9, "floor": [floor_tok_s(b, bw) for b in batches],
+           "ours": bench_ours(args.work, batches)}
+    if not args.skip_hf:
+        res["transformers"] = bench_hf(args.work, batches)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; active params per token "
+          f"{res['floor'][0]['active_params_per_token'] / 1e9:.2f} B")
+    print("| batch | omnistage tok/s | transformers tok/s | floor tok/s | omnistage / floor |")
+    print("|---|---|---|---|---|")
+    for i, b in enumerate(batches):
+        ours, floor = res["ours"][i]["tok_s"], res["floor"][i]["tok_s"]
+        hf = f"{res['transformers'][i]['tok_s']:.1f}" if "transformers" in res else "-"
+        print(f"| {b} | {ours:.1f} | {hf} | {floor:.0f} | {ours / floor:.0%} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -72,7 +72,9 @@ def test_openai_client_chat_with_audio_in_and_out_whole_and_streamed(q3_dir):
     from omnistage.entrypoints.async_omni import AsyncOmni
     from omnistage.entrypoints.openai.api_server import build_app
 
-    engine = AsyncOmni(q3_dir, device="cpu", dtype="float32")
+    # the talker samples (transformers' defaults); a random tiny one may not say codec eos soon
+    engine = AsyncOmni(q3_dir, device="cpu", dtype="float32",
+                       deploy_config={"stages": {"talker": {"params": {"max_tokens": TALKER}}}})
     try:
         with live_server(build_app(engine, "tiny-q3"), timeout=120) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
@@ -81,7 +83,7 @@ def test_openai_client_chat_with_audio_in_and_out_whole_and_streamed(q3_dir):
                 {"type": "text", "text": "Answer me."}]}]
             reply = client.chat.completions.create(model="tiny-q3", messages=messages, max_tokens=NEW,
                                                    temperature=0, modalities=["text", "audio"],
-                                                   audio={"voice": "Chelsie", "format": "wav"},
+                                                   audio={"voice": "chelsie", "format": "wav"},
                                                    extra_body={"ignore_eos": True})
             message = reply.choices[0].message
             samples, rate = sf.read(io.BytesIO(base64.b64decode(message.audio.data)), dtype="float32")
@@ -90,7 +92,7 @@ def test_openai_client_chat_with_audio_in_and_out_whole_and_streamed(q3_dir):
 
             stream = client.chat.completions.create(model="tiny-q3", messages=messages, max_tokens=NEW,
                                                     temperature=0, modalities=["text", "audio"],
-                                                    audio={"voice": "Chelsie", "format": "pcm16"}, stream=True,
+                                                    audio={"voice": "chelsie", "format": "pcm"}, stream=True,
                                                     extra_body={"ignore_eos": True})
             text, pcm = [], []
             for chunk in stream:
@@ -98,9 +100,9 @@ def test_openai_client_chat_with_audio_in_and_out_whole_and_streamed(q3_dir):
                     continue
                 delta = chunk.choices[0].delta
                 text.append(delta.content or "")
-                audio = getattr(delta, "audio", None) or (delta.model_extra or {}).get("audio")
-                if audio and audio.get("data"):
-                    pcm.append(base64.b64decode(audio["data"]))
+                data = getattr(getattr(delta, "audio", None), "data", None)
+                if data:
+                    pcm.append(base64.b64decode(data))
             assert "".join(text) == message.content and len(pcm) >= 1
             assert sum(len(p) for p in pcm) // 2 == samples.size
 

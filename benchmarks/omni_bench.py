@@ -22,6 +22,10 @@ code2wav's compute is left out, so the true floor is higher). Prints a markdown 
 
     python benchmarks/omni_bench.py [--work /tmp/omnibench] [--out results.json]
     python benchmarks/omni_bench.py --smoke          # tiny checkpoint, CPU, seconds (a test runs it)
+
+`--model qwen3-omni` runs the same measurement on Qwen3-Omni-30B-A3B's shape (`qwen3_omni_bench.py`:
+the checkpoint, ~68 GB under --work, and the request settings; levels 1, 8, 32; frames at 12.5 per
+second of audio; no transformers reference or floor row); with `--tiny` (= --smoke) on the tiny one.
 """
 
 from __future__ import annotations
@@ -144,15 +148,17 @@ async def concurrent(engine, prompt: dict, n: int, params: list) -> dict[str, An
 
 
 def bench_ours(path: str, device: str, dtype: str, levels: list[int], thinker_tokens: int,
-               talker_codes: int, deploy: Optional[dict] = None) -> list[dict]:
+               talker_codes: int, deploy: Optional[dict] = None, params_for=None) -> list[dict]:
+    """`params_for(thinker_tokens, talker_codes)`: the stages' params (default: Qwen2.5-Omni's `stage_params`)."""
     from omnistage.entrypoints.async_omni import AsyncOmni
 
+    params_for = params_for or stage_params
     engine = AsyncOmni(path, device=device, dtype=dtype, deploy_config=deploy)
     try:
         prompt = engine.render_chat(MESSAGES)
-        warm = stage_params(8, 48)
+        warm = params_for(8, 48)
         asyncio.run(concurrent(engine, prompt, 2, warm))      # compile / allocate outside the timings
-        return [asyncio.run(concurrent(engine, prompt, n, stage_params(thinker_tokens, talker_codes)))
+        return [asyncio.run(concurrent(engine, prompt, n, params_for(thinker_tokens, talker_codes)))
                 for n in levels]
     finally:
         engine.close()
@@ -224,7 +230,9 @@ def table(res: dict) -> str:
 def main(argv: Optional[list[str]] = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", default="/tmp/omnibench", help="where the random checkpoint is kept")
-    ap.add_argument("--smoke", action="store_true", help="tiny checkpoint on CPU with short answers")
+    ap.add_argument("--model", choices=("qwen2.5-omni", "qwen3-omni"), default="qwen2.5-omni",
+                    help="which omni model's shape (default qwen2.5-omni)")
+    ap.add_argument("--smoke", "--tiny", action="store_true", help="tiny checkpoint on CPU with short answers")
     ap.add_argument("--levels", default=None, help="comma-separated concurrency levels (default 1,4,8; smoke 1,2)")
     ap.add_argument("--thinker-tokens", type=int, default=None, help="text tokens per answer (default 64; smoke 8)")
     ap.add_argument("--talker-codes", type=int, default=None, help="codec ids per answer, 50/s (default 500; smoke 30)")
@@ -238,7 +246,26 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if args.smoke:
+    params_for = None
+    if args.model == "qwen3-omni":
+        import sys
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import qwen3_omni_bench as q3
+
+        if args.smoke:
+            path = q3.tiny_checkpoint(os.path.join(args.work, "tiny-qwen3_omni"))
+            device, dtype, shape, levels, tokens, codes = "cpu", "float32", "tiny Qwen3-Omni, fp32", [1, 2], 8, 12
+        else:
+            path = q3.build_checkpoint(os.path.join(args.work, "qwen3_omni_30b_a3b_shape"))
+            device, dtype, shape = "cuda", "bfloat16", "Qwen3-Omni-30B-A3B shape, bf16"
+            levels, tokens, codes = [1, 8, 32], 64, 125
+
+        def params_for(t, c):
+            return q3.stage_params(path, t, c)
+
+        args.skip_hf = True                     # transformers' 30B-A3B generate is not run here
+    elif args.smoke:
         from omnistage.testing.qwen2_5_omni import make_tiny_qwen2_5_omni
 
         path = os.path.join(args.work, "tiny-qwen2_5_omni")
@@ -254,7 +281,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     tokens, codes = args.thinker_tokens or tokens, args.talker_codes or codes
     code2wav: dict[str, Any] = {}
     if args.code2wav_chunk:
-        code2wav["options"] = {"chunk_codes": args.code2wav_chunk}
+        code2wav["options"] = {("chunk_frames" if args.model == "qwen3-omni" else "chunk_codes"): args.code2wav_chunk}
     if args.code2wav_runner:
         code2wav["runner"] = args.code2wav_runner
     if args.no_code2wav_graphs:
@@ -265,14 +292,16 @@ def main(argv: Optional[list[str]] = None) -> dict:
     deploy = {"stages": stages} if stages else None
     res = {"shape": shape, "device": torch.cuda.get_device_name() if device == "cuda" else "CPU",
            "thinker_tokens": tokens, "talker_codes": codes, "deploy_config": deploy,
-           "ours": bench_ours(path, device, dtype, levels, tokens, codes, deploy),
+           "ours": bench_ours(path, device, dtype, levels, tokens, codes, deploy, params_for),
            "hf": [] if args.skip_hf else [bench_hf(path, device, getattr(torch, dtype), tokens, codes)],
-           "floor": floor(path, tokens, codes, _copy_bandwidth()) if device == "cuda" else None}
+           "floor": (floor(path, tokens, codes, _copy_bandwidth())
+                     if device == "cuda" and args.model == "qwen2.5-omni" else None)}
     print(json.dumps(res, indent=1))
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(res, f, indent=1)
-    print(f"\nEach request: a chat prompt, {tokens} text tokens, {codes} codec ids = {codes / 50:.1f} s of audio.\n")
+    rate = 12.5 if args.model == "qwen3-omni" else 50
+    print(f"\nEach request: a chat prompt, {tokens} text tokens, {codes} codec ids = {codes / rate:.1f} s of audio.\n")
     print(table(res))
     return res
 

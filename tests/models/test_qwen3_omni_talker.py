@@ -38,26 +38,29 @@ def ref(folder):
     return load_reference(folder)
 
 
-def chat_ids(folder, text: str) -> torch.Tensor:
+def chat_inputs(folder, text: str, audio=None) -> dict:
+    """The processor's inputs of a system turn + a user turn (text, and an audio part when given)."""
     from transformers import AutoProcessor
 
     proc = AutoProcessor.from_pretrained(folder)
-    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": text}]}]
+    parts = ([{"type": "audio", "audio": audio}] if audio is not None else []) + [{"type": "text", "text": text}]
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": parts}]
     rendered = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    return proc(text=[rendered], return_tensors="pt")["input_ids"]
+    out = proc(text=[rendered], audio=[audio] if audio is not None else None, return_tensors="pt")
+    return {k: v for k, v in out.items() if v is not None}
 
 
-def reference_run(ref, ids: torch.Tensor, speaker: str) -> dict:
+def reference_run(ref, inputs: dict, speaker: str) -> dict:
     """transformers' generate: thinker ids, talker codes [G, T], waveform; plus the thinker rows."""
     taken = []
     hook = ref.code2wav.register_forward_pre_hook(lambda m, args: taken.append(args[0].clone()))
     try:
         with torch.no_grad():
-            seqs, wav = ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), speaker=speaker,
-                                     thinker_max_new_tokens=THINKER_TOKENS, thinker_do_sample=False,
-                                     talker_do_sample=False, talker_max_new_tokens=TALKER_TOKENS,
-                                     talker_repetition_penalty=1.0)
-            rows = ref.thinker(input_ids=seqs[:, :-1], output_hidden_states=True).hidden_states
+            seqs, wav = ref.generate(**inputs, speaker=speaker, thinker_max_new_tokens=THINKER_TOKENS,
+                                     thinker_do_sample=False, talker_do_sample=False,
+                                     talker_max_new_tokens=TALKER_TOKENS, talker_repetition_penalty=1.0)
+            whole = dict(inputs, input_ids=seqs[:, :-1], attention_mask=torch.ones_like(seqs[:, :-1]))
+            rows = ref.thinker(**whole, output_hidden_states=True).hidden_states
     finally:
         hook.remove()
     layer = ref.config.talker_config.accept_hidden_layer
@@ -67,7 +70,13 @@ def reference_run(ref, ids: torch.Tensor, speaker: str) -> dict:
 
 @pytest.fixture(scope="module")
 def run(ref, folder):
-    return reference_run(ref, chat_ids(folder, "hello there, say something"), "Ethan")
+    return reference_run(ref, chat_inputs(folder, "hello there, say something"), "Ethan")
+
+
+@pytest.fixture(scope="module")
+def audio_run(ref, folder):
+    tone = (0.3 * np.sin(2 * np.pi * 440 * np.arange(8000) / 16000)).astype(np.float32)
+    return reference_run(ref, chat_inputs(folder, "what is it", tone), "aiden")
 
 
 def thinker_output(run: dict, prompt_len: int, upto: int, finished: bool, start: int = 0) -> StageOutput:
@@ -136,6 +145,15 @@ def test_talker_codes_equal_transformers_all_codebooks_batched_as_alone(folder, 
     alone = talk(engine, {"short": inputs["short"]}, greedy(ref))
     np.testing.assert_array_equal(alone["short"], together["short"])
     assert not np.array_equal(together["short"], together["Ethan"])
+
+
+def test_talker_codes_equal_transformers_with_audio_in_the_user_turn(folder, ref, audio_run):
+    """Audio placeholders take hidden_projection of the accept_hidden_layer rows (1-D positions, as
+    transformers' rope index gives audio)."""
+    audio_id = ref.config.thinker_config.audio_token_id
+    assert audio_run["seqs"].tolist().count(audio_id) > 0
+    got = talk(talker_engine(folder), {"r": adapter_input(folder, audio_run, "aiden")}, greedy(ref))["r"]
+    np.testing.assert_array_equal(got[:, :audio_run["codes"].shape[1]], audio_run["codes"])
 
 
 def test_adapter_streams_rows_as_the_thinker_computes_them(folder, run):

@@ -7,7 +7,7 @@ In: `FramesInput` pieces (every codebook of each talker frame, streamed from the
 is done; it is decoded with up to `left_context_frames` frames before it, whose samples are cut
 off again. One step decodes the chunks of up to `max_batch` requests in one forward: their frame
 windows are padded on the right (the decoder is causal, so padding never reaches the real
-samples). A decoder that looks ahead (`SpeechDecoder.look_ahead`: Qwen3-OmniCode2Wav, which
+samples). A decoder that looks ahead (`SpeechDecoder.look_ahead`: Qwen3-Omni's code2wav, whose stage
 subclasses this stage) also needs that many frames after the chunk, decoded and cut off too, until
 the input is done; the last chunk then ends where the whole decode ends (`tail_loss`).
 Out (through the engine): float32 mono at 24 kHz, chunk by chunk; `prompt_token_ids`

@@ -26,6 +26,10 @@ code2wav's compute is left out, so the true floor is higher). Prints a markdown 
 
     python benchmarks/omni_bench.py [--work /tmp/omnibench] [--out results.json] [--layouts shared,process]
     python benchmarks/omni_bench.py --tiny           # tiny checkpoint, CPU, seconds (a test runs it; = --smoke)
+
+`--model qwen3-omni` runs the same measurement on Qwen3-Omni-30B-A3B's shape (`qwen3_omni_bench.py`:
+the checkpoint, ~68 GB under --work, and the request settings; levels 1, 8, 32; frames at 12.5 per
+second of audio; no transformers reference or floor row); with `--tiny` (= --smoke) on the tiny one.
 """
 
 from __future__ import annotations
@@ -167,15 +171,17 @@ async def concurrent(engine, prompt: dict, n: int, params: list) -> dict[str, An
 
 
 def bench_ours(path: str, device: str, dtype: str, levels: list[int], thinker_tokens: int,
-               talker_codes: int, deploy: Optional[dict] = None) -> list[dict]:
+               talker_codes: int, deploy: Optional[dict] = None, params_for=None) -> list[dict]:
+    """`params_for(thinker_tokens, talker_codes)`: the stages' params (default: Qwen2.5-Omni's `stage_params`)."""
     from omnistage.entrypoints.async_omni import AsyncOmni
 
+    params_for = params_for or stage_params
     engine = AsyncOmni(path, device=device, dtype=dtype, deploy_config=deploy)
     try:
         prompt = engine.render_chat(MESSAGES)
-        warm = stage_params(8, 48)
+        warm = params_for(8, 48)
         asyncio.run(concurrent(engine, prompt, 2, warm))      # compile / allocate outside the timings
-        return [asyncio.run(concurrent(engine, prompt, n, stage_params(thinker_tokens, talker_codes)))
+        return [asyncio.run(concurrent(engine, prompt, n, params_for(thinker_tokens, talker_codes)))
                 for n in levels]
     finally:
         engine.close()
@@ -251,6 +257,8 @@ def table(res: dict) -> str:
 def main(argv: Optional[list[str]] = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", default="/tmp/omnibench", help="where the random checkpoint is kept")
+    ap.add_argument("--model", choices=("qwen2.5-omni", "qwen3-omni"), default="qwen2.5-omni",
+                    help="which omni model's shape (default qwen2.5-omni)")
     ap.add_argument("--tiny", "--smoke", dest="smoke", action="store_true",
                     help="tiny checkpoint on CPU with short answers")
     ap.add_argument("--levels", default=None, help="comma-separated concurrency levels (default 1,8,16,32; tiny 1,2)")
@@ -271,7 +279,26 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if args.smoke:
+    params_for = None
+    if args.model == "qwen3-omni":
+        import sys
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import qwen3_omni_bench as q3
+
+        if args.smoke:
+            path = q3.tiny_checkpoint(os.path.join(args.work, "tiny-qwen3_omni"))
+            device, dtype, shape, levels, tokens, codes = "cpu", "float32", "tiny Qwen3-Omni, fp32", [1, 2], 8, 12
+        else:
+            path = q3.build_checkpoint(os.path.join(args.work, "qwen3_omni_30b_a3b_shape"))
+            device, dtype, shape = "cuda", "bfloat16", "Qwen3-Omni-30B-A3B shape, bf16"
+            levels, tokens, codes = [1, 8, 32], 64, 125
+
+        def params_for(t, c):
+            return q3.stage_params(path, t, c)
+
+        args.skip_hf = True                     # transformers' 30B-A3B generate is not run here
+    elif args.smoke:
         from omnistage.testing.qwen2_5_omni import make_tiny_qwen2_5_omni
 
         path = os.path.join(args.work, "tiny-qwen2_5_omni")
@@ -286,7 +313,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     levels = [int(x) for x in args.levels.split(",")] if args.levels else levels
     tokens, codes = args.thinker_tokens or tokens, args.talker_codes or codes
     code2wav: dict[str, Any] = {}
-    options = {"chunk_codes": args.code2wav_chunk, "max_batch_requests": args.code2wav_batch}
+    options = {("chunk_frames" if args.model == "qwen3-omni" else "chunk_codes"): args.code2wav_chunk,
+               "max_batch_requests": args.code2wav_batch}
     if any(options.values()):
         code2wav["options"] = {k: v for k, v in options.items() if v}
     if args.code2wav_runner:
@@ -301,18 +329,20 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if bad or not layouts:
         ap.error(f"--layouts must list shared, process or inline; got {args.layouts!r}")
     deploys = {layout: {"stage_layout": layout, "stages": stages} for layout in layouts}
-    measured = {layout: bench_ours(path, device, dtype, levels, tokens, codes, deploy)
+    measured = {layout: bench_ours(path, device, dtype, levels, tokens, codes, deploy, params_for)
                 for layout, deploy in deploys.items()}
     res = {"shape": shape, "device": torch.cuda.get_device_name() if device == "cuda" else "CPU",
            "thinker_tokens": tokens, "talker_codes": codes, "deploy_configs": deploys, "layouts": measured,
            "ours": measured[layouts[0]],
            "hf": [] if args.skip_hf else [bench_hf(path, device, getattr(torch, dtype), tokens, codes)],
-           "floor": floor(path, tokens, codes, _copy_bandwidth()) if device == "cuda" else None}
+           "floor": (floor(path, tokens, codes, _copy_bandwidth())
+                     if device == "cuda" and args.model == "qwen2.5-omni" else None)}
     print(json.dumps(res, indent=1))
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(res, f, indent=1)
-    print(f"\nEach request: a chat prompt, {tokens} text tokens, {codes} codec ids = {codes / 50:.1f} s of audio.\n")
+    rate = 12.5 if args.model == "qwen3-omni" else 50
+    print(f"\nEach request: a chat prompt, {tokens} text tokens, {codes} codec ids = {codes / rate:.1f} s of audio.\n")
     print(table(res))
     return res
 

@@ -74,8 +74,12 @@ MODELS: tuple[ModelEntry, ...] = (
         chat_renderer=f"{_OMNI}.pipeline:OmniChatRenderer", tool_parser="hermes"),
     ModelEntry(
         "qwen3_omni", "omni", ("qwen3_omni_moe",),
-        components={"qwen3_omni.thinker": f"{_Q3O}.thinker:load_thinker"},
+        components={"qwen3_omni.thinker": f"{_Q3O}.thinker:load_thinker",
+                    "qwen3_omni.talker": f"{_Q3O}.talker:load_talker"},
         pipeline=f"{_Q3O}.pipeline:qwen3_omni_pipeline",
+        adapters={"qwen3_omni.thinker_to_talker": f"{_Q3O}.adapters:ThinkerToTalker",
+                  "qwen3_omni.talker_to_code2wav": f"{_TTS}.pipeline:talker_to_decoder"},
+        codecs={"qwen3_omni_code2wav": f"{_Q3O}.code2wav:Code2WavStage"},
         chat_renderer=f"{_Q3O}.pipeline:Qwen3OmniChatRenderer", tool_parser="hermes"),
     ModelEntry(
         "qwen3_tts", "omni", ("qwen3_tts",),

@@ -100,7 +100,8 @@ def test_registry_picks_the_thinker_pipeline(q3_dir):
     entry = entry_for_folder(q3_dir)
     assert entry.name == "qwen3_omni"
     spec = load_attr(entry.pipeline)(q3_dir, EngineConfig(device="cpu"))
-    assert [s.name for s in spec.stages] == ["thinker"] and spec.main_stage.final_output == "text"
+    assert [s.name for s in spec.stages] == ["thinker", "talker", "code2wav"]   # the talker joined (part 2)
+    assert spec.main_stage.name == "thinker" and spec.main_stage.final_output == "text"
 
 
 @pytest.mark.parametrize("kind", list(MESSAGES))

@@ -1,16 +1,24 @@
-"""Qwen3-Omni as an omnistage pipeline, and its chat input (entry point's process, at start-up).
+"""Qwen3-Omni as an omnistage pipeline (thinker -> talker -> code2wav), and its chat input (entry point's
+process, at start-up).
 
-`qwen3_omni_pipeline(model_dir, engine)` (picked by the registry for config.json `model_type`
+`qwen3_omni_pipeline(model_dir, engine)` (registry entry "qwen3_omni", config.json `model_type`
 "qwen3_omni_moe") returns, on the engine's device:
 
-  thinker  (ar, component "qwen3_omni.thinker")   final output: text; reports the hidden states after
-           `talker_config.accept_hidden_layer` layers (with the input rows) when asked
-           (`return_hidden_states`), which is what the talker reads
+  thinker  (ar, component "qwen3_omni.thinker")   final output: text; with audio asked for, it reports
+     |     its input rows and the hidden states after `talker_config.accept_hidden_layer` layers
+     |  qwen3_omni.thinker_to_talker, streaming: each step's rows (`adapters.py`)
+  talker   (ar, component "qwen3_omni.talker")    codebook 0 per step + codebooks 1..G-1 from its
+     |     frame head (MTP code predictor); transformers' talker sampling defaults (`talker_params`)
+     |  qwen3_omni.talker_to_code2wav, streaming: every frame as it is sampled
+  code2wav (codec "qwen3_omni_code2wav")          final output: audio (24 kHz); a small first chunk,
+           then larger ones, with left context, batched across requests
 
-The talker (MoE + code predictor) and code2wav stages join it behind the thinker (issue #13, part 2);
-until then the pipeline answers text. On a GPU the thinker runs in its own process; its `memory`
-hints name the tensors it loads and its decoder's shape, so the memory plan can size its KV cache;
-`renderer_weights` names what the chat renderer loads next to it.
+A checkpoint without audio output (`enable_audio_output` false, or no `talker.*` tensors) gets the
+thinker alone. A request asks for `modalities` ["text"] (the thinker alone) or ["text", "audio"]
+and a `voice` (a speaker of config.json `talker_config.speaker_id`, any case; default "ethan").
+On a GPU each stage runs in its own process and the stages share the GPU by the memory plan
+(`pipeline/memory.py`), as for Qwen2.5-Omni: each stage's `memory` hints name the checkpoint
+tensors it loads and its decoder's shape; the chat renderer's weights are `renderer_weights`.
 
 `Qwen3OmniChatRenderer(spec)` is the registry entry's `chat_renderer`: chat messages with text,
 image, audio and video (frames only) parts -> the thinker's `ARPrompt` fields (`processor.py`). The
@@ -19,26 +27,71 @@ audio and vision encoders run here, in the entry point's process, on the thinker
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
 
 from omnistage.config import EngineConfig
 from omnistage.models.loader import lm_shape
+from omnistage.models.qwen3_omni.adapters import load_constants
 from omnistage.models.qwen3_omni.processor import ENCODER_WEIGHTS
+from omnistage.models.qwen3_omni.talker import TALKER, talker_text_config
 from omnistage.models.qwen3_omni.thinker import THINKER, omni_config
-from omnistage.spec import PipelineSpec, StageSpec
+from omnistage.spec import EdgeSpec, PipelineSpec, StageSpec
 
 THINKER_WEIGHTS = ["thinker.model.", "thinker.lm_head."]
+TALKER_WEIGHTS = ["talker."]
+CODE2WAV_WEIGHTS = ["code2wav."]
+# 4 frames (320 ms of audio) first for a quick first packet, then 24 (fewer, larger decodes); 25
+# frames of left context as transformers' chunked_decode.
+CODE2WAV_OPTIONS = {"first_chunk_frames": 4, "chunk_frames": 24, "left_context_frames": 25}
+
+
+def talker_params(config) -> dict[str, Any]:
+    """transformers' talker `generate` defaults (`Qwen3OmniMoeForConditionalGeneration.generate`)
+    as `SamplingParams` fields: ids from vocab - 1024 up are never sampled, except codec eos."""
+    talker = config.talker_config
+    vocab, eos = talker.text_config.vocab_size, talker.codec_eos_token_id
+    return {"temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05, "stop_token_ids": [eos],
+            "bad_token_ids": [i for i in range(max(0, vocab - 1024), vocab) if i != eos], "max_tokens": 4096}
+
+
+def has_audio_output(model_dir: str) -> bool:
+    """The checkpoint speaks: audio output enabled and its talker weights present (headers only)."""
+    from safetensors import safe_open
+
+    from omnistage.models.loader import safetensors_files
+
+    if not getattr(omni_config(model_dir), "enable_audio_output", True):
+        return False
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            if any(name.startswith(TALKER_WEIGHTS[0]) for name in f.keys()):
+                return True
+    return False
 
 
 def qwen3_omni_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
-    text = omni_config(model_dir).thinker_config.text_config
+    config = omni_config(model_dir)
     runner = "process" if engine.torch_device().type == "cuda" else "inline"
     thinker = StageSpec("thinker", "ar", model_dir, engine, final_output="text", runner=runner,
                         options={"component": THINKER},
-                        memory={"weights_prefix": THINKER_WEIGHTS, "lm_shape": lm_shape(text)})
-    return PipelineSpec([thinker], [], model="qwen3_omni", renderer_weights=ENCODER_WEIGHTS)
+                        memory={"weights_prefix": THINKER_WEIGHTS,
+                                "lm_shape": lm_shape(config.thinker_config.text_config)})
+    if not has_audio_output(model_dir):
+        return PipelineSpec([thinker], [], model="qwen3_omni", renderer_weights=ENCODER_WEIGHTS)
+    voice = load_constants(model_dir).default_voice
+    talker = StageSpec("talker", "ar", model_dir, dataclasses.replace(engine, max_model_len=None), runner=runner,
+                       options={"component": TALKER}, params=talker_params(config),
+                       memory={"weights_prefix": TALKER_WEIGHTS, "lm_shape": lm_shape(talker_text_config(model_dir))})
+    code2wav = StageSpec("code2wav", "codec", model_dir, engine, final_output="audio", runner=runner,
+                         backend="qwen3_omni_code2wav", options=dict(CODE2WAV_OPTIONS),
+                         memory={"weights_prefix": CODE2WAV_WEIGHTS, "weights_dtype": "float32"})  # runs in fp32
+    edges = [EdgeSpec("thinker", "talker", "qwen3_omni.thinker_to_talker", chunk_size=1,
+                      options={"model_dir": model_dir, "default_voice": voice}),
+             EdgeSpec("talker", "code2wav", "qwen3_omni.talker_to_code2wav", chunk_size=1)]
+    return PipelineSpec([thinker, talker, code2wav], edges, model="qwen3_omni", renderer_weights=ENCODER_WEIGHTS)
 
 
 class Qwen3OmniChatRenderer:

@@ -9,7 +9,10 @@ off again. A piece's `context` (Base in-context cloning: the reference voice's c
 reference decodes in front of the generated frames and cuts off) is taken with the request's first
 piece as frames before the first chunk: left context only, never output. One step decodes the chunks of up to `max_batch` requests in one forward: their frame
 windows are padded on the right (the decoder is causal, so padding never reaches the real
-samples). Out (through the engine): float32 mono at 24 kHz, chunk by chunk; `prompt_token_ids`
+samples). A decoder that looks ahead (`SpeechDecoder.look_ahead`: Qwen3-Omni's code2wav, whose stage
+subclasses this stage) also needs that many frames after the chunk, decoded and cut off too, until
+the input is done; the last chunk then ends where the whole decode ends (`tail_loss`).
+Out (through the engine): float32 mono at 24 kHz, chunk by chunk; `prompt_token_ids`
 are the group-0 codes decoded so far.
 """
 
@@ -23,7 +26,7 @@ import torch
 
 from omnistage.codec.engine import CodecEngine
 from omnistage.codec.speech import TTSParams
-from omnistage.models.qwen3_tts.decoder import UPSAMPLE, load_decoder
+from omnistage.models.qwen3_tts.decoder import SpeechDecoder, load_decoder
 
 SAMPLE_RATE = 24000
 
@@ -61,10 +64,14 @@ class Qwen3TTSDecoderStage:
                                  ("left_context_frames", left_context_frames, 0), ("max_batch", max_batch, 1)):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        self.decoder = load_decoder(model_dir, torch.device(device))
+        self.decoder = self.load_decoder(model_dir, torch.device(device))
         self.first_chunk, self.chunk, self.context = first_chunk_frames, chunk_frames, left_context_frames
         self.max_batch = max_batch
         self._batches = 0
+
+    @staticmethod
+    def load_decoder(model_dir: str, device: torch.device) -> SpeechDecoder:
+        return load_decoder(model_dir, device)
 
     @classmethod
     def from_stage_spec(cls, spec) -> CodecEngine:
@@ -102,16 +109,19 @@ class Qwen3TTSDecoderStage:
     def ready(self, state: DecoderState, input_done: bool) -> Optional[tuple[int, int]]:
         pending = len(state.frames) - state.done
         size = self.first_chunk if state.done == (state.start or 0) else self.chunk
-        if pending >= size or (input_done and pending > 0):
+        if pending >= size + self.decoder.look_ahead or (input_done and pending > 0):
             return state.done, state.done + min(pending, size)
         return None
 
     def decode(self, states: list[DecoderState], chunks: list[tuple[int, int]]) -> list[np.ndarray]:
-        windows, contexts = [], []
+        windows, contexts, keep = [], [], []
+        up, ahead = self.decoder.upsample, self.decoder.look_ahead
         for state, (start, end) in zip(states, chunks):
             ctx = min(self.context, start)
-            windows.append(state.frames[start - ctx:end])
+            windows.append(state.frames[start - ctx:end + ahead])
             contexts.append(ctx)
+            tail = end + ahead > len(state.frames)  # the answer's last chunk: ends as the whole decode does
+            keep.append((end - start) * up - (self.decoder.tail_loss if tail else 0))
         longest = max(len(w) for w in windows)
         codes = torch.zeros(len(windows), self.decoder.groups, longest, dtype=torch.long)
         for i, w in enumerate(windows):
@@ -119,8 +129,8 @@ class Qwen3TTSDecoderStage:
         wav = self.decoder(codes).float().cpu().numpy()
         self._batches += 1
         audio = []
-        for i, (state, (start, end)) in enumerate(zip(states, chunks)):
-            audio.append(np.ascontiguousarray(wav[i, contexts[i] * UPSAMPLE:(contexts[i] + end - start) * UPSAMPLE]))
+        for i in range(len(states)):
+            audio.append(np.ascontiguousarray(wav[i, contexts[i] * up:contexts[i] * up + keep[i]]))
         for state, (_, end) in zip(states, chunks):    # only once every chunk is decoded (engine retries)
             state.done = end
         return audio

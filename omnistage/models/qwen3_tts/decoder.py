@@ -25,7 +25,6 @@ import os
 import torch
 import torch.nn.functional as F
 
-UPSAMPLE = 1920                                 # samples per frame (8*5*4*3 * 2*2) at 24 kHz
 
 
 def load_decoder(model_dir: str, device: torch.device) -> "SpeechDecoder":
@@ -49,11 +48,15 @@ def _causal_conv(x: torch.Tensor, w: dict, name: str, dilation: int = 1, groups:
     return F.conv1d(F.pad(x, (pad, 0)), weight, w.get(f"{name}.bias"), dilation=dilation, groups=groups)
 
 
-def _trans_conv(x: torch.Tensor, w: dict, name: str, stride: int) -> torch.Tensor:
+def _trans_conv(x: torch.Tensor, w: dict, name: str, stride: int, both_sides: bool = False) -> torch.Tensor:
+    """A transposed conv that drops its right overhang (kernel - stride samples), and with
+    `both_sides` as many on the left too (Qwen3-Omni's code2wav: one input step of look-ahead)."""
     weight = w[f"{name}.weight"]
     y = F.conv_transpose1d(x, weight, w.get(f"{name}.bias"), stride=stride)
     overhang = weight.shape[-1] - stride
-    return y[..., : y.shape[-1] - overhang] if overhang > 0 else y
+    if overhang <= 0:
+        return y
+    return y[..., overhang if both_sides else 0: y.shape[-1] - overhang]
 
 
 def _snake(x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
@@ -67,6 +70,11 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class SpeechDecoder:
+    """The decoder on its weights. Subclasses for decoders of the same family change `_latent`
+    (codes -> latent frames) and `both_sided_trim` (see `_trans_conv`)."""
+
+    both_sided_trim = False
+
     def __init__(self, config: dict, weights: dict[str, torch.Tensor]):
         self.config = config
         self.w = weights
@@ -78,12 +86,34 @@ class SpeechDecoder:
         self.eps = float(config.get("rms_norm_eps", 1e-5))
         dev = next(iter(weights.values())).device
         half = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=dev) / self.head_dim
-        self.inv_freq = 1.0 / (float(config.get("rope_theta", 10000)) ** half)
+        theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta", 10000)
+        self.inv_freq = 1.0 / (float(theta) ** half)
+        self.upsample = math.prod(config["upsample_rates"] + config["upsampling_ratios"])   # samples per frame
         self.layers = int(config["num_hidden_layers"])
 
     @property
     def device(self) -> torch.device:
         return self.inv_freq.device
+
+    @property
+    def look_ahead(self) -> int:
+        """Frames after a frame that its samples depend on: 0 for a causal decoder, 1 when the
+        transposed convs trim both sides (each looks one input step ahead, < 1 frame in all)."""
+        return 1 if self.both_sided_trim else 0
+
+    @property
+    def tail_loss(self) -> int:
+        """Samples a decode of T frames lacks at its end against T * upsample: what each two-sided
+        transposed conv trims on its left (kernel - stride), times the upsampling after it."""
+        if not self.both_sided_trim:
+            return 0
+        strides = list(self.config["upsampling_ratios"]) + list(self.config["upsample_rates"])
+        names = [f"upsample.{k}.0.conv" for k in range(len(self.config["upsampling_ratios"]))]
+        names += [f"decoder.{i + 1}.block.1.conv" for i in range(len(self.config["upsample_rates"]))]
+        lost = 0
+        for i, (name, stride) in enumerate(zip(names, strides)):
+            lost += (self.w[f"{name}.weight"].shape[-1] - stride) * math.prod(strides[i + 1:])
+        return lost
 
     # ---- 1. codes -> latent frames --------------------------------------------------------------
     def _quantized(self, codes: torch.Tensor) -> torch.Tensor:
@@ -96,6 +126,10 @@ class SpeechDecoder:
                 total = total + F.embedding(codes[:, g], table)              # [B, T, dim]
             out = out + F.conv1d(total.transpose(1, 2), w[f"quantizer.{part}.output_proj.weight"])
         return out                                                           # [B, codebook_dim, T]
+
+    def _latent(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [B, G, T] -> latent frames [B, hidden, T] (the transformer's input)."""
+        return _causal_conv(self._quantized(codes), self.w, "pre_conv.conv")
 
     # ---- 2. transformer -------------------------------------------------------------------------
     def _attention(self, x: torch.Tensor, p: str, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -119,7 +153,9 @@ class SpeechDecoder:
 
     def _transformer(self, x: torch.Tensor) -> torch.Tensor:
         w = self.w
-        h = F.linear(x, w["pre_transformer.input_proj.weight"], w["pre_transformer.input_proj.bias"])
+        h = x
+        if "pre_transformer.input_proj.weight" in w:
+            h = F.linear(x, w["pre_transformer.input_proj.weight"], w["pre_transformer.input_proj.bias"])
         freqs = torch.arange(h.shape[1], device=h.device, dtype=torch.float32)[:, None] * self.inv_freq[None]
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos(), emb.sin()
@@ -132,6 +168,8 @@ class SpeechDecoder:
                          w[p + "mlp.down_proj.weight"])
             h = h + w[p + "mlp_layer_scale.scale"] * m
         h = _rms(h, w["pre_transformer.norm.weight"], self.eps)
+        if "pre_transformer.output_proj.weight" not in w:
+            return h
         return F.linear(h, w["pre_transformer.output_proj.weight"], w["pre_transformer.output_proj.bias"])
 
     # ---- 3. + 4. upsampling to samples ----------------------------------------------------------
@@ -149,7 +187,7 @@ class SpeechDecoder:
         rates = self.config["upsample_rates"]
         for i, rate in enumerate(rates):
             b = f"decoder.{i + 1}.block."
-            h = _trans_conv(_snake(h, w, b + "0"), w, b + "1.conv", rate)
+            h = _trans_conv(_snake(h, w, b + "0"), w, b + "1.conv", rate, self.both_sided_trim)
             for j, dilation in enumerate((1, 3, 9)):
                 r = f"{b}{j + 2}."
                 y = _causal_conv(_snake(h, w, r + "act1"), w, r + "conv1.conv", dilation=dilation)
@@ -162,10 +200,10 @@ class SpeechDecoder:
         """codes [B, G, T] (long) -> samples [B, T * 1920] in [-1, 1]."""
         if codes.shape[1] != self.groups:
             raise ValueError(f"codes must have {self.groups} codebooks, got {codes.shape[1]}")
-        h = _causal_conv(self._quantized(codes.to(self.device)), self.w, "pre_conv.conv")
+        h = self._latent(codes.to(self.device))
         h = self._transformer(h.transpose(1, 2)).transpose(1, 2)
         for k, factor in enumerate(self.config["upsampling_ratios"]):
-            h = self._convnext(_trans_conv(h, self.w, f"upsample.{k}.0.conv", factor), f"upsample.{k}.1.")
+            h = self._convnext(_trans_conv(h, self.w, f"upsample.{k}.0.conv", factor, self.both_sided_trim),
+                               f"upsample.{k}.1.")
         wav = self._vocoder(h).clamp(-1, 1)[:, 0]
-        expected = codes.shape[-1] * math.prod(self.config["upsample_rates"] + self.config["upsampling_ratios"])
-        return wav[:, :expected]
+        return wav[:, :codes.shape[-1] * self.upsample]

@@ -1,0 +1,126 @@
+"""Qwen3-Omni parts of `omni_bench.py --model qwen3-omni`: the checkpoint and the request settings.
+
+`--tiny`: the tiny checkpoint (omnistage.testing.qwen3_omni) on the CPU. Otherwise a random-weight
+bf16 folder in the real layout with Qwen3-Omni-30B-A3B's shape is written once under --work (34B
+parameters, ~68 GB: put --work on a disk that holds it; random weights time like real ones):
+  thinker  hidden 2048, 48 layers, 32 q / 4 kv heads of 128, 128 experts top-8 of width 768, vocab 152064
+  talker   hidden 1024, 20 layers, 16 q / 2 kv heads of 128, 128 experts top-8 of width 384 + a shared
+           expert of 768, codec vocab 3072; code predictor 5 layers x 1024, 16 codebooks of 2048
+  code2wav transformers' defaults (8 transformer layers x 1024, window 72, decoder 1536 channels)
+  encoders tiny (the prompts are text), the tiny tokenizer / processor, three speakers.
+Tensors are drawn on the GPU one at a time and written in 4 GB shards, routed experts fused per layer
+(`experts.gate_up_proj` / `experts.down_proj`, as transformers holds them), which our loaders read.
+Each request bans codec eos, so every answer has the same number of frames (12.5 per second of audio).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+FRAMES_PER_SECOND = 12.5                        # 24 kHz / 1920 samples per frame
+THINKER_30B = dict(vocab_size=152064, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                   num_key_value_heads=4, head_dim=128, moe_intermediate_size=768, num_experts=128,
+                   num_experts_per_tok=8, max_position_embeddings=65536, initializer_range=0.02)
+TALKER_30B = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=20, num_attention_heads=16,
+                  num_key_value_heads=2, head_dim=128, moe_intermediate_size=384, num_experts=128,
+                  num_experts_per_tok=8, shared_expert_intermediate_size=768, initializer_range=0.02)
+PREDICTOR_30B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=5, num_attention_heads=16,
+                     num_key_value_heads=8, head_dim=128, vocab_size=2048, num_code_groups=16)
+CODE2WAV_30B = dict(codebook_size=2048, hidden_size=1024, num_attention_heads=16, num_key_value_heads=16,
+                    num_hidden_layers=8, intermediate_size=3072, sliding_window=72, num_quantizers=16,
+                    decoder_dim=1536)
+SHARD_BYTES = 4 * 2**30
+
+
+def config_30b():
+    """The tiny checkpoint's config with the 30B-A3B shapes above (codec ids at the real offsets)."""
+    from omnistage.testing.qwen3_omni import make_config, token_ids
+
+    config = make_config(token_ids(), text_overrides=THINKER_30B)
+    thinker, talker = config.thinker_config, config.talker_config
+    thinker.audio_config.output_dim = thinker.vision_config.out_hidden_size = THINKER_30B["hidden_size"]
+    talker.thinker_hidden_size = THINKER_30B["hidden_size"]
+    talker.num_code_groups = PREDICTOR_30B["num_code_groups"]
+    for key, value in TALKER_30B.items():
+        setattr(talker.text_config, key, value)
+    talker.text_config.rope_parameters = {**talker.text_config.rope_parameters, "mrope_section": [24, 20, 20]}
+    talker.text_config.vocab_size = 3072
+    for key, value in PREDICTOR_30B.items():
+        setattr(talker.code_predictor_config, key, value)
+    talker.code_predictor_config.layer_types = ["full_attention"] * PREDICTOR_30B["num_hidden_layers"]
+    for key, value in CODE2WAV_30B.items():
+        setattr(config.code2wav_config, key, value)
+    offset = 2048 - 64                          # the tiny ids sit at the real offsets above codebook 64
+    for name in ("codec_eos_token_id", "codec_nothink_id", "codec_think_bos_id", "codec_think_eos_id",
+                 "codec_pad_id", "codec_bos_id"):
+        setattr(talker, name, getattr(talker, name) + offset)
+    talker.speaker_id = {k: v + offset for k, v in talker.speaker_id.items()}
+    config.dtype = thinker.dtype = "bfloat16"
+    return config
+
+
+def build_checkpoint(path: str) -> str:
+    """The random 30B-A3B-shape folder (kept across runs)."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    from omnistage.testing.qwen3_omni import make_omni_tokenizer, make_processor
+
+    if os.path.exists(os.path.join(path, "model.safetensors.index.json")):
+        return path
+    config = config_30b()
+    with torch.device("meta"):
+        model = Qwen3OmniMoeForConditionalGeneration(config)
+    os.makedirs(path, exist_ok=True)
+    gen = torch.Generator("cuda").manual_seed(0)
+    shard, size, index, n = {}, 0, {}, 0
+
+    def flush():
+        nonlocal shard, size, n
+        name = f"model-{n:05d}.safetensors"
+        save_file(shard, os.path.join(path, name))
+        index.update({k: name for k in shard})
+        shard, size, n = {}, 0, n + 1
+
+    for name, param in model.state_dict().items():
+        ones = name.endswith(("norm.weight", "layernorm.weight", ".scale", "gamma"))
+        t = (torch.ones(param.shape, device="cuda") if ones
+             else torch.randn(param.shape, device="cuda", generator=gen) * 0.02)
+        shard[name] = t.to(torch.bfloat16).cpu()
+        size += shard[name].numel() * 2
+        if size >= SHARD_BYTES:
+            flush()
+    if shard:
+        flush()
+    with open(os.path.join(path, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {}, "weight_map": index}, f)
+    config.save_pretrained(path)
+    tokenizer = make_omni_tokenizer()
+    tokenizer.save_pretrained(path)
+    make_processor(tokenizer).save_pretrained(path)
+    return path
+
+
+def tiny_checkpoint(path: str) -> str:
+    from omnistage.testing.qwen3_omni import make_tiny_qwen3_omni
+
+    if not os.path.exists(os.path.join(path, "config.json")):
+        make_tiny_qwen3_omni(path)
+    return path
+
+
+def stage_params(path: str, thinker_tokens: int, talker_frames: int) -> list:
+    """Thinker: sampled, eos ignored; talker: transformers' sampling with codec eos banned too."""
+    from omnistage import SamplingParams
+    from omnistage.models.qwen3_omni.pipeline import talker_params
+    from omnistage.models.qwen3_omni.thinker import omni_config
+
+    talker = talker_params(omni_config(path))
+    banned = talker["bad_token_ids"] + talker["stop_token_ids"]
+    return [SamplingParams(max_tokens=thinker_tokens, temperature=0.7, ignore_eos=True, seed=0),
+            SamplingParams(max_tokens=talker_frames, temperature=0.9, top_k=50, repetition_penalty=1.05,
+                           bad_token_ids=banned, seed=0),
+            None]

@@ -1,0 +1,207 @@
+"""Qwen3-Omni's talker, code predictor and code2wav against transformers on the tiny checkpoint (fp32, greedy).
+
+transformers' `Qwen3OmniMoeForConditionalGeneration.generate` gives the reference: thinker ids, the
+talker's codes (all codebooks, read where its code2wav takes them) and the waveform. The same thinker
+output (its input rows and the `accept_hidden_layer` rows, from a thinker forward over the
+generated sequence) goes through our thinker -> talker adapter into our AR engine serving the talker
+component, and the codes into our code2wav codec stage.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from omnistage.adapters import EdgeContext
+from omnistage.outputs import CompletionOutput, RequestOutput
+from omnistage.stage import HiddenStates, StageOutput
+
+THINKER_TOKENS = 8
+TALKER_TOKENS = 12
+# fp32 rounding grows through the vocoder's upsampling stack (~1e-5 of full scale measured);
+# the streamed decode's left context covers the tiny model's receptive field (1 layer, window 8).
+WAV_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from omnistage.testing.qwen3_omni import make_tiny_qwen3_omni
+
+    return make_tiny_qwen3_omni(str(tmp_path_factory.mktemp("qwen3_omni")))
+
+
+@pytest.fixture(scope="module")
+def ref(folder):
+    from omnistage.testing.qwen3_omni import load_reference
+
+    return load_reference(folder)
+
+
+def chat_inputs(folder, text: str, audio=None) -> dict:
+    """The processor's inputs of a system turn + a user turn (text, and an audio part when given)."""
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(folder)
+    parts = ([{"type": "audio", "audio": audio}] if audio is not None else []) + [{"type": "text", "text": text}]
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": parts}]
+    rendered = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    out = proc(text=[rendered], audio=[audio] if audio is not None else None, return_tensors="pt")
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def reference_run(ref, inputs: dict, speaker: str) -> dict:
+    """transformers' generate: thinker ids, talker codes [G, T], waveform; plus the thinker rows."""
+    taken = []
+    hook = ref.code2wav.register_forward_pre_hook(lambda m, args: taken.append(args[0].clone()))
+    try:
+        with torch.no_grad():
+            seqs, wav = ref.generate(**inputs, speaker=speaker, thinker_max_new_tokens=THINKER_TOKENS,
+                                     thinker_do_sample=False, talker_do_sample=False,
+                                     talker_max_new_tokens=TALKER_TOKENS, talker_repetition_penalty=1.0)
+            whole = dict(inputs, input_ids=seqs[:, :-1], attention_mask=torch.ones_like(seqs[:, :-1]))
+            rows = ref.thinker(**whole, output_hidden_states=True).hidden_states
+    finally:
+        hook.remove()
+    layer = ref.config.talker_config.accept_hidden_layer
+    return {"seqs": seqs[0], "codes": taken[0][0].numpy(), "wav": wav.reshape(-1).numpy(),
+            "inputs": rows[0][0], "hidden": rows[layer][0]}
+
+
+@pytest.fixture(scope="module")
+def run(ref, folder):
+    return reference_run(ref, chat_inputs(folder, "hello there, say something"), "Ethan")
+
+
+@pytest.fixture(scope="module")
+def audio_run(ref, folder):
+    tone = (0.3 * np.sin(2 * np.pi * 440 * np.arange(8000) / 16000)).astype(np.float32)
+    return reference_run(ref, chat_inputs(folder, "what is it", tone), "aiden")
+
+
+def thinker_output(run: dict, prompt_len: int, upto: int, finished: bool, start: int = 0) -> StageOutput:
+    """The thinker's StageOutput after computing positions start..upto-1 (prompt + generated rows)."""
+    seqs = run["seqs"].tolist()
+    generated = seqs[prompt_len:min(upto + 1, len(seqs))] if not finished else seqs[prompt_len:]
+    comp = CompletionOutput(0, token_ids=generated, finish_reason="length" if finished else None)
+    out = RequestOutput("r", prompt_token_ids=seqs[:prompt_len], outputs=[comp], finished=finished)
+    return StageOutput("r", out, finished, hidden=HiddenStates(start, run["hidden"][start:upto], run["inputs"][start:upto]))
+
+
+def talker_engine(folder):
+    from omnistage.ar.engine import AREngine
+    from omnistage.config import EngineConfig
+    from omnistage.models.registry import component_loader
+
+    return AREngine(folder, EngineConfig(device="cpu", dtype="float32", block_size=8),
+                    loader=component_loader("qwen3_omni.talker"))
+
+
+def greedy(ref):
+    from omnistage.params import SamplingParams
+
+    talker = ref.config.talker_config
+    vocab, eos = talker.text_config.vocab_size, talker.codec_eos_token_id
+    return SamplingParams(temperature=0.0, max_tokens=TALKER_TOKENS, stop_token_ids=[eos],
+                          bad_token_ids=[i for i in range(vocab - 1024, vocab) if i != eos])
+
+
+def talk(engine, inputs: dict, params) -> dict[str, np.ndarray]:
+    """Talker inputs per request -> frames [G, T] per request, all requests stepping together."""
+    for rid, ti in inputs.items():
+        engine.add_request(rid, ti.slice(0, 1, False), params)
+        engine.add_input(rid, ti.slice(1, len(ti), True))
+    frames = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                c = out.output.outputs[0]
+                frames[out.request_id] = np.array([[t] + list(k) for t, k in zip(c.token_ids, c.codes)]).T
+    return frames
+
+
+def adapter_input(folder, run: dict, voice: str, cut: int = 0):
+    """The talker's input from the whole thinker output (less its last `cut` rows: a shorter answer)."""
+    from omnistage.models.registry import adapter_target
+    from omnistage.adapters import build_adapter
+
+    adapter = build_adapter("qwen3_omni.thinker_to_talker", adapter_target("qwen3_omni.thinker_to_talker"),
+                            {"model_dir": folder})
+    n = run["inputs"].shape[0] - cut
+    prompt_len = len(run["seqs"]) - THINKER_TOKENS
+    out = thinker_output(run, prompt_len, n, True)
+    out.output.outputs[0].token_ids = out.output.outputs[0].token_ids[:len(out.output.outputs[0].token_ids) - cut]
+    return adapter(out, EdgeContext({"voice": voice}, None, {}))
+
+
+def test_talker_codes_equal_transformers_all_codebooks_batched_as_alone(folder, ref, run):
+    engine = talker_engine(folder)
+    inputs = {"Ethan": adapter_input(folder, run, "Ethan"), "short": adapter_input(folder, run, "chelsie", cut=4)}
+    assert not torch.equal(inputs["Ethan"].prompt.prompt_embeds, inputs["short"].prompt.prompt_embeds)
+    together = talk(engine, inputs, greedy(ref))
+    want = run["codes"]                         # transformers leaves out the last sampled frame
+    assert want.shape[0] == 4 and want.shape[1] >= 4
+    np.testing.assert_array_equal(together["Ethan"][:, :want.shape[1]], want)
+    alone = talk(engine, {"short": inputs["short"]}, greedy(ref))
+    np.testing.assert_array_equal(alone["short"], together["short"])
+    assert not np.array_equal(together["short"], together["Ethan"])
+
+
+def test_talker_codes_equal_transformers_with_audio_in_the_user_turn(folder, ref, audio_run):
+    """Audio placeholders take hidden_projection of the accept_hidden_layer rows (1-D positions, as
+    transformers' rope index gives audio)."""
+    audio_id = ref.config.thinker_config.audio_token_id
+    assert audio_run["seqs"].tolist().count(audio_id) > 0
+    got = talk(talker_engine(folder), {"r": adapter_input(folder, audio_run, "aiden")}, greedy(ref))["r"]
+    np.testing.assert_array_equal(got[:, :audio_run["codes"].shape[1]], audio_run["codes"])
+
+
+def test_adapter_streams_rows_as_the_thinker_computes_them(folder, run):
+    from omnistage.models.qwen3_omni.adapters import ThinkerToTalker
+
+    whole = adapter_input(folder, run, "Ethan")
+    adapter, ctx = ThinkerToTalker({"model_dir": folder}), EdgeContext({"voice": "ETHAN"}, None, {})
+    n, prompt_len = run["inputs"].shape[0], len(run["seqs"]) - THINKER_TOKENS
+    got, start = None, 0
+    for upto in list(range(prompt_len, n)) + [n]:  # the prefill, then one row per decode step
+        got = adapter(thinker_output(run, prompt_len, upto, upto == n, start), ctx) or got
+        start = upto
+        if got is not None and upto < n:
+            assert not got.finished and len(got.rows) <= upto - prompt_len + 1
+    assert got.finished and len(got) == len(whole)
+    torch.testing.assert_close(got.prompt.prompt_embeds, whole.prompt.prompt_embeds)
+    torch.testing.assert_close(torch.stack(got.rows), torch.stack(whole.rows))
+    with pytest.raises(ValueError, match="voice must be one of"):
+        adapter(thinker_output(run, prompt_len, n, True), EdgeContext({"voice": "nobody"}, None, {}))
+
+
+def _decode(folder, items: dict[str, np.ndarray], **options) -> dict[str, np.ndarray]:
+    from omnistage.codec.engine import CodecEngine
+    from omnistage.models.qwen3_omni.code2wav import Code2WavStage
+    from omnistage.models.qwen3_tts.codec import FramesInput
+
+    engine = CodecEngine(Code2WavStage(folder, **options))
+    for rid, codes in items.items():
+        engine.add_request(rid, FramesInput(codes.T.tolist(), finished=True))
+    audio, chunks = {}, {rid: 0 for rid in items}
+    while engine.has_unfinished():
+        for out in engine.step():
+            chunks[out.request_id] += int(out.audio_chunk is not None and len(out.audio_chunk) > 0)
+            if out.finished:
+                audio[out.request_id] = out.output.audio.samples
+    return audio | {f"{rid}#chunks": n for rid, n in chunks.items()}
+
+
+def test_code2wav_whole_and_streamed_equal_transformers(folder, ref, run):
+    a, b = run["codes"], run["codes"][::-1].copy()
+    whole = _decode(folder, {"a": a}, first_chunk_frames=64)
+    assert np.abs(run["wav"]).max() > 1e-3      # a waveform worth comparing
+    assert whole["a"].shape == run["wav"].shape
+    np.testing.assert_allclose(whole["a"], run["wav"], atol=WAV_ATOL)
+    streamed = _decode(folder, {"a": a, "b": b[:, :7]}, first_chunk_frames=2, chunk_frames=3, left_context_frames=25)
+    assert streamed["a#chunks"] >= 3
+    np.testing.assert_allclose(streamed["a"], run["wav"], atol=WAV_ATOL)
+    with torch.no_grad():
+        short = ref.code2wav(torch.as_tensor(b[:, :7])[None]).reshape(-1).numpy()
+    assert streamed["b"].shape == short.shape
+    np.testing.assert_allclose(streamed["b"], short, atol=WAV_ATOL)

@@ -244,7 +244,10 @@ def _plan_device(device: str, stages: list[StageSpec], spec: PipelineSpec, pinne
             f"{{gpu_memory_utilization: F}}}}`), raise gpu_memory_utilization, or put fewer or smaller stages "
             f"on {device}")
     kv = split_kv(left, {n: c.kv_demand for n, c in costs.items() if c.kv_demand})
-    shares = {n: min(1.0, (c.fixed + kv.get(n, 0)) / copies[n] / total) for n, c in costs.items()}
+    # The AR engine takes a CUDA context off its share wherever it runs; a stage in the entry point's process
+    # (inline, shared) uses that process's context, already reserved above, so its share carries it back.
+    back = {s.name: CUDA_CONTEXT_BYTES if s.runner != "process" else 0 for s in free}
+    shares = {n: min(1.0, (c.fixed + kv.get(n, 0) + back[n]) / copies[n] / total) for n, c in costs.items()}
     logger.info("GPU memory plan of %s (%s x %s): %s; KV: %s; fixed: %s", device, _gib(total), util,
                 ", ".join(f"{n} {v:.3f}" for n, v in shares.items()),
                 ", ".join(f"{n} {_gib(b)} of {_gib(costs[n].kv_demand)} wanted" for n, b in kv.items()) or "none",

@@ -50,8 +50,10 @@ RENDERER_WEIGHTS = ("thinker.audio_tower.", "thinker.visual.", "thinker.model.em
 # than real time: chunk 48 -> RTF 1.7, 96 -> 0.98, 192 -> 0.86 (with code2wav in its own process).
 CODE2WAV_OPTIONS = {"first_chunk_codes": 12, "chunk_codes": 96, "past_blocks": 2, "future_blocks": 1}
 # Where the stages run on a GPU: "process" (one process each) or "shared" (all in the serving process, each
-# on a CUDA stream of its own); benchmarks/omni_bench.py measures both in one run.
-GPU_STAGE_LAYOUT = "process"
+# on a CUDA stream of its own); benchmarks/omni_bench.py measures both. Shared, measured on one H200
+# (benchmarks/RESULTS.md, session 5): TTFA 0.50 / 0.87 s at 1 / 8 streams against 0.90 / 2.28 s for
+# process-per-stage in session 4.
+GPU_STAGE_LAYOUT = "shared"
 
 
 def talker_params(config) -> dict[str, Any]:
@@ -74,9 +76,10 @@ def omni_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
     config = omni_config(model_dir)
     names = voices(model_dir)
     default_voice = DEFAULT_VOICE if DEFAULT_VOICE in names else names[0]
-    # On a GPU every stage runs in its own process (GPU_STAGE_LAYOUT): the thinker, talker and code2wav
-    # steps overlap instead of taking turns in one Python thread; the hidden states they pass cross as
-    # tensors (`pipeline.wire`). `stage_layout: shared` in a deploy config runs them in one process.
+    # On a GPU every stage runs in the serving process (GPU_STAGE_LAYOUT "shared"), each engine on a CUDA
+    # stream of its own (the talker's and thinker's at high priority), so their GPU work overlaps and the
+    # hidden states they pass stay on the device. `stage_layout: process` in a deploy config gives each
+    # stage its own process instead (tensors cross by `pipeline.wire`).
     runner = GPU_STAGE_LAYOUT if engine.torch_device().type == "cuda" else "inline"
     # Requests that feed the talker report hidden states and so skip the prefix cache (see
     # `ar/conditioning.Conditioning.cacheable`); text-only requests keep it.

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from omnistage.models.qwen3_omni.thinker import MoeDecoderLayer, Qwen3MoeForCausalLM, omni_config, read_tensors
+from omnistage.models.qwen3_tts.predictor import FramePredictor
 from omnistage.models.qwen3_tts.talker import CodePredictor
 
 TALKER = "qwen3_omni.talker"
@@ -62,7 +63,7 @@ class Qwen3OmniTalker(Qwen3MoeForCausalLM):
         shared = int(config.shared_expert_intermediate_size)
         for i in range(config.num_hidden_layers):
             self.layers[i] = MoeDecoderLayer(config, shared)
-        self.frame_head: Optional[CodePredictor] = None
+        self.frame_head: Optional[FramePredictor] = None
 
 
 def load_talker(model_dir: str, device: torch.device, dtype: torch.dtype, max_positions: Optional[int]):
@@ -81,6 +82,6 @@ def load_talker(model_dir: str, device: torch.device, dtype: torch.dtype, max_po
     predictor = CodePredictor(predictor_config(talker), config.hidden_size)
     predictor.load({k[len("code_predictor."):]: v for k, v in tensors.items() if k.startswith("code_predictor.")})
     predictor = predictor.to(device=device, dtype=dtype).eval()
-    predictor.code0_embed = model.embed_tokens
-    model.frame_head = predictor
+    predictor.sampling = {"top_k": 50, "top_p": 0.8}   # what transformers' talker samples its code predictor with
+    model.frame_head = FramePredictor(predictor, model.embed_tokens)
     return model.eval(), config, None, frozenset({int(talker.codec_eos_token_id)})

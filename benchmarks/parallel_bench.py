@@ -121,15 +121,10 @@ def bs1_floor(path: str, tp: int) -> float:
     from omnistage.models.loader import safetensors_files
 
     weight_bytes = sum(os.path.getsize(f) for f in safetensors_files(path)) / tp
-    x = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    bandwidth = 2 * x.numel() * 10 / (time.perf_counter() - t)        # read + write bytes/s
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from ar_bench import copy_bandwidth                 # one way of measuring it for every benchmark
+
+    bandwidth = copy_bandwidth()                         # read + write bytes/s
     return bandwidth / weight_bytes
 
 

@@ -6,9 +6,11 @@ Out: the model on the target device and dtype, in eval mode, with weights stream
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -30,6 +32,26 @@ def safetensors_files(model_dir: str) -> list[str]:
     if not files:
         raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
     return [os.path.join(model_dir, f) for f in files]
+
+
+def read_tensors(model_dir: str, wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the checkpoint tensors whose name `wanted` accepts (others are not read)."""
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if wanted(name):
+                    yield name, f.get_tensor(name)
+
+
+def config_copy(model_dir: str):
+    """The folder's transformers config (`AutoConfig`), read once per folder; a private copy (callers
+    may change it)."""
+    return copy.deepcopy(_cached_config(os.path.realpath(model_dir)))
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_config(model_dir: str):
+    return AutoConfig.from_pretrained(model_dir)
 
 
 def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:

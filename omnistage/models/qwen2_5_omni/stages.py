@@ -19,42 +19,21 @@ text_config, tokenizer or None, eos_ids)`. Only the tensors of the component are
 from __future__ import annotations
 
 import copy
-import functools
-import os
-from collections.abc import Callable, Iterator
 from typing import Optional
 
 import torch
 
 from omnistage.models.llama import Qwen2ForCausalLM
-from omnistage.models.loader import eos_ids, safetensors_files
+from omnistage.models.loader import config_copy, eos_ids, read_tensors, safetensors_files
 from omnistage.models.qwen2_5_omni.weights import talker_weights, thinker_text_weights
 
 THINKER = "qwen2_5_omni.thinker"
 TALKER = "qwen2_5_omni.talker"
 
 
-def read_tensors(model_dir: str, wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of the checkpoint tensors whose name `wanted` accepts (others are not read)."""
-    from safetensors import safe_open
-
-    for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                if wanted(name):
-                    yield name, f.get_tensor(name)
-
-
 def omni_config(model_dir: str):
     """The folder's `Qwen2_5OmniConfig`, a private copy (callers may change it)."""
-    return copy.deepcopy(_omni_config(os.path.realpath(model_dir)))
-
-
-@functools.lru_cache(maxsize=4)
-def _omni_config(model_dir: str):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model_dir)
+    return config_copy(model_dir)
 
 
 def _build(config, weights, device: torch.device, dtype: torch.dtype,

@@ -21,9 +21,6 @@ Loader contract (`ar.engine.ModelLoader`): `load_thinker(model_dir, device, dtyp
 
 from __future__ import annotations
 
-import copy
-import functools
-import os
 import re
 from collections.abc import Iterable, Iterator
 from typing import Optional
@@ -33,7 +30,8 @@ import torch
 from omnistage.layers.attention import AttentionMetadata
 from omnistage.layers.moe import SparseMoeBlock
 from omnistage.models.llama import DecoderLayer, Qwen3ForCausalLM
-from omnistage.models.loader import eos_ids, safetensors_files
+from omnistage.models import loader
+from omnistage.models.loader import eos_ids
 
 THINKER = "qwen3_omni.thinker"
 _MOE_NAME = re.compile(r"layers\.(\d+)\.mlp\.(.+)")
@@ -134,26 +132,13 @@ def thinker_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tup
 
 
 def read_tensors(model_dir: str, prefixes: tuple[str, ...]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of the checkpoint tensors whose names start with one of `prefixes`."""
-    from safetensors import safe_open
-
-    for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                if name.startswith(prefixes):
-                    yield name, f.get_tensor(name)
+    """(name, tensor) of the checkpoint tensors whose name starts with one of `prefixes`."""
+    return loader.read_tensors(model_dir, lambda name: name.startswith(prefixes))
 
 
 def omni_config(model_dir: str):
     """The folder's `Qwen3OmniMoeConfig`, a private copy (callers may change it)."""
-    return copy.deepcopy(_omni_config(os.path.realpath(model_dir)))
-
-
-@functools.lru_cache(maxsize=4)
-def _omni_config(model_dir: str):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(model_dir)
+    return loader.config_copy(model_dir)
 
 
 def thinker_text_config(model_dir: str):

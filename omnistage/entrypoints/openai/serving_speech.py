@@ -7,7 +7,8 @@
     `language`, `ref_audio` (data URL / base64 / an allowed URL, `ref_audio.py`), `ref_text`,
     `x_vector_only_mode`, `max_new_tokens`, `initial_codec_chunk_frames`, `stream`; `voice` is a
     preset of the model (`preset_voice`: in any case for an `any_case` entry, passed on as its id) or
-    an uploaded voice (`voice_store.py`, whose reference becomes `ref_audio` / `ref_text`). A field the model cannot honour is a 400 from its `check_params`.
+    an uploaded voice (`voice_store.py`, whose reference becomes `ref_audio` / `ref_text`). A field
+    the model cannot honour is a 400 from its `check_params`.
     Out: the whole file (wav | pcm | flac | mp3 | opus | aac) with usage headers `x-vllm-omni-*-tokens`, or with
     `stream_format: "audio"` the same bytes streamed as sentences are synthesized, or with
     `stream: true` / `stream_format: "sse"` events `speech.audio.delta` (`audio`: base64 of the next

@@ -7,6 +7,8 @@ given as the answer equal the tokenized `input`, its prompt holds one row per us
 three assistant-header rows and six special rows (the last one S_3 + codec bos), and its streamed
 rows are one per further prompt position (+ the tts_eos row). The tiny tokenizer spells the
 assistant header in more than three tokens: as in transformers, its tail counts as the answer's start.
+Offline, the same ids sent as a chat prompt that the thinker continues give the talker the same
+prompt rows and first streamed row.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import numpy as np
 import openai
 import pytest
 import soundfile as sf
+import torch
 
 from omnistage.codec.speech import TTSParams
+from omnistage.params import SamplingParams
 
 FRAMES = 6                                      # talker frames: codec eos is barred, so exactly these
 TEXT = "Hello there, read this aloud."
@@ -120,6 +124,14 @@ def test_offline_speak(q3_dir, deploy):
         seen = record_talker_inputs(omni.orchestrator)
         (out,) = omni.speak(TEXT, TTSParams(voice="Chelsie"), use_tqdm=False)
         assert out.audio.sample_rate == 24000 and out.audio.samples.size > 0
+        ((ids, _, read),) = seen.values()
         check_talker_got_the_text(seen, omni.tokenizer, TEXT)
+        # the same ids as a chat prompt the thinker continues: the talker's prompt and first streamed
+        # row are the same rows, so read-aloud conditions the talker as a thinker that wrote the text
+        omni.generate({"prompt_token_ids": ids, "modalities": ["text", "audio"], "voice": "chelsie"},
+                      SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+        ((_, start, chat),) = seen.values()
+        assert start is None and torch.equal(chat.prompt.prompt_embeds, read.prompt.prompt_embeds)
+        assert torch.equal(chat.rows[0], read.rows[0])
         with pytest.raises(ValueError, match="speed"):
             omni.speak(TEXT, TTSParams(speed=1.5), use_tqdm=False)

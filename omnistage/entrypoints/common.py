@@ -123,7 +123,9 @@ class Speech:
     def __init__(self, orch: Orchestrator, renderer: ChatRenderer):
         self.orch = orch
         self.stage = speech_stage(orch)         # the TTS stage, or None
-        reader = renderer.custom if self.stage is None else None
+        # an omni model reads aloud when its pipeline speaks (a thinker-only checkpoint does not)
+        speaks = "audio" in orch.spec.output_modalities()
+        reader = renderer.custom if self.stage is None and speaks else None
         self.reader = reader if callable(getattr(reader, "read_aloud", None)) else None
 
     @property

@@ -2,12 +2,13 @@
 
 `register_speech_routes(app, engine, served_model_name, metrics, options)` adds:
   * `POST /v1/audio/speech` (`SpeechRequest`): the text goes straight to the pipeline's speech stage
-    (`AsyncOmni.speech_stage`, skipping any LM), or, on an omni model (Qwen2.5-Omni), to its thinker
+    (`AsyncOmni.speech_stage`, skipping any LM), or, on an omni model (Qwen2.5-Omni, Qwen3-Omni), to its thinker
     as the answer to speak (`AsyncOmni.speech`: the talker speaks exactly that text). Fields: OpenAI's plus vLLM-Omni's `task_type`,
     `language`, `ref_audio` (data URL / base64 / an allowed URL, `ref_audio.py`), `ref_text`,
     `x_vector_only_mode`, `max_new_tokens`, `initial_codec_chunk_frames`, `stream`; `voice` is a
-    preset of the model or an uploaded voice (`voice_store.py`, whose reference becomes
-    `ref_audio` / `ref_text`). A field the model cannot honour is a 400 from its `check_params`.
+    preset of the model (`preset_voice`: in any case for an `any_case` entry, passed on as its id) or
+    an uploaded voice (`voice_store.py`, whose reference becomes `ref_audio` / `ref_text`). A field
+    the model cannot honour is a 400 from its `check_params`.
     Out: the whole file (wav | pcm | flac | mp3 | opus | aac) with usage headers `x-vllm-omni-*-tokens`, or with
     `stream_format: "audio"` the same bytes streamed as sentences are synthesized, or with
     `stream: true` / `stream_format: "sse"` events `speech.audio.delta` (`audio`: base64 of the next
@@ -107,10 +108,24 @@ def _voice_name(voice: Any, field: str = "voice") -> Optional[str]:
     return voice
 
 
-def _check_voice(engine: Any, voice: Optional[str], field: str = "voice") -> None:
-    names = [v["id"] for v in engine.voices()]
-    if voice is not None and voice not in names:
+def preset_voice(engine: Any, voice: Optional[str]) -> Optional[str]:
+    """The id of the model's preset voice that `voice` names, or None: the same id, or the same
+    name in any case for an entry marked `any_case` (a model that looks its speakers up so)."""
+    if voice is None:
+        return None
+    for v in engine.voices():
+        if v["id"] == voice or (v.get("any_case") and v["id"].lower() == voice.lower()):
+            return v["id"]
+    return None
+
+
+def _check_voice(engine: Any, voice: Optional[str], field: str = "voice") -> Optional[str]:
+    """The preset id of `voice` (None = the model's default); a 400 naming `field` for an unknown one."""
+    preset = preset_voice(engine, voice)
+    if voice is not None and preset is None:
+        names = [v["id"] for v in engine.voices()]
         raise OpenAIError(400, f"{field} must be one of {names}, got {voice[:40]!r}", param=field)
+    return preset
 
 
 class AudioDelta:
@@ -185,8 +200,9 @@ class ServingSpeech(OpenAIServing):
         `ref_audio` decoded off the event loop; 400 naming the field for what is malformed."""
         voice = _voice_name(req.voice)
         ref_audio, ref_text, task = None, req.ref_text, req.task_type
-        presets = [v["id"] for v in self.engine.voices()]
-        if voice is not None and voice not in presets:
+        preset = preset_voice(self.engine, voice)
+        if voice is not None and preset is None:
+            presets = [v["id"] for v in self.engine.voices()]
             if self.voices.get(voice) is None:
                 raise OpenAIError(400, f"voice must be one of {presets + self.voices.names()}, got {voice[:40]!r}",
                                   param="voice")
@@ -195,6 +211,8 @@ class ServingSpeech(OpenAIServing):
                 if found is None:
                     raise OpenAIError(400, f"voice {voice!r} was just deleted", param="voice")
                 ref_audio, ref_text, task = (found[0], found[1]), ref_text or found[2], task or "Base"
+        elif preset is not None:
+            voice = preset
         if req.ref_audio is not None:
             ref_audio = await off_loop(lambda: load_reference(req.ref_audio, self.options.allowed_media_domains))
         try:
@@ -312,8 +330,7 @@ class ChatAudio:
         if fmt not in AUDIO_FORMATS:
             raise OpenAIError(400, f"audio.format must be one of {', '.join(AUDIO_FORMATS)}, got {str(fmt)[:40]!r}",
                               param="audio.format")
-        voice = _voice_name(audio.get("voice"), "audio.voice")
-        _check_voice(engine, voice, "audio.voice")
+        voice = _check_voice(engine, _voice_name(audio.get("voice"), "audio.voice"), "audio.voice")
         first = initial_codec_chunk_frames
         if first is not None and (isinstance(first, bool) or not 1 <= first <= MAX_CHUNK_FRAMES):
             raise OpenAIError(400, f"initial_codec_chunk_frames must be an integer in [1, {MAX_CHUNK_FRAMES}], "

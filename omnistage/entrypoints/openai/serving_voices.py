@@ -29,6 +29,7 @@ from omnistage.entrypoints.openai.chat_media import off_loop
 from omnistage.entrypoints.openai.errors import OpenAIError
 from omnistage.entrypoints.openai.ref_audio import MAX_REF_AUDIO_BYTES, decode_reference
 from omnistage.entrypoints.openai.serving_images import MediaLimits, body_schema, read_form
+from omnistage.entrypoints.openai.serving_speech import preset_voice
 from omnistage.entrypoints.openai.voice_store import NAME_RE, StoredVoice
 
 _FORM_LIMITS = MediaLimits(max_upload_bytes=MAX_REF_AUDIO_BYTES, max_upload_files=1)
@@ -60,8 +61,7 @@ async def _upload(speech: Any, raw: Request) -> StoredVoice:
     if not NAME_RE.match(name):
         raise OpenAIError(400, "name must be 1 to 64 letters, digits, '_', '-' or '.', starting with a letter or "
                                f"digit, got {name[:40]!r}", param="name")
-    presets = [v["id"] for v in speech.engine.voices()]
-    if name in presets:
+    if preset_voice(speech.engine, name) is not None:
         raise OpenAIError(400, f"name {name!r} is a preset voice of this model; choose another", param="name")
     for key, most in _TEXT_FIELDS.items():
         value = fields.get(key)

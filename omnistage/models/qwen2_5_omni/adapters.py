@@ -17,7 +17,7 @@ The talker stage adds its folded codec table (`embed[c] = codec_embed[c] W^T`, `
 streamed rows, which makes each decode input `W (codec_embed(c) + T(g_j)) + b` as in transformers.
 The thinker's rows of one step arrive per output; the prompt rows wait in the request's edge
 memory until T(g_0) exists (the thinker step after its prefill).
-Read aloud (request field `read_aloud_from` = R, `read_aloud.py`): the thinker's prompt ends with the
+Read aloud (request field `read_aloud_from` = R, `models/read_aloud.py`): the thinker's prompt ends with the
 text to speak, so P = R and g_0 .. g_{n-1} are the prompt's positions R .. end - 1 (all computed by
 the prefill); rows past the prompt (the one token it samples) are not read, and the stream ends with
 the thinker (then the tts_eos row).

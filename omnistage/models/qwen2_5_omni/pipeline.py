@@ -23,7 +23,7 @@ per encoder row), merged `prompt_embeds` when there is media, and 3-D rope posit
 there is an image or a video.
 The audio and vision encoders run here, in the entry point's process, on the thinker's device.
 Its `read_aloud(text, params)` is the thinker request that makes the talker speak `text`
-(`read_aloud.py`: `/v1/audio/speech` and `Omni.speak` on an omni folder).
+(`models/read_aloud.py`: `/v1/audio/speech` and `Omni.speak` on an omni folder).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import torch
 from omnistage.config import EngineConfig
 from omnistage.models.qwen2_5_omni.adapters import DEFAULT_VOICE
 from omnistage.models.loader import lm_shape
+from omnistage.models.read_aloud import ReadAloud
 from omnistage.models.qwen2_5_omni.stages import TALKER, THINKER, omni_config, read_tensors
 from omnistage.spec import EdgeSpec, PipelineSpec, StageSpec
 
@@ -127,7 +128,7 @@ def load_thinker_encoders(model_dir: str, device: torch.device, dtype: torch.dty
     return model.eval()
 
 
-class OmniChatRenderer:
+class OmniChatRenderer(ReadAloud):
     """Chat messages -> the thinker's request inputs, a dict of `ARPrompt` fields (the entry points
     add the request's `modalities` / `voice` to it; see the module docstring)."""
 
@@ -147,20 +148,6 @@ class OmniChatRenderer:
         self.model = load_thinker_encoders(stage.model_dir, self.device, engine.torch_dtype())
         self.config = self.model.config
         self.voices = voices(stage.model_dir)   # preset speakers (spk_dict.pt), for read-aloud's check
-
-    def check_read_aloud(self, params) -> None:
-        """Raises `ParamError` for `TTSParams` read-aloud cannot honour (see read_aloud.py)."""
-        from omnistage.models.qwen2_5_omni.read_aloud import check_read_aloud
-
-        check_read_aloud(params, self.voices)
-
-    def read_aloud(self, text: str, params) -> tuple[dict[str, Any], Any]:
-        """(thinker prompt dict, thinker `SamplingParams`) that speak `text` with `params` (`TTSParams`)."""
-        from omnistage.models.qwen2_5_omni.processor import build_thinker_inputs
-        from omnistage.models.qwen2_5_omni.read_aloud import read_aloud_request
-
-        template = build_thinker_inputs(self.processor, [{"role": "user", "content": text}])
-        return read_aloud_request(self.processor.tokenizer, template.input_ids[0].tolist(), text, params)
 
     @torch.no_grad()
     def __call__(self, messages: list[dict], chat_template_kwargs: Optional[dict] = None) -> dict[str, Any]:

@@ -23,6 +23,12 @@ stream ends after e rows (e = tokens it generated, less its stop token) with TP(
 transformers moves the marker to the row after the last real token. With the real tokenizer (a
 three-token `<|im_start|>assistant\n`) row j is token j + 1 and this never cuts a row.
 
+Read aloud (request field `read_aloud_from` = R, `models/read_aloud.py`): the thinker's prompt ends
+with the text to speak, from R on, right after the assistant header; S_3 .. are then the text's ids
+(R = a + 3 with the real tokenizer; a longer header's tail comes first, as after a thinker that wrote
+the text), all computed by the prefill. The stream is every prompt row past S_3 and then
+TP(e(tts_eos)) once the thinker finished (the one token it samples is not read).
+
 System turns and earlier assistant turns are not part of it. The talker adds to each generated
 position its frame's codec rows (code 0 by its own embedding, codes 1..G-1 by its frame head),
 which makes each decode input what transformers feeds. The last token the thinker sampled is never
@@ -155,9 +161,13 @@ class ThinkerToTalker:
     def __call__(self, out: StageOutput, ctx: EdgeContext) -> Optional[TalkerInput]:
         mem, const = ctx.memory, self.const
         ids = out.output.prompt_token_ids
+        read_from = ctx.fields.get("read_aloud_from")
         if "a" not in mem:
             mem["a"] = assistant_start(ids, const.im_start_id, const.assistant_id)
             mem["voice"] = self.voice(ctx.fields)
+            if read_from is not None and (not isinstance(read_from, int) or not mem["a"] + 3 <= read_from < len(ids)):
+                raise ValueError(f"read_aloud_from must be in [{mem['a'] + 3}, {len(ids) - 1}] (after the "
+                                 f"assistant header), got {read_from!r}")
         if out.hidden is not None:
             self._take(out, mem, out.hidden)
         elif "inputs" not in mem and "prompt" not in mem:
@@ -169,7 +179,9 @@ class ThinkerToTalker:
             return None
         comps = out.output.outputs
         n = len(comps[0].token_ids) if comps else 0
-        if out.finished and comps and comps[0].finish_reason == "stop":
+        if read_from is not None:
+            n = len(ids) - mem["a"] - 4         # the rows after S_3: the rest of the prompt
+        elif out.finished and comps and comps[0].finish_reason == "stop":
             n -= 1                              # the stop token: its row is tts_eos
         rows = mem["trail"][:n]
         if out.finished:

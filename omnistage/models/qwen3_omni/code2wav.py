@@ -80,7 +80,9 @@ class Code2WavStage(Qwen3TTSDecoderStage):
         self.speakers = sorted(name.lower() for name in speakers)
 
     def voices(self) -> list[dict[str, Any]]:
-        return [{"id": v, "name": v, "sample_rate": SAMPLE_RATE, "backend": "qwen3_omni"} for v in self.speakers]
+        # any_case: the talker looks speakers up lowercased, so "Ethan" names "ethan" (HTTP checks agree)
+        return [{"id": v, "name": v, "sample_rate": SAMPLE_RATE, "backend": "qwen3_omni", "any_case": True}
+                for v in self.speakers]
 
     def check_params(self, params: Optional[VoiceParams]) -> None:
         voice = getattr(params, "voice", None)

@@ -22,7 +22,8 @@ tensors it loads and its decoder's shape; the chat renderer's weights are `rende
 
 `Qwen3OmniChatRenderer(spec)` is the registry entry's `chat_renderer`: chat messages with text,
 image, audio and video (frames only) parts -> the thinker's `ARPrompt` fields (`processor.py`). The
-audio and vision encoders run here, in the entry point's process, on the thinker's device.
+audio and vision encoders run here, in the entry point's process, on the thinker's device. Its
+`read_aloud(text, params)` serves `/v1/audio/speech` and `Omni.speak` (`models/read_aloud.py`).
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ from typing import Any, Optional
 
 import torch
 
+from omnistage.codec.speech import SpeechCapabilities
 from omnistage.config import EngineConfig
 from omnistage.models.loader import lm_shape
 from omnistage.models.qwen3_omni.adapters import load_constants
 from omnistage.models.qwen3_omni.processor import ENCODER_WEIGHTS
 from omnistage.models.qwen3_omni.talker import TALKER, talker_text_config
 from omnistage.models.qwen3_omni.thinker import THINKER, omni_config
+from omnistage.models.read_aloud import ReadAloud
 from omnistage.spec import EdgeSpec, PipelineSpec, StageSpec
 
 THINKER_WEIGHTS = ["thinker.model.", "thinker.lm_head."]
@@ -94,10 +97,14 @@ def qwen3_omni_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
     return PipelineSpec([thinker, talker, code2wav], edges, model="qwen3_omni", renderer_weights=ENCODER_WEIGHTS)
 
 
-class Qwen3OmniChatRenderer:
-    """Chat messages -> the thinker's request inputs, a dict of `ARPrompt` fields."""
+class Qwen3OmniChatRenderer(ReadAloud):
+    """Chat messages -> the thinker's request inputs, a dict of `ARPrompt` fields; `read_aloud(text,
+    params)`: the thinker request that makes the talker speak `text` (`models/read_aloud.py`)."""
 
     media_types = ("image", "audio", "video")   # message parts this renderer reads besides text
+    voices_any_case = True                      # speakers match in any case, as the talker looks them up
+    # code2wav's first chunk is a stage option (CODE2WAV_OPTIONS), not a request field
+    read_aloud_capabilities = SpeechCapabilities(task_types=("CustomVoice",), languages=("Auto",))
 
     def __init__(self, spec: PipelineSpec):
         from transformers import AutoProcessor
@@ -109,6 +116,8 @@ class Qwen3OmniChatRenderer:
         self.processor = AutoProcessor.from_pretrained(stage.model_dir)
         engine = stage.engine.resolved("ar", checkpoint_dtype(stage.model_dir))
         self.encoders = load_thinker_encoders(stage.model_dir, engine.torch_device(), engine.torch_dtype())
+        speakers = getattr(omni_config(stage.model_dir).talker_config, "speaker_id", None) or {}
+        self.voices = sorted(name.lower() for name in speakers)   # for read-aloud's check
 
     @torch.no_grad()
     def __call__(self, messages: list[dict], chat_template_kwargs: Optional[dict] = None) -> dict[str, Any]:

@@ -4,7 +4,8 @@ transformers' `Qwen3OmniMoeForConditionalGeneration.generate` gives the referenc
 talker's codes (all codebooks, read where its code2wav takes them) and the waveform. The same thinker
 output (its input rows and the `accept_hidden_layer` rows, from a thinker forward over the
 generated sequence) goes through our thinker -> talker adapter into our AR engine serving the talker
-component, and the codes into our code2wav codec stage.
+component, and the codes into our code2wav codec stage. Prompts with an image or a video also carry
+the talker's 3-D rope positions, checked against transformers' talker rope index.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def reference_run(ref, inputs: dict, speaker: str) -> dict:
         hook.remove()
     layer = ref.config.talker_config.accept_hidden_layer
     return {"seqs": seqs[0], "codes": taken[0][0].numpy(), "wav": wav.reshape(-1).numpy(),
-            "inputs": rows[0][0], "hidden": rows[layer][0]}
+            "inputs": rows[0][0], "hidden": rows[layer][0], "prompt_len": inputs["input_ids"].shape[1]}
 
 
 @pytest.fixture(scope="module")
@@ -120,18 +121,18 @@ def talk(engine, inputs: dict, params) -> dict[str, np.ndarray]:
     return frames
 
 
-def adapter_input(folder, run: dict, voice: str, cut: int = 0):
-    """The talker's input from the whole thinker output (less its last `cut` rows: a shorter answer)."""
+def adapter_input(folder, run: dict, voice: str, cut: int = 0, entry=None):
+    """The talker's input from the whole thinker output (less its last `cut` rows: a shorter answer);
+    `entry`: the thinker's `ARPrompt` the request entered with."""
     from omnistage.models.registry import adapter_target
     from omnistage.adapters import build_adapter
 
     adapter = build_adapter("qwen3_omni.thinker_to_talker", adapter_target("qwen3_omni.thinker_to_talker"),
                             {"model_dir": folder})
     n = run["inputs"].shape[0] - cut
-    prompt_len = len(run["seqs"]) - THINKER_TOKENS
-    out = thinker_output(run, prompt_len, n, True)
+    out = thinker_output(run, run["prompt_len"], n, True)
     out.output.outputs[0].token_ids = out.output.outputs[0].token_ids[:len(out.output.outputs[0].token_ids) - cut]
-    return adapter(out, EdgeContext({"voice": voice}, None, {}))
+    return adapter(out, EdgeContext({"voice": voice}, entry, {}))
 
 
 def test_talker_codes_equal_transformers_all_codebooks_batched_as_alone(folder, ref, run):
@@ -154,6 +155,67 @@ def test_talker_codes_equal_transformers_with_audio_in_the_user_turn(folder, ref
     assert audio_run["seqs"].tolist().count(audio_id) > 0
     got = talk(talker_engine(folder), {"r": adapter_input(folder, audio_run, "aiden")}, greedy(ref))["r"]
     np.testing.assert_array_equal(got[:, :audio_run["codes"].shape[1]], audio_run["codes"])
+
+
+def media_message(kind: str) -> list[dict]:
+    """A system turn + a user turn with an image (or a 2-temporal-patch video) and a question."""
+    rng = np.random.RandomState(5)
+    if kind == "image":
+        from PIL import Image
+
+        part = {"type": "image", "image": Image.fromarray((rng.rand(60, 90, 3) * 255).astype("uint8"))}
+    else:
+        part = {"type": "video", "video": (rng.rand(4, 56, 84, 3) * 255).astype("uint8")}
+    return [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": [part, {"type": "text", "text": "what is it?"}]}]
+
+
+@pytest.mark.parametrize("kind", ["image", "video"])
+def test_talker_codes_equal_transformers_with_an_image_or_a_video(folder, ref, kind):
+    """The talker prompt's 3-D rope positions (the rope index of the user turn's ids, from the thinker
+    prompt's) and the delta of its generated positions: all codebooks equal transformers'."""
+    from transformers import AutoProcessor
+
+    from omnistage.models.qwen2_5_omni.processor import build_thinker_inputs
+    from omnistage.models.qwen3_omni.processor import thinker_prompt
+    from omnistage.stage import ARPrompt
+
+    inputs = build_thinker_inputs(AutoProcessor.from_pretrained(folder), media_message(kind))
+    features = {k: v for k, v in inputs.features.items() if v is not None}
+    want = reference_run(ref, dict(input_ids=inputs.input_ids, attention_mask=inputs.attention_mask, **features),
+                         "Ethan")
+    entry = ARPrompt(prompt_token_ids=inputs.input_ids[0].tolist(), **thinker_prompt(ref.thinker.model, inputs))
+    ti = adapter_input(folder, want, "Ethan", entry=entry)
+    pos = ti.prompt.mrope_positions
+    assert pos is not None and not torch.equal(pos[1], pos[2])   # the media rows have their own h / w rows
+    got = talk(talker_engine(folder), {"r": ti}, greedy(ref))["r"]
+    assert want["codes"].shape[1] >= 4
+    np.testing.assert_array_equal(got[:, :want["codes"].shape[1]], want["codes"])
+
+
+def test_talker_positions_equal_the_rope_index_of_the_talker_ids_over_several_user_turns(folder, ref):
+    """Two user turns (an image, then a video) around an assistant turn: `talker_positions` from the
+    thinker prompt's positions equals transformers' talker `get_rope_index` of the talker's ids."""
+    from transformers import AutoProcessor
+
+    from omnistage.models.qwen2_5_omni.processor import build_thinker_inputs
+    from omnistage.models.qwen3_omni.adapters import talker_positions, user_positions
+    from omnistage.models.qwen3_omni.processor import thinker_positions
+
+    first, second = media_message("image"), media_message("video")[1]
+    messages = first + [{"role": "assistant", "content": "a picture"}, second]
+    inputs = build_thinker_inputs(AutoProcessor.from_pretrained(folder), messages)
+    ids = inputs.input_ids[0].tolist()
+    users = user_positions(ids, ref.config.im_start_token_id, ref.config.user_token_id)
+    assert len([k for k in range(1, len(users)) if users[k] != users[k - 1] + 1]) == 1   # two runs
+    got, delta = talker_positions(thinker_positions(ref.thinker.model, inputs)[0][:, 0], users, 9)
+    talker_ids = torch.tensor([[ids[i] for i in users] + [ref.config.tts_pad_token_id] * 9])
+    with torch.no_grad():
+        want, want_delta = ref.talker.get_rope_index(talker_ids, inputs["image_grid_thw"], inputs["video_grid_thw"],
+                                                     torch.ones_like(talker_ids), False, None,
+                                                     inputs["video_second_per_grid"])
+    torch.testing.assert_close(got, want[:, 0].long(), rtol=0, atol=0)
+    assert delta == int(want_delta.reshape(-1)[0])
 
 
 def test_adapter_streams_rows_as_the_thinker_computes_them(folder, run):

@@ -29,6 +29,10 @@ with the text to speak, from R on, right after the assistant header; S_3 .. are 
 the text), all computed by the prefill. The stream is every prompt row past S_3 and then
 TP(e(tts_eos)) once the thinker finished (the one token it samples is not read).
 
+When the thinker's prompt has an image or a video (its `ARPrompt.mrope_positions`, the request's
+entry inputs), the talker's prompt gets the 3-D positions transformers' rope index gives the talker's
+ids (`talker_positions`) and the delta its generated positions continue with; otherwise 1-D.
+
 System turns and earlier assistant turns are not part of it. The talker adds to each generated
 position its frame's codec rows (code 0 by its own embedding, codes 1..G-1 by its frame head),
 which makes each decode input what transformers feeds. The last token the thinker sampled is never
@@ -135,6 +139,24 @@ def user_positions(ids: list[int], im_start: int, user: int) -> list[int]:
     return out
 
 
+def talker_positions(thinker: torch.Tensor, users: list[int], tail: int) -> tuple[torch.Tensor, int]:
+    """The talker prompt's multimodal-rope positions [3, len(users) + tail] and the delta its generated
+    positions continue with, from the thinker prompt's positions `thinker` [3, T]: what transformers'
+    `get_rope_index` gives the talker's ids (the user turns' tokens, then `tail` text rows). The rope
+    index builds positions chunk by chunk, each starting one past the previous chunk's largest, and
+    a user turn starts with a text token (`<|im_start|>`), so each contiguous run of user positions
+    keeps the thinker's positions, shifted to start one past the largest position before it."""
+    parts, top = [], -1
+    cuts = [k for k in range(1, len(users)) if users[k] != users[k - 1] + 1]
+    for a, b in zip([0] + cuts, cuts + [len(users)]) if users else ():
+        run = thinker[:, users[a]:users[b - 1] + 1].long()
+        parts.append(run - run[0, 0] + top + 1)
+        top = int(parts[-1].max())
+    parts.append(torch.arange(top + 1, top + 1 + tail).expand(3, -1))
+    out = torch.cat(parts, dim=1)
+    return out, int(out.max()) + 1 - out.shape[1]
+
+
 def assistant_start(ids: list[int], im_start: int, assistant: int) -> int:
     starts = [i for i in range(len(ids) - 1) if ids[i] == im_start and ids[i + 1] == assistant]
     if not starts:
@@ -174,7 +196,7 @@ class ThinkerToTalker:
             raise ValueError("the talker needs the thinker's hidden states: send a chat prompt "
                              "(Omni.chat, /v1/chat/completions) or set return_hidden_states")
         if "prompt" not in mem and (mem.get("seen", 0) > mem["a"] + 3 or out.finished):
-            self._start(mem, ids)
+            self._start(mem, ids, ctx.entry_inputs)
         if "prompt" not in mem:
             return None
         comps = out.output.outputs
@@ -207,7 +229,7 @@ class ThinkerToTalker:
                  if seen + i < len(ids) and ids[seen + i] in self.const.media_ids}
         mem.setdefault("media", {}).update(media)
 
-    def _start(self, mem: dict, ids: list[int]) -> None:
+    def _start(self, mem: dict, ids: list[int], entry: Any) -> None:
         const, a = self.const, mem["a"]
         e = torch.cat(mem.pop("inputs"))
         dev, dtype = e.device, e.dtype
@@ -229,5 +251,10 @@ class ThinkerToTalker:
         embeds = torch.cat(parts).to(dtype)
         mem["prompt"] = ARPrompt(prompt_token_ids=[const.codec_pad_id] * embeds.shape[0], prompt_embeds=embeds,
                                  stream_extra=True, frame_feedback=True)
+        thinker = getattr(entry, "mrope_positions", None)   # an image or a video in the thinker's prompt
+        if thinker is not None:
+            pos = torch.as_tensor(thinker).reshape(3, -1).cpu()
+            mem["prompt"].mrope_positions, mem["prompt"].mrope_delta = talker_positions(
+                pos, users, embeds.shape[0] - len(users))
         mem["trail"] = list(s[4:].to(dtype).unbind(0))
         mem["tts_eos"], mem["tts_pad"] = c["tts_eos"].to(dtype), pad.to(dtype)

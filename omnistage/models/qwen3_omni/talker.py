@@ -8,8 +8,10 @@ None, {codec eos})`:
     with a sparse MoE block in every layer -- routed experts (`norm_topk_prob` off) plus a
     sigmoid-gated shared expert (`layers.moe.SparseMoeBlock`) -- over codebook 0, with `embed_tokens` = the codec embedding and
     `lm_head` = `codec_head`, so the AR engine gives it paged KV, continuous batching and CUDA graphs.
-    Its rope is multimodal (interleaved sections); a text or audio conversation gives equal
-    positions in all three rows, which is plain 1-D rope with the same frequencies;
+    Its rope is the talker config's interleaved multimodal rope (`mrope_section`): the adapter gives
+    a prompt with an image or a video transformers' 3-D positions (`ARPrompt.mrope_positions` and
+    the delta generated positions continue with); a text or audio conversation gives equal
+    positions in all three rows, which the engine runs as 1-D positions;
   * `frame_head`: the code predictor (`code_predictor.*`, the same network and contract as
     Qwen3-TTS' `CodePredictor`, reused from there): run by the AR runner right after each step's
     sampling for every sampled row at once, it predicts codebooks 1..G-1 from the row's last
@@ -23,12 +25,12 @@ The talker's prompt rows and its streamed text rows come from the thinker throug
 
 from __future__ import annotations
 
-import copy
 from typing import Optional
 
 import torch
 
-from omnistage.models.qwen3_omni.thinker import MoeDecoderLayer, Qwen3MoeForCausalLM, omni_config, read_tensors
+from omnistage.models.qwen3_omni.thinker import (MoeDecoderLayer, Qwen3MoeForCausalLM, interleaved_mrope, omni_config,
+                                                 read_tensors)
 from omnistage.models.qwen3_tts.predictor import FramePredictor
 from omnistage.models.qwen3_tts.talker import CodePredictor
 
@@ -36,11 +38,8 @@ TALKER = "qwen3_omni.talker"
 
 
 def talker_text_config(model_dir: str):
-    """The talker decoder's config (a private copy) with 1-D rope of the same frequencies."""
-    talker = omni_config(model_dir).talker_config
-    config = copy.deepcopy(talker.text_config)
-    theta = (config.rope_parameters or {}).get("rope_theta", 10000.0)
-    config.rope_parameters = {"rope_type": "default", "rope_theta": float(theta)}
+    """The talker decoder's config (a private copy) with its interleaved multimodal rope."""
+    config = interleaved_mrope(omni_config(model_dir).talker_config.text_config)
     config.tie_word_embeddings = False
     config.architectures = ["Qwen3MoeForCausalLM"]
     return config

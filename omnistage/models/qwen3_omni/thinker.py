@@ -141,11 +141,18 @@ def omni_config(model_dir: str):
     return loader.config_copy(model_dir)
 
 
+def interleaved_mrope(config):
+    """`config` (a text config, changed in place) with its rope declared as transformers runs it for
+    Qwen3-Omni's thinker and talker: interleaved MRoPE, whatever the config's `interleaved` key says,
+    over `mrope_section` (transformers' default [24, 20, 20] when the config has none)."""
+    config.rope_parameters = {**(config.rope_parameters or {}), "mrope_interleaved": True}
+    config.rope_parameters.setdefault("mrope_section", [24, 20, 20])
+    return config
+
+
 def thinker_text_config(model_dir: str):
     """The thinker's text config as our decoder reads it: interleaved MRoPE declared, untied lm_head."""
-    config = omni_config(model_dir).thinker_config.text_config
-    config.rope_parameters = {**(config.rope_parameters or {}), "mrope_interleaved": True}
-    config.rope_parameters.setdefault("mrope_section", [24, 20, 20])   # transformers' default for it
+    config = interleaved_mrope(omni_config(model_dir).thinker_config.text_config)
     config.tie_word_embeddings = False
     config.architectures = ["Qwen3MoeForCausalLM"]
     return config

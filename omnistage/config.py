@@ -99,6 +99,8 @@ class EngineConfig:
     # "ray" = Ray actors of a cluster, with the resources the deploy config's `ray:` asks for
     ray_address: str = "auto"                   # the Ray cluster joined (`ray.init(address=...)`); "auto" = the one
     # this host's `ray start` runs
+    ray_placement: Optional[dict] = None        # the stage's `ray:` settings (StageSpec.ray), set by the Ray
+    # launcher: what each parallel rank 1..N-1's actor asks for too (None: 1 CPU, and 1 GPU on CUDA)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):

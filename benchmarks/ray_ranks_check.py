@@ -90,7 +90,7 @@ def main() -> int:
     rows = {"TP=1": run_ours(path, a, 1),
             f"TP={a.tp} spawned ranks": run_ours(path, a, a.tp),
             f"TP={a.tp} Ray actors": run_ours(path, a, a.tp, distributed_executor_backend="ray", ray_address=address),
-            "transformers generate (1 GPU)": run_reference(path, a)}
+            "transformers generate (one device)": run_reference(path, a)}
     want = rows["TP=1"]["ids"]
     print("| run | greedy ids == TP=1 | bs1 decode tok/s | 64 x 128 out tok/s |\n|---|---|---|---|")
     bad = False

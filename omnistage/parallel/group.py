@@ -7,8 +7,8 @@ Ray actors placed with the stage's `ray:` settings (`parallel/ray_ranks.py` -> `
 same verbs), each running `target(init, rank, *args)`; rank 0 stays in the calling process (the
 stage process: scheduler, sampler) and joins with `init_rank(init, 0)`.
 
-Which process runs what: rank 0 is the caller; ranks >= 1 are child processes that only run the
-forward on their shard. Each step rank 0 sends one small command (`StepChannel.send`: a dataclass of
+Which process runs what: rank 0 is the caller; ranks >= 1 are child processes (or Ray actors' worker
+processes, maybe on other nodes) that only run the forward on their shard. Each step rank 0 sends one small command (`StepChannel.send`: a dataclass of
 ints and lists, pickled, broadcast over a gloo group even when the tensors use NCCL, so that the
 command never waits on the device); the others receive it (`StepChannel.recv`). Tensors go by
 `torch.distributed` collectives, never through the channel.
@@ -70,35 +70,29 @@ class ParallelInit:
             raise ValueError("backend 'nccl' needs device_type 'cuda'; use 'gloo' on CPU")
 
     @classmethod
-    def for_device(cls, device: "str | torch.device", world_size: int,
-                   option: str = "tensor_parallel_size") -> "ParallelInit":
-        """gloo on CPU, nccl on CUDA; a fresh loopback port. Checks the world fits the visible devices."""
+    def for_device(cls, device: "str | torch.device", world_size: int, option: str = "tensor_parallel_size",
+                   ray_address: Optional[str] = None, ray_place: Optional[dict] = None) -> "ParallelInit":
+        """gloo on CPU, nccl on CUDA; a fresh loopback port, and a check that the world fits the visible
+        devices. With `ray_address` the other ranks will be Ray actors: the rendezvous is on this node's
+        IP, and only rank 0's device must be visible here (Ray finds the others' GPUs)."""
         dev = torch.device(device)
-        if dev.type == "cuda":
-            first = dev.index or 0
-            check_world_fits_devices(world_size, first, option)
-            return cls(world_size, "nccl", f"tcp://127.0.0.1:{free_port()}", "cuda", first_device=first)
-        if dev.type != "cpu":
-            raise ValueError(f"{option} > 1 runs on 'cpu' (gloo) or 'cuda' (nccl), not {dev.type!r}")
-        return cls(world_size, "gloo", f"tcp://127.0.0.1:{free_port()}", "cpu")
-
-    @classmethod
-    def for_engine(cls, config: EngineConfig, world_size: int,
-                   option: str = "tensor_parallel_size") -> "ParallelInit":
-        """`for_device` of the config's device; with `distributed_executor_backend` "ray" the other ranks
-        will be Ray actors: the rendezvous is on this node's IP, and only rank 0's device must be visible
-        here (Ray finds the others' GPUs)."""
-        if config.distributed_executor_backend != "ray":
-            return cls.for_device(config.torch_device(), world_size, option)
-        dev = torch.device(config.torch_device())
         if dev.type not in DEVICE_TYPES:
             raise ValueError(f"{option} > 1 runs on 'cpu' (gloo) or 'cuda' (nccl), not {dev.type!r}")
         first = (dev.index or 0) if dev.type == "cuda" else 0
         if dev.type == "cuda":
-            check_world_fits_devices(1, first, option)
-        return cls(world_size, "nccl" if dev.type == "cuda" else "gloo", ray_ranks.rendezvous_address(config.ray_address),
-                   dev.type, first_device=first, ray_address=config.ray_address,
-                   ray_place=dict(config.ray_placement or {}))
+            check_world_fits_devices(world_size if ray_address is None else 1, first, option)
+        method = ray_ranks.rendezvous_address(ray_address) if ray_address else f"tcp://127.0.0.1:{free_port()}"
+        return cls(world_size, "nccl" if dev.type == "cuda" else "gloo", method, dev.type, first_device=first,
+                   ray_address=ray_address, ray_place=dict(ray_place or {}))
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig, world_size: int,
+                   option: str = "tensor_parallel_size") -> "ParallelInit":
+        """`for_device` of an engine's config: its device, and Ray actors for the other ranks when its
+        `distributed_executor_backend` is "ray" (each asking for `config.ray_placement`)."""
+        ray = config.distributed_executor_backend == "ray"
+        return cls.for_device(config.torch_device(), world_size, option,
+                              ray_address=config.ray_address if ray else None, ray_place=config.ray_placement)
 
     def device(self, rank: int) -> torch.device:
         """The device rank `rank` computes on (in its own process)."""

@@ -131,6 +131,8 @@ class EngineConfig:
         if not isinstance(self.ray_address, str) or not self.ray_address:
             raise ValueError(f"ray_address must be a Ray cluster address (host:port, ray://host:port or auto); "
                              f"got {self.ray_address!r}")
+        if self.ray_placement is not None and not isinstance(self.ray_placement, dict):
+            raise ValueError(f"ray_placement must be a dict of a stage's ray: settings or None; got {self.ray_placement!r}")
 
     def _check_parallel(self) -> None:
         """`parallel_config` as a DiffusionParallelConfig (dict keys checked), and what it cannot run with."""

@@ -99,6 +99,8 @@ class EngineConfig:
     # "ray" = Ray actors of a cluster, with the resources the deploy config's `ray:` asks for
     ray_address: str = "auto"                   # the Ray cluster joined (`ray.init(address=...)`); "auto" = the one
     # this host's `ray start` runs
+    ray_placement: Optional[dict] = None        # the stage's `ray:` settings (StageSpec.ray), set by the Ray
+    # launcher: what each parallel rank 1..N-1's actor asks for too (None: 1 CPU, and 1 GPU on CUDA)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -129,6 +131,8 @@ class EngineConfig:
         if not isinstance(self.ray_address, str) or not self.ray_address:
             raise ValueError(f"ray_address must be a Ray cluster address (host:port, ray://host:port or auto); "
                              f"got {self.ray_address!r}")
+        if self.ray_placement is not None and not isinstance(self.ray_placement, dict):
+            raise ValueError(f"ray_placement must be a dict of a stage's ray: settings or None; got {self.ray_placement!r}")
 
     def _check_parallel(self) -> None:
         """`parallel_config` as a DiffusionParallelConfig (dict keys checked), and what it cannot run with."""

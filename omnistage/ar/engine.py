@@ -68,7 +68,7 @@ class AREngine:
         self.model_dir = model_dir
         self.device = config.torch_device()
         tp = config.tensor_parallel_size
-        init = ParallelInit.for_device(self.device, tp) if tp > 1 else None   # checks the devices exist
+        init = ParallelInit.for_engine(config, tp) if tp > 1 else None   # checks the devices exist
         # what this process held on the device before this engine (another inline stage, the renderer)
         self._mem_base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.dtype = config.torch_dtype()

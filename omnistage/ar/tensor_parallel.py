@@ -2,7 +2,7 @@
 
 Process layout (`tensor_parallel_size` = N > 1): the AR engine's own process is rank 0: it holds the
 scheduler, the sampler, the detokenizer and its shard of the model. Ranks 1..N-1 are `spawn`ed
-processes (`parallel/group.spawn_ranks`) that run `run_rank`: load their shard (same loader, inside
+processes, or Ray actors under `distributed_executor_backend: ray` (`parallel/group.spawn_ranks`), that run `run_rank`: load their shard (same loader, inside
 `parallel.tensor.sharding`), then follow rank 0's commands until `Stop`:
 
   Allocate(num_blocks)   make the KV cache (sized per rank: this rank's KV heads only)
@@ -137,8 +137,7 @@ class RankGroup:
 
     def wait_dead(self, timeout: float) -> None:
         """After a failed collective: give a rank that is dying `timeout` seconds to be seen dead."""
-        for p in self.workers.procs:
-            p.join(timeout / max(len(self.workers.procs), 1))
+        self.workers.wait(timeout)
 
     def guarded(self, fn: Callable[[], Any]) -> Any:
         """Run a collective; a failure there becomes RankFailure naming the dead rank when one died."""

@@ -3,7 +3,7 @@
 In: a diffusion stage whose `EngineConfig.parallel_config` has a world size > 1, and the family it
 serves (which declares a `parallel_plan`, `parallel/mesh.py`). `DiTRanks` (rank 0, built by the
 engine) checks the config against the family (`check_parallel`: modes, heads, widths -> ValueError
-naming the option), spawns ranks 1..N-1 (`parallel/group.py`; each builds the same family -- the same
+naming the option), starts ranks 1..N-1 (`parallel/group.py`: processes, or Ray actors under Ray; each builds the same family -- the same
 model folder, or a benchmark's seeded weights -- on its own device and applies the same plan), joins the group and then, every step, sends one
 `DenoiseCommand` over the gloo step channel: the batching key, each row block's (request, CFG
 branch, step), the tasks the ranks have not seen yet (their conditioning, on the host, once per
@@ -129,7 +129,7 @@ class DiTRanks:
         each other rank calls it to build the same family (weights) on its own device."""
         pc = config.parallel_config
         check_parallel(family, pc)
-        init = group.ParallelInit.for_device(config.torch_device(), pc.world_size, option="parallel_config world size")
+        init = group.ParallelInit.for_engine(config, pc.world_size, option="parallel_config world size")
         self.workers = group.spawn_ranks(init, rank_main, (loader, config))
         group.init_rank(init, 0)
         self.device = family.device

@@ -230,7 +230,7 @@ def _check_engine_options(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise SystemExit(f"omnistage: {e}") from e
     if kwargs.get("distributed_executor_backend") == "ray":
-        from omnistage.pipeline.launch import import_ray
+        from omnistage.parallel.ray_ranks import import_ray
 
         try:
             import_ray()

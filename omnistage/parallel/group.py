@@ -1,12 +1,14 @@
 """Rank launch and the process group: how N ranks of one engine start, find each other and talk.
 
 In: a `ParallelInit` (world size, backend, rendezvous address, device type) built once by the
-owner of the engine (`ParallelInit.for_device`). Out: ranks 1..N-1 as `spawn`ed processes
-(`spawn_ranks` -> `RankWorkers`), each running `target(init, rank, *args)`; rank 0 stays in the
-calling process (the stage process: scheduler, sampler) and joins with `init_rank(init, 0)`.
+owner of the engine (`ParallelInit.for_engine`). Out: ranks 1..N-1 as `spawn`ed processes
+(`spawn_ranks` -> `RankWorkers`), or, when the stage's `distributed_executor_backend` is "ray", as
+Ray actors placed with the stage's `ray:` settings (`parallel/ray_ranks.py` -> `RayRankWorkers`, the
+same verbs), each running `target(init, rank, *args)`; rank 0 stays in the calling process (the
+stage process: scheduler, sampler) and joins with `init_rank(init, 0)`.
 
-Which process runs what: rank 0 is the caller; ranks >= 1 are child processes that only run the
-forward on their shard. Each step rank 0 sends one small command (`StepChannel.send`: a dataclass of
+Which process runs what: rank 0 is the caller; ranks >= 1 are child processes (or Ray actors' worker
+processes, maybe on other nodes) that only run the forward on their shard. Each step rank 0 sends one small command (`StepChannel.send`: a dataclass of
 ints and lists, pickled, broadcast over a gloo group even when the tensors use NCCL, so that the
 command never waits on the device); the others receive it (`StepChannel.recv`). Tensors go by
 `torch.distributed` collectives, never through the channel.
@@ -21,12 +23,15 @@ from __future__ import annotations
 import multiprocessing as mp
 import pickle
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from omnistage.config import EngineConfig
+from omnistage.parallel import ray_ranks
 
 BACKENDS = ("gloo", "nccl")
 DEVICE_TYPES = ("cpu", "cuda")
@@ -45,10 +50,14 @@ class ParallelInit:
 
     world_size: int                 # number of ranks (processes), >= 1
     backend: str                    # torch.distributed backend for tensors: "gloo" (CPU) or "nccl" (CUDA)
-    init_method: str                # rendezvous address, "tcp://127.0.0.1:PORT"
+    init_method: str                # rendezvous address, "tcp://HOST:PORT" (127.0.0.1; rank 0's node IP under Ray)
     device_type: str                # "cpu" or "cuda": where each rank's shard lives
-    first_device: int = 0           # CUDA index of rank 0; rank r uses first_device + r
+    first_device: int = 0           # CUDA index of rank 0; rank r uses first_device + r (spawned ranks)
     timeout_s: float = 600.0        # collective / rendezvous timeout, seconds (a hung peer fails after it)
+    ray_address: Optional[str] = None   # set: ranks 1..N-1 are Ray actors of the cluster there; None: spawned
+    ray_place: dict = field(default_factory=dict)   # the stage's `ray:` settings each rank's actor asks for
+    local_device: Optional[int] = None  # CUDA index this process computes on when not first_device + rank
+    # (a Ray actor sees only the GPUs Ray gave it, from cuda:0)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -61,22 +70,34 @@ class ParallelInit:
             raise ValueError("backend 'nccl' needs device_type 'cuda'; use 'gloo' on CPU")
 
     @classmethod
-    def for_device(cls, device: "str | torch.device", world_size: int,
-                   option: str = "tensor_parallel_size") -> "ParallelInit":
-        """gloo on CPU, nccl on CUDA; a fresh loopback port. Checks the world fits the visible devices."""
+    def for_device(cls, device: "str | torch.device", world_size: int, option: str = "tensor_parallel_size",
+                   ray_address: Optional[str] = None, ray_place: Optional[dict] = None) -> "ParallelInit":
+        """gloo on CPU, nccl on CUDA; a fresh loopback port, and a check that the world fits the visible
+        devices. With `ray_address` the other ranks will be Ray actors: the rendezvous is on this node's
+        IP, and only rank 0's device must be visible here (Ray finds the others' GPUs)."""
         dev = torch.device(device)
-        if dev.type == "cuda":
-            first = dev.index or 0
-            check_world_fits_devices(world_size, first, option)
-            return cls(world_size, "nccl", f"tcp://127.0.0.1:{free_port()}", "cuda", first_device=first)
-        if dev.type != "cpu":
+        if dev.type not in DEVICE_TYPES:
             raise ValueError(f"{option} > 1 runs on 'cpu' (gloo) or 'cuda' (nccl), not {dev.type!r}")
-        return cls(world_size, "gloo", f"tcp://127.0.0.1:{free_port()}", "cpu")
+        first = (dev.index or 0) if dev.type == "cuda" else 0
+        if dev.type == "cuda":
+            check_world_fits_devices(world_size if ray_address is None else 1, first, option)
+        method = ray_ranks.rendezvous_address(ray_address) if ray_address else f"tcp://127.0.0.1:{free_port()}"
+        return cls(world_size, "nccl" if dev.type == "cuda" else "gloo", method, dev.type, first_device=first,
+                   ray_address=ray_address, ray_place=dict(ray_place or {}))
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig, world_size: int,
+                   option: str = "tensor_parallel_size") -> "ParallelInit":
+        """`for_device` of an engine's config: its device, and Ray actors for the other ranks when its
+        `distributed_executor_backend` is "ray" (each asking for `config.ray_placement`)."""
+        ray = config.distributed_executor_backend == "ray"
+        return cls.for_device(config.torch_device(), world_size, option,
+                              ray_address=config.ray_address if ray else None, ray_place=config.ray_placement)
 
     def device(self, rank: int) -> torch.device:
-        """The device rank `rank` computes on."""
+        """The device rank `rank` computes on (in its own process)."""
         if self.device_type == "cuda":
-            return torch.device("cuda", self.first_device + rank)
+            return torch.device("cuda", self.local_device if self.local_device is not None else self.first_device + rank)
         return torch.device("cpu")
 
 
@@ -113,7 +134,7 @@ _STATE: dict[str, Any] = {"init": None, "control": None}
 def init_rank(init: ParallelInit, rank: int) -> None:
     """Join the default process group as `rank` (CUDA: set the device first_device + rank)."""
     if init.device_type == "cuda":
-        torch.cuda.set_device(init.first_device + rank)
+        torch.cuda.set_device(init.device(rank))
     timeout = timedelta(seconds=init.timeout_s)
     dist.init_process_group(init.backend, init_method=init.init_method, world_size=init.world_size,
                             rank=rank, timeout=timeout)
@@ -168,6 +189,11 @@ class RankWorkers:
         """rank -> exit code (None while running)."""
         return {i + 1: p.exitcode for i, p in enumerate(self.procs)}
 
+    def wait(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds (in all) for the ranks to end."""
+        for p in self.procs:
+            p.join(timeout / max(len(self.procs), 1))
+
     def close(self, timeout: float = 10.0) -> None:
         """Wait up to `timeout` seconds for the ranks to end by themselves, then kill the rest."""
         for p in self.procs:
@@ -179,11 +205,14 @@ class RankWorkers:
         self.procs = []
 
 
-def spawn_ranks(init: ParallelInit, target: Callable[..., Any], args: tuple = ()) -> RankWorkers:
-    """Start ranks 1..N-1 as `spawn` processes running `target(init, rank, *args)` (module-level, picklable).
+def spawn_ranks(init: ParallelInit, target: Callable[..., Any], args: tuple = ()) -> Any:
+    """Start ranks 1..N-1 running `target(init, rank, *args)` (module-level, picklable): `spawn`
+    processes (`RankWorkers`), or Ray actors when `init.ray_address` is set (`ray_ranks.RayRankWorkers`).
 
     The caller then calls `init_rank(init, 0)` itself; the group forms when all N have joined.
     """
+    if init.ray_address is not None:
+        return ray_ranks.start_ray_ranks(init, target, args)
     ctx = mp.get_context("spawn")
     procs = []
     for r in range(1, init.world_size):

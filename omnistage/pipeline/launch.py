@@ -25,7 +25,8 @@ import subprocess
 import sys
 from typing import Any, Optional
 
-RAY_EXTRA = "pip install 'omnistage[ray]' (ray==2.60.0)"
+from omnistage.parallel.ray_ranks import actor_options, connect_ray
+
 # environment the driver hands to a Ray stage process (the node's own environment is the base)
 _PASSED_ENV = re.compile(r"^(PYTHONPATH|HF_.*|OMNISTAGE_.*|OMP_NUM_THREADS|TRANSFORMERS_.*)$")
 
@@ -56,28 +57,6 @@ def launcher_for(spec: Any) -> Any:
     if spec.engine.distributed_executor_backend == "ray":
         return RayLauncher(spec)
     return LocalLauncher()
-
-
-def import_ray():
-    try:
-        import ray
-    except ImportError as e:
-        raise RuntimeError(f"distributed_executor_backend='ray' needs Ray, which is not installed: {RAY_EXTRA}") from e
-    return ray
-
-
-def connect_ray(address: str):
-    """The `ray` module, this process joined to the cluster at `address` (once per process); a
-    ValueError naming `ray_address` when there is no cluster there."""
-    ray = import_ray()
-    if not ray.is_initialized():
-        try:
-            ray.init(address=address, ignore_reinit_error=True)
-        except (ConnectionError, RuntimeError, ValueError) as e:
-            raise ValueError(f"distributed_executor_backend='ray': cannot join the Ray cluster at ray_address="
-                               f"{address!r} ({e}); start one with `ray start --head` or pass --ray-address "
-                               "HOST:PORT of a running cluster") from e
-    return ray
 
 
 class _StageHost:
@@ -178,10 +157,12 @@ class RayLauncher:
 
     def stage_spec(self, spec: Any) -> Any:
         """The spec the actor's process builds: an actor holding GPUs sees them as cuda:0.. (Ray sets
-        CUDA_VISIBLE_DEVICES), so a cuda:N device becomes cuda:0."""
+        CUDA_VISIBLE_DEVICES), so a cuda:N device becomes cuda:0. The stage's `ray:` settings go with
+        the engine's config: its parallel ranks 1..N-1 (Ray actors too) ask for the same."""
+        engine = dataclasses.replace(spec.engine, ray_placement=dict(spec.ray))
         if self.gpus and spec.engine.device.startswith("cuda"):
-            return dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, device="cuda:0"))
-        return spec
+            engine = dataclasses.replace(engine, device="cuda:0")
+        return dataclasses.replace(spec, engine=engine)
 
     def start(self, args: list[str]) -> RayProcess:
         env = {k: v for k, v in os.environ.items() if _PASSED_ENV.match(k)}
@@ -200,17 +181,4 @@ class RayLauncher:
 
 def ray_options(spec: Any, ray: Any) -> dict[str, Any]:
     """`actor.options(...)` of a stage's `ray` settings: resources, CPUs, GPUs, a node."""
-    place = spec.ray
-    cuda = spec.engine.device.startswith("cuda")
-    options: dict[str, Any] = {"num_cpus": place.get("num_cpus", 1), "num_gpus": place.get("num_gpus", 1 if cuda else 0),
-                               "resources": dict(place.get("resources") or {})}
-    for key in ("num_cpus", "num_gpus"):
-        if not isinstance(options[key], (int, float)) or options[key] < 0:
-            raise ValueError(f"stage {spec.name!r}: ray.{key} must be a number >= 0, got {options[key]!r}")
-    if cuda and options["num_gpus"] == 0:
-        raise ValueError(f"stage {spec.name!r}: device {spec.engine.device} needs ray.num_gpus > 0 (the actor's GPUs)")
-    if place.get("node_id"):
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(place["node_id"], soft=False)
-    return options
+    return actor_options(spec.ray, spec.engine.device, f"stage {spec.name!r}")

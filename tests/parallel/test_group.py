@@ -1,5 +1,5 @@
 """omnistage.parallel.group: ranks spawn, join one gloo group, get step commands, and an ended rank is
-seen; the tensor-parallel step message's block-table diffs."""
+seen; Ray ranks without Ray name the extra; the tensor-parallel step message's block-table diffs."""
 
 import pytest
 import torch
@@ -73,3 +73,17 @@ def test_block_table_diffs_rebuild_the_tables():
             sender.drop("a")
     assert seen[1] == {"b": (2, [7])} and seen[2] == {"a": (0, [9, 2])} and seen[3] == {"b": (3, [8])}
     assert "a" not in receiver.held
+
+
+def test_ray_ranks_without_ray_name_the_extra(monkeypatch):
+    """distributed_executor_backend ray with tensor_parallel_size 2: the ranks' launcher needs Ray."""
+    import sys
+
+    from omnistage.config import EngineConfig
+
+    monkeypatch.setitem(sys.modules, "ray", None)   # `import ray` fails as when it is not installed
+    config = EngineConfig(device="cpu", tensor_parallel_size=2, distributed_executor_backend="ray")
+    with pytest.raises(RuntimeError, match=r"pip install 'omnistage\[ray\]'"):
+        group.ParallelInit.for_engine(config, 2)
+    init = group.ParallelInit.for_engine(EngineConfig(device="cpu"), 2)
+    assert init.ray_address is None and init.init_method.startswith("tcp://127.0.0.1:")

@@ -124,7 +124,9 @@ class Qwen3TTSTalker(Qwen3ForCausalLM):
 
     def voices(self) -> list[dict]:
         cfg = self.prompts.config
-        return [{"id": name, "name": name, "sample_rate": 24000, "backend": "qwen3_tts"} for name in cfg.speakers]
+        # any_case: speakers are kept lowercase and looked up lowercased, so "Vivian" names "vivian"
+        return [{"id": name, "name": name, "sample_rate": 24000, "backend": "qwen3_tts", "any_case": True}
+                for name in cfg.speakers]
 
 
 def load_talker(model_dir: str, device: torch.device, dtype: torch.dtype, max_positions: Optional[int]):

@@ -161,6 +161,9 @@ def test_speech_route_speaks_with_a_preset_voice(tts_folders, tmp_path):
             audio = client.audio.speech.create(model="qwen3-tts", voice="ryan", input="Hello there.")
             samples, rate = sf.read(io.BytesIO(audio.content), dtype="float32")
             assert rate == 24000 and 0 < len(samples) <= 7 * 1920 and len(samples) % 1920 == 0
+            # speakers match in any case over HTTP too, as the talker looks them up
+            capital = client.audio.speech.create(model="qwen3-tts", voice="Ryan", input="Hello there.")
+            assert sf.read(io.BytesIO(capital.content), dtype="float32")[1] == 24000
             with pytest.raises(openai.BadRequestError) as err:
                 client.audio.speech.create(model="qwen3-tts", voice="nobody", input="Hello there.")
             assert "voice" in str(err.value)

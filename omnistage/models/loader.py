@@ -54,6 +54,26 @@ def _cached_config(model_dir: str):
     return AutoConfig.from_pretrained(model_dir)
 
 
+def load_thinker_encoders(model_cls, model_dir: str, prefixes: tuple[str, ...], device, dtype):
+    """An omni checkpoint's transformers thinker model (`model_cls`) without decoder layers -- token
+    embeddings, audio and vision encoders, rope index -- loaded from the tensors under `prefixes`."""
+    from transformers.initialization import no_init_weights
+
+    config = config_copy(model_dir).thinker_config
+    config.text_config.num_hidden_layers = 0
+    with torch.device(device), no_init_weights():   # every weight is loaded below; buffers are built here
+        model = model_cls._from_config(config, dtype=dtype)
+    state = {}
+    for name, tensor in read_tensors(model_dir, lambda n: n.startswith(prefixes)):
+        name = name[len("thinker."):]
+        state[name.replace("model.embed_tokens.", "language_model.embed_tokens.")] = tensor
+    missing, _ = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.startswith("language_model.norm")]   # unused: no decoder layers
+    if missing:
+        raise ValueError(f"{model_dir}: thinker encoder weights missing from the checkpoint: {missing[:5]}")
+    return model.eval()
+
+
 def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:

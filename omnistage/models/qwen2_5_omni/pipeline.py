@@ -36,9 +36,10 @@ import torch
 
 from omnistage.config import EngineConfig
 from omnistage.models.qwen2_5_omni.adapters import DEFAULT_VOICE
+from omnistage.models import loader
 from omnistage.models.loader import lm_shape
 from omnistage.models.read_aloud import ReadAloud
-from omnistage.models.qwen2_5_omni.stages import TALKER, THINKER, omni_config, read_tensors
+from omnistage.models.qwen2_5_omni.stages import TALKER, THINKER, omni_config
 from omnistage.spec import EdgeSpec, PipelineSpec, StageSpec
 
 # Tensor-name prefixes each part loads (stages.py, code2wav.py, `load_thinker_encoders` below).
@@ -110,22 +111,9 @@ def omni_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
 def load_thinker_encoders(model_dir: str, device: torch.device, dtype: torch.dtype):
     """What `processor.py` uses of transformers' thinker -- the token embeddings, the audio and
     vision encoders, `get_rope_index` -- as a `Qwen2_5OmniThinkerModel` without decoder layers."""
-    from transformers.initialization import no_init_weights
     from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniThinkerModel
 
-    config = omni_config(model_dir).thinker_config
-    config.text_config.num_hidden_layers = 0
-    with torch.device(device), no_init_weights():   # every weight is loaded below; buffers are built here
-        model = Qwen2_5OmniThinkerModel._from_config(config, dtype=dtype)
-    state = {}
-    for name, tensor in read_tensors(model_dir, lambda n: n.startswith(RENDERER_WEIGHTS)):
-        name = name[len("thinker."):]
-        state[name.replace("model.embed_tokens.", "language_model.embed_tokens.")] = tensor
-    missing, _ = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not m.startswith("language_model.norm")]   # unused: no decoder layers
-    if missing:
-        raise ValueError(f"{model_dir}: thinker encoder weights missing from the checkpoint: {missing[:5]}")
-    return model.eval()
+    return loader.load_thinker_encoders(Qwen2_5OmniThinkerModel, model_dir, RENDERER_WEIGHTS, device, dtype)
 
 
 class OmniChatRenderer(ReadAloud):

@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
+from omnistage.models import loader
 from omnistage.models.qwen2_5_omni.processor import ThinkerInputs, scatter_rows
-from omnistage.models.qwen3_omni.thinker import omni_config, read_tensors
+
 
 # Tensor-name prefixes the renderer loads beside the thinker stage.
 ENCODER_WEIGHTS = ("thinker.audio_tower.", "thinker.visual.", "thinker.model.embed_tokens.")
@@ -32,22 +33,9 @@ ENCODER_WEIGHTS = ("thinker.audio_tower.", "thinker.visual.", "thinker.model.emb
 
 def load_thinker_encoders(model_dir: str, device: torch.device, dtype: torch.dtype):
     """transformers' thinker model without decoder layers: embeddings, audio and vision towers, rope index."""
-    from transformers.initialization import no_init_weights
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerModel
 
-    config = omni_config(model_dir).thinker_config
-    config.text_config.num_hidden_layers = 0
-    with torch.device(device), no_init_weights():   # every weight is loaded below; buffers are built here
-        model = Qwen3OmniMoeThinkerModel._from_config(config, dtype=dtype)
-    state = {}
-    for name, tensor in read_tensors(model_dir, ENCODER_WEIGHTS):
-        name = name[len("thinker."):]
-        state[name.replace("model.embed_tokens.", "language_model.embed_tokens.")] = tensor
-    missing, _ = model.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not m.startswith("language_model.norm")]   # unused: no decoder layers
-    if missing:
-        raise ValueError(f"{model_dir}: thinker encoder weights missing from the checkpoint: {missing[:5]}")
-    return model.eval()
+    return loader.load_thinker_encoders(Qwen3OmniMoeThinkerModel, model_dir, ENCODER_WEIGHTS, device, dtype)
 
 
 @torch.no_grad()

@@ -78,6 +78,8 @@ class CodecEngine:
         self.params_type = model.params_type
         self.scheduler = CodecScheduler(self._ready, model.max_batch)
         self._audio_seconds = 0.0
+        self._decode_seconds = 0.0             # wall seconds in `model.decode` (host included), all batches
+        self._decoded = [0, 0]                 # batches, chunks decoded
         self._failed: dict[str, str] = {}      # request id -> why it failed; reported (and dropped) by the next step
 
     @property
@@ -135,7 +137,9 @@ class CodecEngine:
     def stats(self) -> dict[str, float]:
         ready = self.scheduler.num_ready()
         return {"num_running": ready, "num_waiting": len(self.requests) - ready,
-                "audio_seconds_total": self._audio_seconds, **self.model.stats()}
+                "audio_seconds_total": self._audio_seconds, "decode_seconds_total": self._decode_seconds,
+                "decode_batches_total": self._decoded[0], "decode_chunks_total": self._decoded[1],
+                **self.model.stats()}
 
     def step(self) -> list[StageOutput]:
         batch, audio = self._decode(self.scheduler.schedule())
@@ -168,6 +172,7 @@ class CodecEngine:
         alone: only the requests whose chunk fails alone fail; returns the batch of those that did not."""
         if not len(batch):
             return batch, []
+        start = time.perf_counter()
         try:
             return batch, self.model.decode([r.state for r in batch.requests], batch.chunks)
         except Exception as e:
@@ -175,6 +180,10 @@ class CodecEngine:
                 self._fail(batch.requests[0].request_id, "decoding", e)
                 return CodecBatch(), []
             logger.warning("codec batch of %d failed (%s); decoding its chunks one by one", len(batch), e)
+        finally:
+            self._decode_seconds += time.perf_counter() - start
+            self._decoded[0] += 1
+            self._decoded[1] += len(batch)
         kept, audio = CodecBatch(), []
         for req, chunk in zip(batch.requests, batch.chunks):
             try:

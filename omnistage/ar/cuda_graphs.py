@@ -59,13 +59,15 @@ class CudaGraphs:
     def fits(self, n: int) -> bool:
         return 0 < n <= self.sizes[-1]
 
-    def load(self, ids: list[int], pos: list[int], slots: list[int], tables: list[list[int]]):
-        """Fill the static buffers for n real rows; returns (ids, pos, meta) of the padded batch."""
+    def load(self, ids: list[int], pos: list[int], slots: list[int], tables: list[list[int]], ctx: list[int]):
+        """Fill the static buffers for n real rows; returns (ids, pos, meta) of the padded batch. `ctx`:
+        each row's context length, its new token included -- not `pos + 1`: a multimodal rope position
+        (M-RoPE) runs behind the token count after an image or audio."""
         n = len(ids)
         b = next(s for s in self.sizes if s >= n)
         pad = b - n
         host = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [self.scratch_slot] * pad,
-                             [p + 1 for p in pos] + [1] * pad], dtype=torch.long, pin_memory=True)
+                             list(ctx) + [1] * pad], dtype=torch.long, pin_memory=True)
         # Table entries past a row's context are never read, so only the used width is refreshed.
         w = max(len(t) for t in tables)
         table = torch.tensor([t + [0] * (w - len(t)) for t in tables] + [[0] * w] * pad, dtype=torch.long,

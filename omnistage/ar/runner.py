@@ -136,7 +136,7 @@ class ModelRunner:
         order = decodes + prefills
         if not prefills and self.graphs is not None and self.graphs.fits(len(decodes)):
             ids_dev, pos_dev, meta = self.graphs.load(inputs.ids, inputs.positions, inputs.slots,
-                                                      inputs.block_tables)
+                                                      inputs.block_tables, inputs.decode_ctx_lens)
         else:
             ids_dev, pos_dev, meta = inputs.tensors(self.device)
         self._fill(ids_dev, inputs.fill, prev)

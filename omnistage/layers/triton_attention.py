@@ -4,7 +4,8 @@ Grid: (sequence, KV head, split). A sequence's context is cut into NSPLIT equal 
 (the run length follows the real context, read on the device); each program walks its run of the
 block table with an online softmax, serving all query heads of its KV head with tensor-core dots
 (the head group is padded to 16 rows), and writes a partial (max, sum, weighted values) triple; a
-small combine step merges the runs that exist. NSPLIT depends only on the batch size (enough
+small combine step (one program per sequence and query head, its splits in one vector load) merges
+the runs that exist. NSPLIT depends only on the batch size (enough
 programs to fill the GPU: a batch-1 decode spreads its context over up to 64 programs, a 256-row
 batch uses 1-2 per sequence), so the grid is static under CUDA graphs while the work per program
 follows the context.
@@ -76,26 +77,22 @@ if triton is not None:
     def _combine_kernel(m_ptr, l_ptr, acc_ptr, ctx_ptr, out_ptr, H: tl.constexpr, KVH: tl.constexpr,
                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
                         NSPLIT: tl.constexpr):
+        # one program per (sequence, query head): all of its splits in one vector load, no loop
         b = tl.program_id(0)
-        kh = tl.program_id(1)
-        g = tl.arange(0, G_PAD)
+        hq = tl.program_id(1)
+        kh = hq // G
+        gi = hq % G
+        sp = tl.arange(0, NSPLIT)
         d = tl.arange(0, D)
-        base = (b * KVH + kh) * NSPLIT
         nblocks = tl.cdiv(tl.load(ctx_ptr + b), BS)
-        used = tl.cdiv(nblocks, tl.cdiv(nblocks, NSPLIT))   # splits that got blocks
-        mx = tl.full([G_PAD], float("-inf"), tl.float32)
-        for sp in range(used):
-            mx = tl.maximum(mx, tl.load(m_ptr + (base + sp) * G_PAD + g))
-        total = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, D], tl.float32)
-        for sp in range(used):
-            off = (base + sp) * G_PAD + g
-            w = tl.exp(tl.load(m_ptr + off) - mx)
-            total += w * tl.load(l_ptr + off)
-            acc += w[:, None] * tl.load(acc_ptr + off[:, None] * D + d[None, :])
-        out = acc / total[:, None]
-        tl.store(out_ptr + b * H * D + (kh * G + g)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=(g < G)[:, None])
+        used = sp < tl.cdiv(nblocks, tl.cdiv(nblocks, NSPLIT))   # splits that got blocks
+        off = ((b * KVH + kh) * NSPLIT + sp) * G_PAD + gi
+        m = tl.load(m_ptr + off, mask=used, other=float("-inf"))
+        w = tl.where(used, tl.exp(m - tl.max(m, axis=0)), 0.0)
+        total = tl.sum(w * tl.load(l_ptr + off, mask=used, other=0.0), axis=0)
+        acc = tl.load(acc_ptr + off[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
+        out = tl.sum(w[:, None] * acc, axis=0) / total
+        tl.store(out_ptr + b * H * D + hq * D + d, out.to(out_ptr.dtype.element_ty))
 
 
 def available(q: torch.Tensor, cache: torch.Tensor) -> bool:
@@ -130,6 +127,6 @@ def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: t
         q.contiguous(), cache[0], cache[1], block_tables, ctx_lens, m, l, acc, scale, block_tables.stride(0),
         H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs, NSPLIT=nsplit, IEEE=q.dtype == torch.float32, num_warps=4)
     out = torch.empty_like(q)
-    _combine_kernel[(bsz, kvh)](m, l, acc, ctx_lens, out, H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs, NSPLIT=nsplit,
+    _combine_kernel[(bsz, h)](m, l, acc, ctx_lens, out, H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs, NSPLIT=nsplit,
                                 num_warps=4)
     return out

@@ -7,8 +7,8 @@ an AR decoder's through its `quantize_fp8`, models/llama.py).
 
 Two regimes by the number of rows M of a forward:
   M > GEMV_MAX_M (prefill, DiT tokens): W8A8. The activations are quantized per token the same way
-       (dynamic scales); CUDA (H100 / H200, both dims multiples of 16): `torch._scaled_mm` with the
-       row-wise scales, bias fused, float32 accumulation; elsewhere `reference`: the same
+       (dynamic scales; one Triton launch on CUDA, `triton_gemv.quantize_rows`); CUDA (H100 / H200,
+       both dims multiples of 16): `torch._scaled_mm` with the row-wise scales, bias fused, float32 accumulation; elsewhere `reference`: the same
        quantized values dequantized and multiplied in float32 (they differ by accumulation order).
   M <= GEMV_MAX_M (decode steps): W8A16. The activations stay in their 16-bit dtype; CUDA:
        `layers/triton_gemv.py` reads the FP8 weight once and scales each output row in-register
@@ -71,8 +71,11 @@ class Fp8Linear(nn.Module):
         if x2.shape[0] <= GEMV_MAX_M:
             out = self.w8a16(x2.to(out_dtype))
             return out.reshape(*shape[:-1], self.out_features)
-        x8, x_scale = quantize_rows(x2)
-        if self._fast(x2):
+        fast = self._fast(x2)
+        # compiled (the DiT blocks): inductor fuses quantize_rows' ops itself
+        one_launch = fast and not torch.compiler.is_compiling()
+        x8, x_scale = triton_gemv.quantize_rows(x2, FP8_MAX) if one_launch else quantize_rows(x2)
+        if fast:
             out = self.scaled_mm(x8, x_scale, out_dtype)
         else:
             out = reference(x8, x_scale, self.weight_fp8, self.weight_scale, self.bias, out_dtype)
@@ -90,8 +93,8 @@ class Fp8Linear(nn.Module):
         return triton_gemv.reference(x2, self.weight_fp8, self.weight_scale, self.bias)
 
     def _fast(self, x2: torch.Tensor) -> bool:
-        return (x2.is_cuda and x2.dtype in (torch.bfloat16, torch.float16) and self.in_features % 16 == 0
-                and self.out_features % 16 == 0)
+        return (x2.is_cuda and triton_gemv.triton is not None and x2.dtype in (torch.bfloat16, torch.float16)
+                and self.in_features % 16 == 0 and self.out_features % 16 == 0)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3 "

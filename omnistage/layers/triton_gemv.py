@@ -17,6 +17,10 @@ with less error). M == 1 multiplies and reduces on CUDA cores; 2 <= M <= 16 uses
 
 The launch has no host syncs and its grid depends only on (M, N, K), so it is captured in the AR
 engine's decode CUDA graphs like any kernel. `reference` is the same maths in PyTorch.
+
+Also here, for the W8A8 regime above MAX_M rows: `quantize_rows(x)`, the per-token FP8 quantization
+of the activations (fp8_linear.quantize_rows' maths) in one launch instead of ~6 elementwise
+kernels per linear layer (which a 64- or 256-row decode graph would otherwise replay 4 x layers times).
 """
 
 from __future__ import annotations
@@ -72,6 +76,39 @@ if triton is not None:
             acc = acc + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
+
+
+if triton is not None:
+    @triton.jit
+    def _quantize_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, FP8_MAX: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+        row = tl.program_id(0)
+        rk = tl.arange(0, BLOCK_K)
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
+        tl.store(scale_ptr + row, scale)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_ptr + row * stride_xm + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+            tl.store(q_ptr + row * stride_qm + k0 + rk, q.to(q_ptr.dtype.element_ty), mask=k0 + rk < K)
+
+
+def quantize_rows(x: torch.Tensor, fp8_max: float = 448.0, out_dtype: torch.dtype = torch.float8_e4m3fn
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (last dim contiguous) -> (x / scale clamped to +-448 [M, K] in `out_dtype`, float32 scales
+    [M, 1] = amax / 448 per row). `out_dtype` float32 keeps the values before the FP8 cast (tests: the
+    Triton interpreter's float32 -> float8 cast mis-rounds values just below a power of two)."""
+    m, k = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q = torch.empty(m, k, device=x.device, dtype=out_dtype)
+    scale = torch.empty(m, 1, device=x.device, dtype=torch.float32)
+    _quantize_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), FP8_MAX=fp8_max,
+                           BLOCK_K=min(1024, max(16, triton.next_power_of_2(k))), num_warps=4)
+    return q, scale
 
 
 @functools.lru_cache(maxsize=8)

@@ -8,9 +8,10 @@ an AR decoder's through its `quantize_fp8`, models/llama.py).
 Two regimes by the number of rows M of a forward:
   M > GEMV_MAX_M (prefill, DiT tokens): W8A8. The activations are quantized per token the same way
        (dynamic scales; one Triton launch on CUDA, `triton_gemv.quantize_rows`); CUDA (H100 / H200,
-       both dims multiples of 16): `torch._scaled_mm` with the row-wise scales, bias fused, float32 accumulation; elsewhere `reference`: the same
-       quantized values dequantized and multiplied in float32 (they differ by accumulation order).
-  M <= GEMV_MAX_M (decode steps): W8A16. The activations stay in their 16-bit dtype; CUDA:
+       both dims multiples of 16): `torch._scaled_mm` with the row-wise scales, bias fused, float32
+       accumulation; elsewhere `reference`: the same quantized values dequantized and multiplied in
+       float32 (the two differ by accumulation order).
+  M <= GEMV_MAX_M (decode steps, short prefill chunks): W8A16. The activations stay in their 16-bit dtype; CUDA:
        `layers/triton_gemv.py` reads the FP8 weight once and scales each output row in-register
        (at small M the bytes are all in the weight, and `_scaled_mm` wants M padded to 16);
        elsewhere its PyTorch `reference`, so CPU tests run the same maths.

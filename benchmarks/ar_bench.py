@@ -271,6 +271,8 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
         print(json.dumps(res, indent=1))
+        if args.fp8:
+            print_fp8_table(res)
         return
     res["ours_unfused"] = bench_ours(path, fused_on=False)
     res["ours_eager"] = bench_ours(path, fused_on=True, cuda_graphs=False, batches=(1,))

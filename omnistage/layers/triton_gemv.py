@@ -51,7 +51,8 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = 
 
 
 if triton is not None:
-    @triton.jit
+    # M is not specialized on (1, multiples of 16): one compile serves every decode batch bucket of a shape
+    @triton.jit(do_not_specialize=["M"])
     def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                      HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):

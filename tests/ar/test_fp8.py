@@ -29,9 +29,15 @@ LONG = "One two three four five six seven eight nine ten eleven twelve thirteen 
 # another summation order; W8A8 (a > 16-row prefill) against transformers with the weights and each
 # linear's input rows FP8-rounded: a row whose value sits on a rounding boundary may round the other way.
 W8A16_TOL, W8A8_TOL = 1e-3, 2e-2
-# Against the unquantized fp32 model the tiny random models move far more (measured 0.8-1.7 nats:
-# their logits are sharp and they have no redundancy); the 7B-shaped GPU check states the real error
-# (benchmarks/ar_check_7b.py). Here it must only be > 0 (the weights really are FP8).
+# Against the unquantized fp32 model the tiny random models move far more (measured 1.7-3.8 nats:
+# 64 wide, 2 layers, sharp random logits, no redundancy); the 7B-shaped GPU check states the real
+# error (benchmarks/ar_check_7b.py). Here it must only be well above W8A16_TOL (the weights are FP8).
+
+
+def _round_rows(_module, args):
+    """A forward pre-hook: the linear's input rows FP8-rounded per token (W8A8's activations)."""
+    x8, scale = quantize_rows(args[0])
+    return (x8.float() * scale,)
 
 
 def _fake_quant(model, ignored=(), activations=False):
@@ -40,13 +46,12 @@ def _fake_quant(model, ignored=(), activations=False):
     `activations`, each such linear's input rows too (W8A8)."""
     with torch.no_grad():
         for name, m in model.named_modules():
-            if isinstance(m, nn.Linear) and ".layers." in name and not any(p in name.replace("model.", "", 1)
-                                                                           for p in ignored):
+            short = name.removeprefix("model.")         # our names: layers.0.self_attn.o_proj
+            if isinstance(m, nn.Linear) and short.startswith("layers.") and not any(p in short for p in ignored):
                 w8, scale = quantize_rows(m.weight)
                 m.weight.copy_(w8.float() * scale)
                 if activations:
-                    m.register_forward_pre_hook(lambda _m, args: tuple(
-                        (lambda q: q[0].float() * q[1])(quantize_rows(a)) for a in args))
+                    m.register_forward_pre_hook(_round_rows)
     return model
 
 
@@ -150,7 +155,7 @@ errs.append([(triton_gemv.gemv(x, layer.weight_fp8, layer.weight_scale, layer.bi
               - ref.float()).abs().max().item(), ref.float().abs().max().item()])
 # the one-launch per-token activation quantization of the W8A8 regime: fp8_linear.quantize_rows' scales and
 # values before the FP8 cast (a hardware cast on CUDA; the interpreter's mis-rounds, see quantize_rows)
-x = torch.randn(21, 1500, dtype=torch.bfloat16) * torch.rand(21, 1)
+x = torch.randn(4, 1500, dtype=torch.bfloat16) * torch.rand(4, 1)   # two K chunks of 1024
 q, s = triton_gemv.quantize_rows(x, out_dtype=torch.float32)
 s_ref = x.float().abs().amax(-1, keepdim=True).clamp_min(1e-12) / 448
 errs.append([(s - s_ref).abs().max().item(), s_ref.max().item()])

@@ -21,6 +21,8 @@ engine's decode CUDA graphs like any kernel. `reference` is the same maths in Py
 Also here, for the W8A8 regime above MAX_M rows: `quantize_rows(x)`, the per-token FP8 quantization
 of the activations (fp8_linear.quantize_rows' maths) in one launch instead of ~6 elementwise
 kernels per linear layer (which a 64- or 256-row decode graph would otherwise replay 4 x layers times).
+Checked against the references under Triton's interpreter by tests/ar/test_fp8.py and on the GPU
+(with timings against cuBLAS and the bandwidth floor) by benchmarks/gemv_bench.py.
 """
 
 from __future__ import annotations

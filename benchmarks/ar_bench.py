@@ -12,10 +12,13 @@ off is the unfused path as it was, an A/B in the same run) and for transformers 
   - the GPU time of one decode step alone (CUDA-graph replay at batch 1 / 64 / 256, context 192),
     which the host work around each step (scheduling, inputs, sampling) does not enter
   - host time per launch: a Triton kernel vs a PyTorch elementwise op (eager steps are launch-bound)
+With --fp8, the same workloads with `quantization="fp8"` (decoder linears FP8: W8A16 Triton GEMV
+for steps of <= 16 rows, W8A8 `torch._scaled_mm` above) as one more column, and its floor (decoder
+weights at 1 byte, embeddings / lm_head at 2). Its logit error is checked by benchmarks/ar_check_7b.py.
 Also checks that greedy output on CUDA equals CPU output on a tiny fp32 model.
 Prints a markdown table last; writes JSON to --out if given.
 
-    python benchmarks/ar_bench.py [--work /tmp/arbench] [--out results.json] [--skip-hf-256]
+    python benchmarks/ar_bench.py [--work /tmp/arbench] [--out results.json] [--skip-hf-256] [--fp8] [--only-ours]
 """
 
 from __future__ import annotations
@@ -104,15 +107,16 @@ def _timed_generate(omni, n: int, in_len: int, out_len: int, seed: int, temperat
 
 
 def bench_ours(path: str, fused_on: bool, cuda_graphs: bool = True, batches=(1, 64, 256),
-               async_scheduling: bool = True) -> dict:
+               async_scheduling: bool = True, quantization=None) -> dict:
     """Every workload in one engine (fresh prompts each time: the prefix cache never hits)."""
     from omnistage import Omni
     from omnistage.layers import fused
 
     fused.ENABLED = fused_on                 # read at capture and at every call: set before the engine
-    res: dict = {"fused": fused_on, "cuda_graphs": cuda_graphs, "async_scheduling": async_scheduling}
+    res: dict = {"fused": fused_on, "cuda_graphs": cuda_graphs, "async_scheduling": async_scheduling,
+                 "quantization": quantization}
     with Omni(path, device="cuda", dtype="bfloat16", max_num_seqs=256, cuda_graphs=cuda_graphs,
-              async_scheduling=async_scheduling) as omni:
+              async_scheduling=async_scheduling, quantization=quantization) as omni:
         for n, new in ((4, 128), (64, 2), (1, 2)):                     # warm-up: compiles, autotuning
             _timed_generate(omni, n, 128, new, 1)
         res["decode"] = []
@@ -209,12 +213,13 @@ def bench_hf(path: str, batches) -> dict:
     return res
 
 
-def floors(bw: float, flops: float, shape: dict) -> dict:
+def floors(bw: float, flops: float, shape: dict, body_bytes: int = 2) -> dict:
     """Lower bounds on time: weights read once per decode step; every matmul FLOP at the measured rate
     (layer GEMMs for every token, lm_head for sampled rows, prefill attention; decode attention and
-    KV reads are left out, small at 256 tokens of context)."""
+    KV reads are left out, small at 256 tokens of context). `body_bytes`: bytes per decoder-layer
+    weight (2: bf16, 1: FP8; FLOPs counted at the bf16 rate either way)."""
     body, head = param_counts(shape)
-    weight_bytes = 2 * (body + head)                    # bf16; the embedding rows a step reads are few
+    weight_bytes = body_bytes * body + 2 * head         # the embedding rows a step reads are few
     layers, hd = shape["num_hidden_layers"], shape["hidden_size"]
     out = {"weight_bytes": weight_bytes}
     for b in (1, 64, 256):
@@ -246,6 +251,7 @@ def main() -> None:
     ap.add_argument("--skip-hf-256", action="store_true")
     ap.add_argument("--only-ours", action="store_true",
                     help="only the fused engine's rows (for an A/B of two trees in one device call)")
+    ap.add_argument("--fp8", action="store_true", help="also every workload with quantization=fp8")
     args = ap.parse_args()
     os.makedirs(args.work, exist_ok=True)
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -257,11 +263,16 @@ def main() -> None:
     res["launch_us"] = launch_us()
     res["ours"] = bench_ours(path, fused_on=True)
     res["ours_sync"] = bench_ours(path, fused_on=True, async_scheduling=False)
+    if args.fp8:
+        res["floor_fp8"] = floors(res["copy_bw_GBs"] * 1e9, res["matmul_TFLOPs"] * 1e12, QWEN25_15B, body_bytes=1)
+        res["ours_fp8"] = bench_ours(path, fused_on=True, quantization="fp8")
     if args.only_ours:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
         print(json.dumps(res, indent=1))
+        if args.fp8:
+            print_fp8_table(res)
         return
     res["ours_unfused"] = bench_ours(path, fused_on=False)
     res["ours_eager"] = bench_ours(path, fused_on=True, cuda_graphs=False, batches=(1,))
@@ -298,8 +309,30 @@ def print_table(res: dict) -> None:
         print(f"| one decode step's GPU time (graph replay), batch {b}, context 192, ms | {ms:.2f} | - "
               f"| {off['graph_step_ms'][b]:.2f} | - | {floor:.2f} (weights / bw) |")
     print("\nhost us per call: " + ", ".join(f"{k} {v:.1f}" for k, v in res["launch_us"].items()))
+    if "ours_fp8" in res:
+        print_fp8_table(res)
     print(f"\ncopy bandwidth {res['copy_bw_GBs']:.0f} GB/s, bf16 matmul {res['matmul_TFLOPs']:.0f} TFLOP/s, "
           f"weights {fl['weight_bytes'] / 1e9:.2f} GB; greedy CUDA == CPU on tiny model: {res['cuda_equals_cpu']}")
+
+
+def print_fp8_table(res: dict) -> None:
+    """bf16 (the fused engine above) beside quantization=fp8, same run, same workloads."""
+    bf, f8, fl, fl8 = res["ours"], res["ours_fp8"], res["floor"], res["floor_fp8"]
+    print("\n| Qwen2.5-1.5B shape | bf16 | fp8 | fp8 / bf16 | bf16 floor | fp8 floor |")
+    print("|---|---|---|---|---|---|")
+    for a, b in zip(bf["decode"], f8["decode"]):
+        n = a["batch"]
+        print(f"| decode {n} x (128 in, 128 out), output tok/s | {a['tok_s']:.0f} | {b['tok_s']:.0f} "
+              f"| {b['tok_s'] / a['tok_s']:.2f}x | {fl[f'decode_{n}_tok_s']:.0f} | {fl8[f'decode_{n}_tok_s']:.0f} |")
+    print(f"| prefill 256 x 128 tokens, tok/s | {bf['prefill']['tok_s']:.0f} | {f8['prefill']['tok_s']:.0f} "
+          f"| {f8['prefill']['tok_s'] / bf['prefill']['tok_s']:.2f}x | {fl['prefill_tok_s']:.0f} | - |")
+    print(f"| TTFT, one 2048-token prompt, ms | {1e3 * bf['ttft_2048_s']:.1f} | {1e3 * f8['ttft_2048_s']:.1f} "
+          f"| {f8['ttft_2048_s'] / bf['ttft_2048_s']:.2f}x | {1e3 * fl['ttft_2048_s']:.1f} | - |")
+    bw = res["copy_bw_GBs"] * 1e9
+    for b, ms in bf["graph_step_ms"].items():
+        print(f"| one decode step's GPU time (graph replay), batch {b}, ms | {ms:.2f} | {f8['graph_step_ms'][b]:.2f} "
+              f"| {f8['graph_step_ms'][b] / ms:.2f}x | {fl['weight_bytes'] / bw * 1e3:.2f} "
+              f"| {fl8['weight_bytes'] / bw * 1e3:.2f} |")
 
 
 if __name__ == "__main__":

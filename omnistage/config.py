@@ -84,8 +84,10 @@ class EngineConfig:
     attention_backend: Any = "auto"             # one name for every role, "role=NAME,role=NAME" or a
     # {role: name} dict; roles ATTENTION_ROLES, names ATTENTION_BACKENDS (case-insensitive; "auto": the
     # device's fastest lossless backend, DEFAULT_ATTENTION)
-    quantization: Optional[str] = None          # None | "fp8": online FP8 W8A8 of the DiT blocks' linear layers
-    ignored_layers: tuple = ()                  # module-name parts FP8 leaves in the model dtype (e.g. "img_mlp")
+    quantization: Optional[str] = None          # None | "fp8": online FP8 weights (one scale per output row) of the
+    # DiT blocks' linear layers, or of an AR decoder's layers' qkv / o / gate_up / down (embeddings, lm_head stay)
+    ignored_layers: tuple = ()                  # module-name parts FP8 leaves in the model dtype (e.g. "img_mlp",
+    # or for an AR stage "o_proj", "layers.0.")
     enforce_eager: bool = False                 # True: no regional torch.compile of the DiT's repeated blocks
     enable_cpu_offload: bool = False            # model-level: text encoder / DiT / VAE take turns on the GPU
     enable_layerwise_offload: bool = False      # DiT blocks live in pinned CPU memory; one runs, the next prefetches
@@ -184,6 +186,10 @@ class EngineConfig:
         self.ignored_layers = tuple(self.ignored_layers)
         if self.ignored_layers and self.quantization is None:
             raise ValueError("ignored_layers needs quantization (one of: fp8)")
+        if self.quantization is not None and self.tensor_parallel_size > 1:
+            raise ValueError(f"quantization={self.quantization!r} cannot run with tensor_parallel_size="
+                             f"{self.tensor_parallel_size}: FP8 layers have no tensor-parallel shards; use "
+                             "tensor_parallel_size=1 or unset quantization")
         if self.enable_cpu_offload and self.enable_layerwise_offload:
             raise ValueError("enable_cpu_offload and enable_layerwise_offload cannot both be set: "
                              "choose model-level (enable_cpu_offload) or layerwise (enable_layerwise_offload) offload")

@@ -32,6 +32,7 @@ from omnistage.ar.scheduler import Scheduler, SchedulerOutput
 from omnistage.ar.sequence import PLACEHOLDER, SeqStatus, Sequence
 from omnistage.ar.tensor_parallel import RankFailure, RankGroup
 from omnistage.config import CUDA_CONTEXT_BYTES, EngineConfig, checkpoint_dtype
+from omnistage.layers.fp8_linear import quantize_decoder
 from omnistage.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
 from omnistage.parallel.group import ParallelInit
 from omnistage.parallel.tensor import sharding
@@ -75,6 +76,8 @@ class AREngine:
         with sharding(tp, 0):                   # rank 0's shard; a size the model cannot split fails here
             self.model, self.hf_config, self.tokenizer, self.eos_ids = loader(
                 model_dir, self.device, self.dtype, config.max_model_len)
+        if config.quantization is not None:     # FP8 decoder linears, before memory is planned and graphs captured
+            quantize_decoder(self.model, tuple(config.ignored_layers))
         if tp > 1 and hasattr(self.model, "frame_head"):
             raise ValueError(f"tensor_parallel_size must be 1 for {type(self.model).__name__} (a frame-head "
                              f"talker); got {tp}")

@@ -34,7 +34,7 @@ from torch import nn
 from omnistage.config import EngineConfig, attention_backends
 from omnistage.diffusion.attention import AttentionRouter
 from omnistage.diffusion.offload import LayerwiseOffload, ModelOffload
-from omnistage.layers.fp8_linear import Fp8Linear
+from omnistage.layers.fp8_linear import quantize_fp8
 
 log = logging.getLogger(__name__)
 
@@ -68,18 +68,6 @@ def dit_blocks(family, name: str) -> dict[str, list[nn.Module]]:
     module = family.c[name]
     return {attr: list(getattr(module, attr)) for attr in family.repeated_blocks
             if getattr(module, attr, None) is not None}
-
-
-def quantize_fp8(module: nn.Module, ignored: tuple = (), prefix: str = "") -> int:
-    """Swap every nn.Linear under `module` whose name (`prefix` + its name inside `module`, e.g.
-    "transformer_blocks.3.img_mlp.net.2") contains none of `ignored`; returns the count."""
-    swaps = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear)
-             and not any(part in prefix + name for part in ignored)]
-    for name, linear in swaps:
-        parent_name, _, child = name.rpartition(".")
-        parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, child, Fp8Linear.from_linear(linear))
-    return len(swaps)
 
 
 def compile_blocks(blocks: list[nn.Module], backend: str = "inductor") -> None:

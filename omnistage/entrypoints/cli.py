@@ -83,9 +83,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default=None, metavar="NAME|ROLE=NAME,...",
                    help="diffusion attention: auto, TORCH_SDPA, FLASH_ATTN, EFFICIENT_ATTN, CUDNN_ATTN, MATH_ATTN, "
                         "FLEX_ATTN, SAGE_ATTN (lossy 8-bit); per role: dit=...,text_encoder=... (default: auto)")
-    p.add_argument("--quantization", default=None, help="fp8: online FP8 W8A8 of the DiT blocks' linear layers")
+    p.add_argument("--quantization", default=None,
+                   help="fp8: online FP8 weights of the DiT blocks' / AR decoder layers' linear layers")
     p.add_argument("--ignored-layers", default=None, metavar="NAME,...",
-                   help="module-name parts --quantization leaves unquantized (e.g. img_mlp)")
+                   help="module-name parts --quantization leaves unquantized (e.g. img_mlp, o_proj, layers.0.)")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="no regional torch.compile of the DiT blocks (compiled by default on CUDA)")
     p.add_argument("--enable-cpu-offload", action="store_true", default=None,

@@ -5,7 +5,11 @@ states [T, hidden], and logits for the rows the runner asks for. The three famil
 structure; they differ in declared flags: Qwen2 has q/k/v biases, Qwen3 normalises q and k per
 head and may set `head_dim` explicitly. Weights load from transformers checkpoints by name, with
 q/k/v and gate/up stacked into single matrices so each is one GEMM. Under tensor parallelism the
-model declares its `tp_plan` and is built as one rank's shard (parallel/tensor.py).
+model declares its `tp_plan` and is built as one rank's shard (parallel/tensor.py). With
+`quantization="fp8"` the AR engine calls `quantize_fp8` after loading: the decoder layers' linear
+layers (`FP8_LINEARS`) become `layers.fp8_linear.Fp8Linear` (one scale per output row; the stacked
+q|k|v and gate|up rows each keep their own scale, so stacking changes nothing); the embeddings,
+lm_head, norms, MoE routers and experts stay in the model dtype.
 
 A layer's elementwise work goes through `layers.fused` (one Triton kernel each on CUDA): the residual
 add rides with the next RMSNorm (layers pass (hidden, residual) along), the Qwen3 q/k norms and the
@@ -23,6 +27,7 @@ from torch import nn
 
 from omnistage.layers import fused
 from omnistage.layers.attention import AttentionMetadata, attend
+from omnistage.layers.fp8_linear import quantize_fp8
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding
 from omnistage.parallel.tensor import TPPlan, apply_plan, vocab_logits
@@ -110,6 +115,10 @@ class LlamaForCausalLM(nn.Module):
                      column={"layers.*.mlp.gate_up_proj": 2},
                      row=("layers.*.self_attn.o_proj", "layers.*.mlp.down_proj"), vocab=("embed_tokens", "lm_head"))
 
+    # the linear layers (last name part) inside `layers.*` that `quantize_fp8` swaps; dense MLPs and MoE
+    # shared experts both name theirs gate_up_proj / down_proj, routers (`mlp.gate`) are left alone
+    FP8_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
     def qkv_bias(self, config) -> bool:
         return bool(getattr(config, "attention_bias", False))
 
@@ -145,6 +154,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return vocab_logits(hidden, weight, self.config.vocab_size)
+
+    def quantize_fp8(self, ignored: tuple = ()) -> int:
+        """FP8 weights for the decoder layers' `FP8_LINEARS` whose name (e.g. "layers.3.self_attn.o_proj")
+        contains none of `ignored`; returns how many were swapped. Call after the weights are loaded."""
+        return sum(quantize_fp8(layer, ignored, f"layers.{i}.", self.FP8_LINEARS) for i, layer in enumerate(self.layers))
 
     # ---- loading -------------------------------------------------------------------------------
     _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

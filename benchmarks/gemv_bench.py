@@ -1,0 +1,99 @@
+"""Small-M linear layers on one GPU: the Triton GEMV (layers/triton_gemv.py) vs cuBLAS vs the floor.
+
+For each decoder linear of the Qwen2.5-1.5B and Qwen2.5-7B shapes (qkv, o, gate_up, down) and M = 1,
+4, 16 rows it prints the GPU time of one call (20 calls captured in a CUDA graph, replayed, so launch
+cost is out, as in the engine's decode graphs):
+  - fp8 gemv: W8A16, FP8 weight + per-row scale (what `quantization="fp8"` runs at <= 16 rows)
+  - fp8 _scaled_mm: W8A8 as above 16 rows (activations quantized per token, M padded to 16)
+  - bf16 gemv: the same kernel on bf16 weights (not used by the engine unless it beats cuBLAS here)
+  - bf16 cuBLAS: F.linear (what bf16 runs)
+  - floors: weight bytes / measured copy bandwidth, FP8 and bf16
+and the kernels' max error against their PyTorch references (relative to the largest output).
+
+    PYTHONPATH=$PWD python benchmarks/gemv_bench.py
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"1.5B": {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)},
+          "7B": {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944)}}
+ROWS = (1, 4, 16)
+CALLS = 20
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        y.copy_(x)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def graph_us(fn) -> float:
+    """GPU microseconds of one fn() call: CALLS calls in one CUDA graph, replayed 10 times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (10 * CALLS)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+def main() -> None:
+    from omnistage.layers import triton_gemv
+    from omnistage.layers.fp8_linear import Fp8Linear
+
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s\n")
+    print("| shape | layer (N x K) | M | fp8 gemv us | fp8 _scaled_mm us | bf16 gemv us | bf16 cuBLAS us "
+          "| floor fp8 / bf16 us | fp8 gemv % of floor | err fp8 / bf16 gemv |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    torch.manual_seed(0)
+    for model, layers in SHAPES.items():
+        for name, (n, k) in layers.items():
+            lin = torch.nn.Linear(k, n, bias=name == "qkv", device="cuda", dtype=torch.bfloat16)
+            fp8 = Fp8Linear.from_linear(lin)
+            w, b = lin.weight.detach(), None if lin.bias is None else lin.bias.detach()
+            for m in ROWS:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                x16 = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
+                g8 = triton_gemv.gemv(x, fp8.weight_fp8, fp8.weight_scale, fp8.bias)
+                e8 = rel_err(g8, triton_gemv.reference(x, fp8.weight_fp8, fp8.weight_scale, fp8.bias))
+                e16 = rel_err(triton_gemv.gemv(x, w, None, b), triton_gemv.reference(x, w, None, b))
+                t8 = graph_us(lambda: triton_gemv.gemv(x, fp8.weight_fp8, fp8.weight_scale, fp8.bias))
+                tsm = graph_us(lambda: fp8.scaled_mm(*triton_gemv.quantize_rows(x16), torch.bfloat16))   # W8A8
+                t16 = graph_us(lambda: triton_gemv.gemv(x, w, None, b))
+                tcb = graph_us(lambda: F.linear(x, w, b))
+                f8, f16 = n * k / bw * 1e6, 2 * n * k / bw * 1e6
+                print(f"| {model} | {name} ({n} x {k}) | {m} | {t8:.1f} | {tsm:.1f} | {t16:.1f} | {tcb:.1f} "
+                      f"| {f8:.1f} / {f16:.1f} | {100 * f8 / t8:.0f}% | {e8:.1e} / {e16:.1e} |")
+    print("\nfp8 _scaled_mm is timed at 16 rows whatever M (it needs M padded to 16); activation quantization "
+          "included.")
+
+
+if __name__ == "__main__":
+    main()

@@ -38,6 +38,13 @@ def is_dummy(model_dir: str) -> bool:
     return os.path.realpath(model_dir) in _DUMMY_FOLDERS
 
 
+def marked_loader(loader, model_dir: str, *args):
+    """An AR loader (`ar.engine.ModelLoader`) that marks `model_dir` first: wrapped with functools.partial,
+    it carries the mark into the processes of tensor-parallel ranks, which call the loader themselves."""
+    use_dummy_weights(model_dir)
+    return loader(model_dir, *args)
+
+
 def _kind(name: str, ndim: int) -> str:
     """"zeros" | "ones" | "normal": what a tensor of this name and rank starts as."""
     leaf = name.rsplit(".", 1)[-1]

@@ -16,6 +16,7 @@ code: they are handed what they run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Any, Optional
@@ -156,6 +157,10 @@ def build_engine(spec: StageSpec) -> Any:
             loader = registry.component_loader(component)
         else:
             from omnistage.models.loader import load_causal_lm as loader
+        if spec.engine.load_format == "dummy":  # tensor-parallel ranks load in processes of their own
+            from omnistage.models.dummy import marked_loader
+
+            loader = functools.partial(marked_loader, loader)
         return AREngine(spec.model_dir, spec.engine, loader=loader)
     if spec.kind == "diffusion":
         from omnistage.diffusion.engine import DiffusionEngine

@@ -31,8 +31,8 @@ H, E, K, I = 2048, 128, 8, 768
 TS = (1, 8, 64, 256, 2048)
 SMALL_TS = (1, 8, 64)
 # (gate-up, down) tile widths and (gate-up, down) K-chunks the small path is swept over
-SWEEP = [((bn_up, bn_down), bk) for bn_up in (16, 32, 64) for bn_down in (8, 16, 32, 64)
-         for bk in ((128, 128), (256, 256))]
+SWEEP = [((bn_up, bn_down), bk) for bn_up in (16, 32) for bn_down in (8, 16, 32)
+         for bk in ((128, 128), (256, 256), (512, 256))]
 
 
 def timed(fn, iters: int = 50) -> float:

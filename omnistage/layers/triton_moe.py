@@ -231,7 +231,7 @@ def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tupl
 
 def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, block_n: tuple[int, int] | None = None,
-                    block_k: tuple[int, int] = (128, 128)) -> torch.Tensor:
+                    block_k: tuple[int, int] = (256, 256)) -> torch.Tensor:
     """`fused_moe` without the sort (see the module docstring); `block_n` / `block_k`: the (gate-up, down)
     kernels' tile widths (None: enough programs to fill the GPU at this T; benchmarks sweep them)."""
     t, k = topk_ids.shape

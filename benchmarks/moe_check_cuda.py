@@ -3,7 +3,7 @@
 Run on the GPU machine:  PYTHONPATH=$PWD python benchmarks/moe_check_cuda.py [--json out.json]
 
 Shapes: hidden 2048, 128 experts, top-8, moe_intermediate 768, bf16, random weights and router logits;
-T = 1, 64, 256, 2048 rows. Per T it prints:
+T = 1, 8, 64, 256, 2048 rows. Per T it prints:
   * max abs error of the Triton path against the PyTorch reference (`moe.fused_moe_ref`, same weights)
     beside the reference's largest value, in bf16 and in fp32 (fp32 only up to T=256);
   * time of the Triton path (eager, and replayed from a CUDA graph, which also proves it has no host
@@ -11,6 +11,11 @@ T = 1, 64, 256, 2048 rows. Per T it prints:
     experts implementation) on the same weights, and of a dense GEMM pair with the same active FLOPs
     (x [T, 2048] @ [2048, 2*768*8] then [T, 768*8] @ [768*8, 2048]) -- the floor to compare against;
   * the weight bytes the step must read (the distinct experts hit) over 4 TB/s: the bandwidth floor.
+Then, at T = 1, 8, 64, the decode path without the sort (`triton_moe.fused_moe_small`, what
+`moe.fused_moe` runs when T*K <= SMALL_PAIRS) beside the sorted one, both from CUDA graphs: its error
+against the reference, its ms with the default tiles and with the best of a small sweep of tile widths,
+and the whole routed layer (router GEMM + routing + experts) with torch's routing and the sorted
+kernels vs the one-launch router and the small path -- each beside the bandwidth floor.
 """
 
 from __future__ import annotations
@@ -23,7 +28,11 @@ import torch
 from omnistage.layers import moe, triton_moe
 
 H, E, K, I = 2048, 128, 8, 768
-TS = (1, 64, 256, 2048)
+TS = (1, 8, 64, 256, 2048)
+SMALL_TS = (1, 8, 64)
+# (gate-up, down) tile widths and (gate-up, down) K-chunks the small path is swept over
+SWEEP = [((bn_up, bn_down), bk) for bn_up in (16, 32) for bn_down in (8, 16, 32)
+         for bk in ((128, 128), (256, 256), (512, 256))]
 
 
 def timed(fn, iters: int = 50) -> float:
@@ -116,6 +125,40 @@ def main() -> None:
         print(f"{r['T']:>5} {r['err_bf16']:>9.1e} {f32:>9} {r['ref_peak']:>6.2f} {r['triton_ms']:>8.3f} "
               f"{r['triton_graph_ms']:>8.3f} {r['reference_ms']:>8.3f} {hf_ms:>8} {r['dense_same_flops_ms']:>8.3f} "
               f"{r['bandwidth_floor_ms']:>8.3f}")
+    small_path(w13, w2)
+
+
+def small_path(w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """The decode path's table (see the module docstring)."""
+    gate = torch.randn(E, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5
+    print(f"\n{'T':>3} {'err':>8} {'peak':>6} {'sorted':>8} {'small':>8} {'best':>8}  {'best tiles':<22} "
+          f"{'layer old':>9} {'layer new':>9} {'bw floor':>8}  (ms, CUDA graphs)")
+    for t in SMALL_TS:
+        x = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
+        weights, ids = moe.route(x @ gate.T, K, True)
+        ref = moe.fused_moe_ref(x, w13, w2, weights, ids)
+        err = (triton_moe.fused_moe_small(x, w13, w2, weights, ids).float() - ref.float()).abs().max().item()
+        ms_sorted = timed(graphed(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids)))
+        ms_small = timed(graphed(lambda: triton_moe.fused_moe_small(x, w13, w2, weights, ids)))
+        swept = []
+        for bn, bk in SWEEP:
+            fn = graphed(lambda: triton_moe.fused_moe_small(x, w13, w2, weights, ids, block_n=bn, block_k=bk))
+            swept.append((timed(fn, iters=20), bn, bk))
+        best = min(swept)
+
+        def layer_old():
+            probs = torch.softmax(x @ gate.T, dim=-1, dtype=torch.float32)
+            w, i = torch.topk(probs, K, dim=-1)
+            return triton_moe.fused_moe(x, w13, w2, w / w.sum(dim=-1, keepdim=True), i)
+
+        def layer_new():
+            w, i = triton_moe.route(x @ gate.T, K, True)
+            return triton_moe.fused_moe_small(x, w13, w2, w, i)
+
+        floor_ms = ids.unique().numel() * 3 * I * H * 2 / 4e12 * 1e3 + E * H * 2 / 4e12 * 1e3
+        print(f"{t:>3} {err:>8.1e} {ref.float().abs().max().item():>6.2f} {ms_sorted:>8.3f} {ms_small:>8.3f} "
+              f"{best[0]:>8.3f}  {str(best[1]) + ' ' + str(best[2]):<22} {timed(graphed(layer_old)):>9.3f} "
+              f"{timed(graphed(layer_new)):>9.3f} {floor_ms:>8.3f}")
 
 
 if __name__ == "__main__":

@@ -28,8 +28,9 @@ code2wav's compute is left out, so the true floor is higher). Prints a markdown 
     python benchmarks/omni_bench.py --tiny           # tiny checkpoint, CPU, seconds (a test runs it; = --smoke)
 
 `--model qwen3-omni` runs the same measurement on Qwen3-Omni-30B-A3B's shape (`qwen3_omni_bench.py`:
-the checkpoint, ~68 GB under --work, and the request settings; levels 1, 8, 32; frames at 12.5 per
-second of audio; no transformers reference or floor row); with `--tiny` (= --smoke) on the tiny one.
+a folder of config + tokenizer only under --work, served with `load_format="dummy"` -- random weights
+drawn on the GPU, no checkpoint written -- and the request settings; levels 1, 8, 32; frames at 12.5
+per second of audio; no transformers reference or floor row); with `--tiny` (= --smoke) on the tiny one.
 """
 
 from __future__ import annotations
@@ -171,12 +172,13 @@ async def concurrent(engine, prompt: dict, n: int, params: list) -> dict[str, An
 
 
 def bench_ours(path: str, device: str, dtype: str, levels: list[int], thinker_tokens: int,
-               talker_codes: int, deploy: Optional[dict] = None, params_for=None) -> list[dict]:
+               talker_codes: int, deploy: Optional[dict] = None, params_for=None,
+               load_format: str = "auto") -> list[dict]:
     """`params_for(thinker_tokens, talker_codes)`: the stages' params (default: Qwen2.5-Omni's `stage_params`)."""
     from omnistage.entrypoints.async_omni import AsyncOmni
 
     params_for = params_for or stage_params
-    engine = AsyncOmni(path, device=device, dtype=dtype, deploy_config=deploy)
+    engine = AsyncOmni(path, device=device, dtype=dtype, deploy_config=deploy, load_format=load_format)
     try:
         prompt = engine.render_chat(MESSAGES)
         warm = params_for(8, 48)
@@ -279,7 +281,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    params_for = None
+    params_for, load_format = None, "auto"
     if args.model == "qwen3-omni":
         import sys
 
@@ -290,8 +292,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
             path = q3.tiny_checkpoint(os.path.join(args.work, "tiny-qwen3_omni"))
             device, dtype, shape, levels, tokens, codes = "cpu", "float32", "tiny Qwen3-Omni, fp32", [1, 2], 8, 12
         else:
-            path = q3.build_checkpoint(os.path.join(args.work, "qwen3_omni_30b_a3b_shape"))
-            device, dtype, shape = "cuda", "bfloat16", "Qwen3-Omni-30B-A3B shape, bf16"
+            path = q3.config_folder(os.path.join(args.work, "qwen3_omni_30b_a3b_config"))
+            device, dtype, shape = "cuda", "bfloat16", "Qwen3-Omni-30B-A3B shape, bf16, load_format=dummy"
+            load_format = "dummy"
             levels, tokens, codes = [1, 8, 32], 64, 125
 
         def params_for(t, c):
@@ -329,7 +332,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if bad or not layouts:
         ap.error(f"--layouts must list shared, process or inline; got {args.layouts!r}")
     deploys = {layout: {"stage_layout": layout, "stages": stages} for layout in layouts}
-    measured = {layout: bench_ours(path, device, dtype, levels, tokens, codes, deploy, params_for)
+    measured = {layout: bench_ours(path, device, dtype, levels, tokens, codes, deploy, params_for, load_format)
                 for layout, deploy in deploys.items()}
     res = {"shape": shape, "device": torch.cuda.get_device_name() if device == "cuda" else "CPU",
            "thinker_tokens": tokens, "talker_codes": codes, "deploy_configs": deploys, "layouts": measured,

@@ -3,8 +3,8 @@
 The real thinker text shape (hidden 2048, 48 layers, 32 q / 4 kv heads of 128, 128 experts top-8 of
 width 768, vocab 152064; ~30B parameters, ~3B active per token) in bf16 with random weights, which
 time like real ones. No checkpoint is written (60 GB): a folder with config.json + tokenizer only,
-and the weights drawn on the GPU -- omnistage's native `Qwen3MoeForCausalLM` (the served thinker
-component, Triton fused MoE, CUDA graphs) run by its `AREngine`, then transformers'
+and the weights drawn on the GPU (`load_format="dummy"`, models/dummy.py) -- omnistage's served thinker
+component ("qwen3_omni.thinker": Triton fused MoE, CUDA graphs) run by its `AREngine`, then transformers'
 `Qwen3OmniMoeThinkerForConditionalGeneration.generate` (its default experts implementation) on its own
 random weights, one after the other (each takes ~60 GB).
 First, the tiny Qwen3-Omni served on CUDA in fp32 (Triton MoE, CUDA graphs) must give transformers'
@@ -12,8 +12,11 @@ greedy ids (text and image + audio prompts). Per batch size (1 and 64; 128 promp
 tok/s and the floor: every decode step reads the attention, router, norm and lm_head weights and the
 expected number of distinct experts the batch hits (128 * (1 - (1 - 8/128)^B) per layer), at the
 copy bandwidth measured in the same run. Target: bs1 >= 50% of that floor.
+Then a per-kernel profile of bs1 decode steps (torch.profiler, top 15 by self CUDA time), replayed from
+the CUDA graphs as served and once more eager (the graphs set aside), so what is left of a step shows.
 
     PYTHONPATH=$PWD python benchmarks/q3_thinker_bench.py [--work /tmp/q3bench] [--out q3_thinker.json] [--skip-hf]
+        [--skip-tiny] [--profile-steps 32]
 """
 
 from __future__ import annotations
@@ -50,39 +53,22 @@ def config_folder(path: str):
     return config
 
 
-def random_loader(model_dir, device, dtype, max_positions):
-    """`ar.engine.ModelLoader` of the native thinker with random weights drawn on the device."""
-    from transformers import AutoTokenizer
-
-    from omnistage.models.qwen3_omni.thinker import Qwen3MoeForCausalLM, thinker_text_config
-
-    config = thinker_text_config(model_dir)
-    with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(config, min(max_positions or 4096, 4096), report_layer=None)
-    model = model.to_empty(device=device).to(dtype=dtype)
-    g = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=g)
-    model.rotary.build(device)
-    return model.eval(), config, AutoTokenizer.from_pretrained(model_dir), frozenset()
-
-
 def prompts(n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, THINKER_30B["vocab_size"] - 100, (n, IN_LEN), generator=g).tolist()
 
 
-def bench_ours(path: str, batches) -> list[dict]:
+def bench_ours(path: str, batches, profile_steps: int) -> tuple[list[dict], dict[str, str]]:
     from omnistage.ar.engine import AREngine
     from omnistage.config import EngineConfig
+    from omnistage.models.dummy import use_dummy_weights
+    from omnistage.models.qwen3_omni.thinker import load_thinker
     from omnistage.params import SamplingParams
 
+    use_dummy_weights(path)                   # as pipeline/build.py does for load_format="dummy"
     engine = AREngine(path, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
-                                         max_model_len=1024, enable_prefix_caching=False), loader=random_loader)
+                                         max_model_len=1024, enable_prefix_caching=False, load_format="dummy"),
+                      loader=load_thinker)
     params = SamplingParams(max_tokens=OUT_LEN, temperature=0, ignore_eos=True)
 
     def run(n: int, seed: int, new: int = OUT_LEN) -> tuple[float, int]:
@@ -103,9 +89,42 @@ def bench_ours(path: str, batches) -> list[dict]:
     for i, b in enumerate(batches):
         dt, n = run(b, 10 + i)
         rows.append({"batch": b, "seconds": dt, "output_tokens": n, "tok_s": n / dt})
+    tables = profile_bs1(engine, params, profile_steps) if profile_steps else {}
     del engine
     torch.cuda.empty_cache()
-    return rows
+    return rows, tables
+
+
+def profile_bs1(engine, params, steps: int) -> dict[str, str]:
+    """torch.profiler tables (top 15 kernels by self CUDA time) of `steps` bs1 decode steps, from the CUDA
+    graphs and eager."""
+    from torch.profiler import ProfilerActivity, profile
+
+    tables = {}
+    for mode in ("cuda graphs", "eager"):
+        graphs = engine.runner.graphs
+        if mode == "eager":
+            engine.runner.graphs = None          # the runner then launches every kernel itself
+        engine.add_request(f"profile-{mode}", {"prompt_token_ids": prompts(1, 99)[0]},
+                           params.clone(max_tokens=steps + 8))
+        for _ in range(3):                       # prefill, and the decode pipeline filled
+            engine.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+        while engine.has_unfinished():
+            engine.step()
+        engine.runner.graphs = graphs
+        events = prof.key_averages()
+        for key in ("self_device_time_total", "self_cuda_time_total"):   # the name changed across torch versions
+            try:
+                tables[mode] = events.table(sort_by=key, row_limit=15)
+                break
+            except (KeyError, AttributeError, ValueError):
+                continue
+    return tables
 
 
 def bench_hf(path: str, batches) -> list[dict]:
@@ -196,13 +215,16 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/q3bench")
     parser.add_argument("--out", default=None)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-tiny", action="store_true", help="skip the tiny model's CUDA-vs-transformers check")
+    parser.add_argument("--profile-steps", type=int, default=32, help="bs1 decode steps profiled (0: none)")
     args = parser.parse_args()
     batches = (1, 64)
     config_folder(args.work)
-    tiny = check_tiny_on_cuda(args.work)
+    tiny = None if args.skip_tiny else check_tiny_on_cuda(args.work)
     bw = copy_bandwidth()
+    ours, tables = bench_ours(args.work, batches, args.profile_steps)
     res = {"tiny_cuda_equals_transformers": tiny, "copy_bandwidth_GBs": bw / 1e9, "floor": [floor_tok_s(b, bw) for b in batches],
-           "ours": bench_ours(args.work, batches)}
+           "ours": ours, "profile_bs1": tables}
     if not args.skip_hf:
         res["transformers"] = bench_hf(args.work, batches)
     if args.out:
@@ -217,6 +239,8 @@ def main() -> None:
         ours, floor = res["ours"][i]["tok_s"], res["floor"][i]["tok_s"]
         hf = f"{res['transformers'][i]['tok_s']:.1f}" if "transformers" in res else "-"
         print(f"| {b} | {ours:.1f} | {hf} | {floor:.0f} | {ours / floor:.0%} |")
+    for mode, table in tables.items():
+        print(f"\nbs1 decode, {args.profile_steps} steps, {mode}: top 15 kernels by self CUDA time\n{table}")
 
 
 if __name__ == "__main__":

@@ -1,21 +1,19 @@
 """Qwen3-Omni parts of `omni_bench.py --model qwen3-omni`: the checkpoint and the request settings.
 
-`--tiny`: the tiny checkpoint (omnistage.testing.qwen3_omni) on the CPU. Otherwise a random-weight
-bf16 folder in the real layout with Qwen3-Omni-30B-A3B's shape is written once under --work (34B
-parameters, ~68 GB: put --work on a disk that holds it; random weights time like real ones):
+`--tiny`: the tiny checkpoint (omnistage.testing.qwen3_omni) on the CPU. Otherwise a folder with the
+config, tokenizer and processor of Qwen3-Omni-30B-A3B's shape and no weight file is written under --work
+(a few MB), served with `load_format="dummy"`: every stage draws random bf16 weights of the
+checkpoint's shapes on the GPU (models/dummy.py; 34B parameters; random weights time like real ones):
   thinker  hidden 2048, 48 layers, 32 q / 4 kv heads of 128, 128 experts top-8 of width 768, vocab 152064
   talker   hidden 1024, 20 layers, 16 q / 2 kv heads of 128, 128 experts top-8 of width 384 + a shared
            expert of 768, codec vocab 3072; code predictor 5 layers x 1024, 16 codebooks of 2048
   code2wav transformers' defaults (8 transformer layers x 1024, window 72, decoder 1536 channels)
   encoders tiny (the prompts are text), the tiny tokenizer / processor, three speakers.
-Tensors are drawn on the GPU one at a time and written in 4 GB shards, routed experts fused per layer
-(`experts.gate_up_proj` / `experts.down_proj`, as transformers holds them), which our loaders read.
 Each request bans codec eos, so every answer has the same number of frames (12.5 per second of audio).
 """
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -32,7 +30,6 @@ PREDICTOR_30B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers
 CODE2WAV_30B = dict(codebook_size=2048, hidden_size=1024, num_attention_heads=16, num_key_value_heads=16,
                     num_hidden_layers=8, intermediate_size=3072, sliding_window=72, num_quantizers=16,
                     decoder_dim=1536)
-SHARD_BYTES = 4 * 2**30
 
 
 def config_30b():
@@ -62,41 +59,13 @@ def config_30b():
     return config
 
 
-def build_checkpoint(path: str) -> str:
-    """The random 30B-A3B-shape folder (kept across runs)."""
-    from safetensors.torch import save_file
-    from transformers import Qwen3OmniMoeForConditionalGeneration
-
+def config_folder(path: str) -> str:
+    """The 30B-A3B-shape folder without weights (config, tokenizer, processor), for `load_format="dummy"`."""
     from omnistage.testing.qwen3_omni import make_omni_tokenizer, make_processor
 
-    if os.path.exists(os.path.join(path, "model.safetensors.index.json")):
-        return path
     config = config_30b()
-    with torch.device("meta"):
-        model = Qwen3OmniMoeForConditionalGeneration(config)
+    config.architectures = ["Qwen3OmniMoeForConditionalGeneration"]   # models/dummy.py builds its shapes
     os.makedirs(path, exist_ok=True)
-    gen = torch.Generator("cuda").manual_seed(0)
-    shard, size, index, n = {}, 0, {}, 0
-
-    def flush():
-        nonlocal shard, size, n
-        name = f"model-{n:05d}.safetensors"
-        save_file(shard, os.path.join(path, name))
-        index.update({k: name for k in shard})
-        shard, size, n = {}, 0, n + 1
-
-    for name, param in model.state_dict().items():
-        ones = name.endswith(("norm.weight", "layernorm.weight", ".scale", "gamma"))
-        t = (torch.ones(param.shape, device="cuda") if ones
-             else torch.randn(param.shape, device="cuda", generator=gen) * 0.02)
-        shard[name] = t.to(torch.bfloat16).cpu()
-        size += shard[name].numel() * 2
-        if size >= SHARD_BYTES:
-            flush()
-    if shard:
-        flush()
-    with open(os.path.join(path, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
-        json.dump({"metadata": {}, "weight_map": index}, f)
     config.save_pretrained(path)
     tokenizer = make_omni_tokenizer()
     tokenizer.save_pretrained(path)

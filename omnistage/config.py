@@ -47,7 +47,8 @@ ATTENTION_ROLES = ("dit", "text_encoder")
 # benchmarks/dit_bench.py re-measures it); where cuDNN cannot run a shape, SDPA falls back to flash.
 DEFAULT_ATTENTION = {"cuda": "CUDNN_ATTN", "cpu": "TORCH_SDPA"}
 QUANTIZATIONS = (None, "fp8")
-EXECUTOR_BACKENDS = ("mp", "ray")               # `distributed_executor_backend`: local processes | Ray actors
+EXECUTOR_BACKENDS = ("mp", "ray")
+LOAD_FORMATS = ("auto", "dummy")                # `load_format` (vLLM's): read the safetensors | draw random weights               # `distributed_executor_backend`: local processes | Ray actors
 
 
 @dataclass
@@ -67,6 +68,8 @@ class EngineConfig:
     seed: int = 0                               # seed of the generator used by unseeded requests
     cpu_threads: Optional[int] = None           # torch intra-op threads on CPU; None = cores - 1 (>= 1)
     cuda_graphs: bool = True                    # capture decode steps on CUDA
+    load_format: str = "auto"                   # LOAD_FORMATS: "auto" reads the folder's safetensors; "dummy" draws
+    # random weights of the checkpoint's shapes on the device (no weight file read; models/dummy.py): benchmarks
     default_max_tokens: Optional[int] = None    # AR: answer cap of a request that gives no max_tokens (the model's
     # generation_config.json max_new_tokens, or --override-generation-config), at most the room left; None = up to
     # max_model_len
@@ -116,6 +119,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be >= 1 or None, got {self.default_max_tokens}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self._check_cache_options()

@@ -21,7 +21,7 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from omnistage.config import CACHE_BACKENDS, EXECUTOR_BACKENDS, cache_config_problem
+from omnistage.config import CACHE_BACKENDS, EXECUTOR_BACKENDS, LOAD_FORMATS, cache_config_problem
 
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -61,6 +61,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                    help="AR stages: split the model over N ranks (processes; one GPU each, or CPU over gloo); "
                         "N must divide the attention heads (default: 1)")
+    p.add_argument("--load-format", default=None, choices=LOAD_FORMATS,
+                   help="auto: read the folder's safetensors; dummy: random weights of the checkpoint's shapes, "
+                        "no weight file read (benchmarks; a folder with config + tokenizer is enough) (default: auto)")
     p.add_argument("--deploy-config", default=None, metavar="FILE.yaml",
                    help="pipeline overrides: per-stage devices, engine sizes, chunking (see pipeline/deploy_config.py)")
     p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",

@@ -166,7 +166,7 @@ def render_chat(tokenizer, messages: Sequence[dict], chat_template_kwargs: Optio
 def engine_kwargs_from_args(args) -> dict:
     """The engine options of parsed CLI arguments (`omnistage serve` / `generate`), for Omni / AsyncOmni."""
     names = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_kv_blocks", "seed", "tensor_parallel_size",
-             "deploy_config",
+             "deploy_config", "load_format",
              "cache_backend", "cache_config", "vae_use_tiling",
              "attention_backend", "quantization", "ignored_layers", "enforce_eager", "enable_cpu_offload",
              "enable_layerwise_offload", "num_replicas", "distributed_executor_backend", "ray_address",

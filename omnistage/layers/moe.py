@@ -9,7 +9,9 @@ In: hidden rows x [T, H] of one engine step. Out: [T, H], the weighted sum of ea
   fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights, topk_ids) -> [T, H]
         on CUDA with Triton: `triton_moe.fused_moe` (rows sorted by expert, one grouped-GEMM launch for
         gate-up with SiLU * up fused, one for down with the routing weight; no host syncs, so CUDA
-        graphs capture it); elsewhere `fused_moe_ref`, the PyTorch reference: the rows sorted by
+        graphs capture it), or at decode sizes (T*K <= `triton_moe.SMALL_PAIRS`) `fused_moe_small`
+        (no sort: one GEMV program per pair, then one per token summing its K experts); the router is
+        then one Triton launch too (`triton_moe.route`); elsewhere `fused_moe_ref`, the PyTorch reference: the rows sorted by
         expert and one matmul pair per expert that has rows
   SparseMoeBlock(hidden, num_experts, top_k, moe_intermediate, norm_topk_prob, shared_expert_intermediate=0)
         the module; `load_weights` takes the checkpoint's names relative to the block
@@ -35,6 +37,8 @@ from omnistage.layers import fused, triton_moe
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights float32 [T, K], expert ids int64 [T, K]); see the module docstring."""
+    if fused.use_triton(router_logits) and triton_moe.triton is not None:
+        return triton_moe.route(router_logits, top_k, norm_topk_prob)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
@@ -46,6 +50,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               topk_ids: torch.Tensor) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] = [gate | up] per expert; w2 [E, H, I]; topk_* [T, K] -> [T, H]."""
     if fused.use_triton(x) and triton_moe.triton is not None:
+        if topk_ids.numel() <= triton_moe.SMALL_PAIRS:   # decode: one GEMV pair, no sort
+            return triton_moe.fused_moe_small(x, w13, w2, topk_weights, topk_ids)
         return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 

@@ -15,6 +15,17 @@ Out: [T, H] = sum over a row's K experts of weight * down(SiLU(gate) * up).
                                 that buffer and w2, times the pair's routing weight, stored per pair [T*K, H]
   the K slots of each row are then summed (a [T, K, H] sum; deterministic, no atomics).
 
+Decode sizes (T*K <= SMALL_PAIRS, `fused_moe_small`) skip the sort and align: few rows per expert make
+the grouped GEMM's tiles mostly padding, and align's torch ops cost more launches than the GEMMs.
+  _pair_gate_up_kernel          grid (T*K pairs, column blocks of I): the pair's expert id read from
+                                topk_ids, gate | up GEMV over its x row, SiLU(gate) * up stored [T*K, I]
+  _token_down_kernel            grid (T, column blocks of H): per token, a loop over its K experts: the
+                                down GEMV times the routing weight, summed over the slots in float32 and
+                                stored once [T, H] (deterministic, no atomics)
+  route(logits, top_k, norm)    one program per row: float32 softmax over the experts, the top k by
+                                repeated argmax (descending, as torch.topk), the renormalisation; one launch
+                                for what takes torch four or five.
+
 Arithmetic is float32 in the tiles; results are rounded to the model dtype where the reference rounds
 (the product SiLU(gate) * up, the weighted down output), so the two differ by the order of sums only.
 """
@@ -126,6 +137,119 @@ if triton is not None:
         rw = tl.load(weight_ptr + pair64, mask=valid, other=0.0).to(dt).to(tl.float32)
         y = acc.to(dt).to(tl.float32) * rw[:, None]
         tl.store(out_ptr + pair64[:, None] * stride_out + cols[None, :], y.to(dt), mask=valid[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _pair_gate_up_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, top_k, hidden, inter, stride_x, stride_we, stride_wn,
+                             stride_out, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pair = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < inter
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_x
+        w_base = w_ptr + expert * stride_we
+        ks = tl.arange(0, BLOCK_K)
+        acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k_ok = (k0 + ks) < hidden
+            a = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+            wmask = col_ok[:, None] & k_ok[None, :]
+            wg = tl.load(w_base + cols[:, None] * stride_wn + (k0 + ks)[None, :], mask=wmask, other=0.0)
+            wu = tl.load(w_base + (cols + inter)[:, None] * stride_wn + (k0 + ks)[None, :], mask=wmask, other=0.0)
+            acc_g += tl.sum(wg.to(tl.float32) * a[None, :], axis=1)
+            acc_u += tl.sum(wu.to(tl.float32) * a[None, :], axis=1)
+        dt = out_ptr.dtype.element_ty
+        g = acc_g.to(dt).to(tl.float32)     # rounded where the reference stores, as in _gate_up_kernel
+        u = acc_u.to(dt).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(out_ptr + pair.to(tl.int64) * stride_out + cols, (s * u).to(dt), mask=col_ok)
+
+    @triton.jit
+    def _token_down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, ids_ptr, top_k, inter, hidden, stride_h, stride_we,
+                           stride_wn, stride_out, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        token = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < hidden
+        ks = tl.arange(0, BLOCK_K)
+        dt = out_ptr.dtype.element_ty
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for slot in range(0, top_k):
+            pair = token * top_k + slot
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+            h_row = h_ptr + pair.to(tl.int64) * stride_h
+            w_base = w_ptr + expert * stride_we
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for k0 in range(0, inter, BLOCK_K):
+                k_ok = (k0 + ks) < inter
+                a = tl.load(h_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+                w = tl.load(w_base + cols[:, None] * stride_wn + (k0 + ks)[None, :],
+                            mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+                acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+            rw = tl.load(weight_ptr + pair).to(dt).to(tl.float32)
+            total += (acc.to(dt).to(tl.float32) * rw).to(dt).to(tl.float32)
+        tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, total.to(dt), mask=col_ok)
+
+    @triton.jit
+    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
+                      NORM: tl.constexpr, BLOCK_E: tl.constexpr):
+        row = tl.program_id(0)
+        es = tl.arange(0, BLOCK_E)
+        ok = es < num_experts
+        z = tl.load(logits_ptr + row.to(tl.int64) * stride_l + es, mask=ok, other=-float("inf")).to(tl.float32)
+        e = tl.exp(z - tl.max(z, axis=0))
+        p = tl.where(ok, e / tl.sum(e, axis=0), -1.0)   # below every probability: never picked while any is left
+        total = 0.0
+        if NORM:                                # the sum of the k largest, found first
+            q = p
+            for _ in tl.static_range(TOP_K):
+                top = tl.max(q, axis=0)
+                total += top
+                q = tl.where(es == tl.argmax(q, axis=0, tie_break_left=True), -2.0, q)
+        else:
+            total = 1.0
+        base = row.to(tl.int64) * TOP_K
+        for slot in tl.static_range(TOP_K):     # descending, as torch.topk gives them
+            best = tl.argmax(p, axis=0, tie_break_left=True)
+            tl.store(weights_ptr + base + slot, tl.max(p, axis=0) / total)
+            tl.store(ids_ptr + base + slot, best.to(tl.int64))
+            p = tl.where(es == best, -2.0, p)
+
+
+SMALL_PAIRS = 64                                # T*K at most for `fused_moe_small` (decode sizes)
+
+
+def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe.route` in one launch (see the module docstring): (weights float32 [T, K], ids int64 [T, K])."""
+    t, e = router_logits.shape
+    logits = router_logits.contiguous()
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    _route_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k, NORM=bool(norm_topk_prob),
+                        BLOCK_E=triton.next_power_of_2(e))
+    return weights, ids
+
+
+def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, block_n: tuple[int, int] | None = None,
+                    block_k: tuple[int, int] = (256, 256)) -> torch.Tensor:
+    """`fused_moe` without the sort (see the module docstring); `block_n` / `block_k`: the (gate-up, down)
+    kernels' tile widths (None: enough programs to fill the GPU at this T; benchmarks sweep them)."""
+    t, k = topk_ids.shape
+    e, two_i, h = w13.shape
+    inter = two_i // 2
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
+    weights = topk_weights.reshape(-1).contiguous()
+    bn_up, bn_down = block_n or (32 if t * k >= 32 else 16, 64 if t >= 8 else 16 if t >= 2 else 8)
+    mid = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
+    _pair_gate_up_kernel[(t * k, triton.cdiv(inter, bn_up))](
+        x, w13, mid, ids, k, h, inter, x.stride(0), w13.stride(0), w13.stride(1), mid.stride(0),
+        BLOCK_N=bn_up, BLOCK_K=block_k[0])
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    _token_down_kernel[(t, triton.cdiv(h, bn_down))](
+        mid, w2, out, weights, ids, k, inter, h, mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        BLOCK_N=bn_down, BLOCK_K=block_k[1])
+    return out
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

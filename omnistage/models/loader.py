@@ -1,6 +1,7 @@
 """Load a transformers-layout checkpoint folder into a native model (stage process, CPU or CUDA).
 
-In: a folder with config.json and model.safetensors or sharded model-*.safetensors + index json.
+In: a folder with config.json and model.safetensors or sharded model-*.safetensors + index json
+(or, marked `load_format="dummy"`, config files only: `models/dummy.py` draws the weights).
 Out: the model on the target device and dtype, in eval mode, with weights streamed file by file.
 """
 
@@ -16,6 +17,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from omnistage.models import dummy
 from omnistage.models.registry import entry_for_architecture, load_attr
 
 
@@ -35,7 +37,13 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 
 def read_tensors(model_dir: str, wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of the checkpoint tensors whose name `wanted` accepts (others are not read)."""
+    """(name, tensor) of the checkpoint tensors whose name `wanted` accepts (others are not read);
+    of a dummy folder, drawn tensors of the checkpoint's names and shapes."""
+    if dummy.is_dummy(model_dir):
+        for name, (shape, dtype) in dummy.checkpoint_shapes(model_dir).items():
+            if wanted(name):
+                yield name, dummy.draw(name, shape, dtype)
+        return
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
@@ -75,10 +83,18 @@ def load_thinker_encoders(model_cls, model_dir: str, prefixes: tuple[str, ...], 
 
 
 def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    return read_tensors(model_dir, lambda name: True)
+
+
+def checkpoint_names(model_dir: str) -> list[str]:
+    """The checkpoint's tensor names (headers only; of a dummy folder, the names it would hold)."""
+    if dummy.is_dummy(model_dir):
+        return list(dummy.checkpoint_shapes(model_dir))
+    names = []
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+            names.extend(f.keys())
+    return names
 
 
 def load_model(model_dir: str, config, device: torch.device, dtype: torch.dtype, max_positions: int):
@@ -87,7 +103,10 @@ def load_model(model_dir: str, config, device: torch.device, dtype: torch.dtype,
     with torch.device("meta"):
         model = cls(config, max_positions)
     model = model.to_empty(device=device)
-    model.load_weights(iter_weights(model_dir))
+    if dummy.is_dummy(model_dir):               # drawn where it runs, in the dtype it runs in
+        dummy.init_dummy_(model.to(dtype=dtype))
+    else:
+        model.load_weights(iter_weights(model_dir))
     model.to(dtype=dtype)
     model.rotary.build(device)
     return model.eval()

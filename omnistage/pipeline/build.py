@@ -16,6 +16,7 @@ code: they are handed what they run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Any, Optional
@@ -103,9 +104,19 @@ def _with_generation_defaults(spec: PipelineSpec, mode: str, override: Optional[
     return dataclasses.replace(spec, stages=[main, *spec.stages[1:]])
 
 
-# EngineConfig fields that say how a deployment scales out: the pipeline-wide values reach every stage
-# (a pipeline builder may give a stage its own EngineConfig); the deploy config then sets them per stage.
-SCALE_OUT_FIELDS = ("num_replicas", "distributed_executor_backend", "ray_address")
+# EngineConfig fields that say how a deployment scales out, and where its weights come from: the
+# pipeline-wide values reach every stage (a pipeline builder may give a stage its own EngineConfig); the
+# deploy config then sets them per stage.
+SCALE_OUT_FIELDS = ("num_replicas", "distributed_executor_backend", "ray_address", "load_format")
+
+
+def mark_load_format(spec: StageSpec) -> None:
+    """A `load_format="dummy"` stage's folder is marked so in this process: every weight reader of it
+    draws instead of reading (`models/dummy.py`)."""
+    if spec.engine.load_format == "dummy" and spec.model_dir:
+        from omnistage.models.dummy import use_dummy_weights
+
+        use_dummy_weights(spec.model_dir)
 
 
 def _with_scale_out(spec: PipelineSpec, engine: EngineConfig) -> PipelineSpec:
@@ -121,9 +132,15 @@ def detect_pipeline(model_dir: str, engine: EngineConfig, deploy_config: Any = N
     generation-config defaults (`read_generation_config`), `deploy_config`'s overrides (a YAML path or dict, `pipeline/deploy_config.py`; its stage `params` win) and every
     stage's config resolved. The overrides come first, so that a stage moved to another device gets
     that device's dtype."""
+    if engine.load_format == "dummy":           # the registry's builder reads checkpoint names too
+        from omnistage.models.dummy import use_dummy_weights
+
+        use_dummy_weights(model_dir)
     spec = _with_scale_out(_registry_pipeline(model_dir, engine.resolved()), engine)
     spec = _with_generation_defaults(spec, generation_config, override_generation_config)
     spec = apply_deploy_config(spec, deploy_config)
+    for stage in spec.stages:                   # renderer, adapters and memory planner read weights here
+        mark_load_format(stage)
     return dataclasses.replace(spec, stages=[resolve_stage(s) for s in spec.stages])
 
 
@@ -131,6 +148,7 @@ def build_engine(spec: StageSpec) -> Any:
     """The stage engine of `spec`, in this process (the orchestrator wraps `runner: process` stages
     in a `StageClient`, whose process calls this)."""
     spec = resolve_stage(spec)                  # unchanged when it comes from detect_pipeline
+    mark_load_format(spec)                      # this may be the stage's own process
     if spec.kind == "ar":
         from omnistage.ar.engine import AREngine
 
@@ -139,6 +157,10 @@ def build_engine(spec: StageSpec) -> Any:
             loader = registry.component_loader(component)
         else:
             from omnistage.models.loader import load_causal_lm as loader
+        if spec.engine.load_format == "dummy":  # tensor-parallel ranks load in processes of their own
+            from omnistage.models.dummy import marked_loader
+
+            loader = functools.partial(marked_loader, loader)
         return AREngine(spec.model_dir, spec.engine, loader=loader)
     if spec.kind == "diffusion":
         from omnistage.diffusion.engine import DiffusionEngine

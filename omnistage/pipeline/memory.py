@@ -79,8 +79,16 @@ def _weight_files(model_dir: str) -> list[str]:
 def weight_bytes(model_dir: str, prefixes: Optional[tuple[str, ...]] = None,
                  dtype: Optional["torch.dtype"] = None) -> int:
     """Bytes the tensors whose names start with one of `prefixes` (None: all) take once loaded:
-    floating tensors at `dtype` (None: as stored), others as stored."""
+    floating tensors at `dtype` (None: as stored), others as stored. A `load_format="dummy"` folder's
+    are counted from the checkpoint's shapes (`models/dummy.py`)."""
+    from omnistage.models import dummy
+
     total = 0
+    if dummy.is_dummy(model_dir):
+        for name, (shape, stored) in dummy.checkpoint_shapes(model_dir).items():
+            if prefixes is None or name.startswith(prefixes):
+                total += math.prod(shape) * (dtype if dtype and stored.is_floating_point else stored).itemsize
+        return total
     for path in _weight_files(model_dir):
         for name, info in safetensors_header(path).items():
             if prefixes is None or name.startswith(prefixes):

@@ -183,18 +183,27 @@ def _draw_unset(model, generator: torch.Generator, std: float) -> None:
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
 
 
-def make_tiny_qwen3_omni(out_dir: str, seed: int = 0, text_overrides: dict | None = None) -> str:
-    """Writes the tiny Qwen3-Omni folder (see module docstring) and returns ``out_dir``."""
+def make_tiny_qwen3_omni(out_dir: str, seed: int = 0, text_overrides: dict | None = None,
+                         weights: bool = True) -> str:
+    """Writes the tiny Qwen3-Omni folder (see module docstring) and returns ``out_dir``; ``weights=False``:
+    config, generation config and processor only (a folder for ``load_format="dummy"``)."""
     from transformers import GenerationConfig, Qwen3OmniMoeForConditionalGeneration
 
     tokenizer = make_omni_tokenizer()
     ids = _token_ids(tokenizer)
     config = make_config(ids, text_overrides)
+    eos = [ids["im_end"], ids["endoftext"]]
+    if not weights:
+        os.makedirs(out_dir, exist_ok=True)
+        config.architectures = [Qwen3OmniMoeForConditionalGeneration.__name__]
+        config.save_pretrained(out_dir)
+        GenerationConfig(eos_token_id=eos, pad_token_id=ids["endoftext"], do_sample=False).save_pretrained(out_dir)
+        make_processor(tokenizer).save_pretrained(out_dir)
+        return out_dir
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3OmniMoeForConditionalGeneration(config).to(torch.float32).eval()
         _draw_unset(model, torch.Generator().manual_seed(seed + 1), std=0.5)
-    eos = [ids["im_end"], ids["endoftext"]]
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=ids["endoftext"], do_sample=False)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)

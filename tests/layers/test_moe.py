@@ -83,29 +83,57 @@ CHECK = """
 import json, torch
 from omnistage.layers import moe, triton_moe
 torch.manual_seed(0)
-errs = []
+grouped, small, routes = [], [], []
 # float16 for the 16-bit rounding path: the interpreter cannot do bfloat16 dots (see layers/kernel_check.py)
 for t, e, k, h, i, bm, dt in [(5, 8, 2, 64, 32, 16, torch.float32), (23, 4, 3, 40, 24, 16, torch.float32),
                               (9, 8, 2, 64, 32, 16, torch.float16)]:
     x, w13, w2 = torch.randn(t, h).to(dt), (torch.randn(e, 2 * i, h) * 0.2).to(dt), (torch.randn(e, h, i) * 0.2).to(dt)
     w, ids = moe.route(torch.randn(t, e), k, True)
     ref = moe.fused_moe_ref(x, w13, w2, w, ids)
-    errs.append(((triton_moe.fused_moe(x, w13, w2, w, ids, block_m=bm).float() - ref.float()).abs().max().item(),
-                 ref.float().abs().max().item(), str(dt)))
-print(json.dumps(errs))
+    grouped.append(((triton_moe.fused_moe(x, w13, w2, w, ids, block_m=bm).float() - ref.float()).abs().max().item(),
+                    ref.float().abs().max().item(), str(dt)))
+# the decode path (no sort) and the one-launch router; H and I not multiples of the tiles
+for t, e, k, h, i, dt in [(1, 8, 2, 64, 32, torch.float32), (5, 8, 3, 40, 24, torch.float32),
+                          (3, 8, 2, 64, 32, torch.float16)]:
+    x, w13, w2 = torch.randn(t, h).to(dt), (torch.randn(e, 2 * i, h) * 0.2).to(dt), (torch.randn(e, h, i) * 0.2).to(dt)
+    logits = torch.randn(t, e)
+    for norm in (True, False):
+        w, ids = moe.route(logits, k, norm)
+        w_k, ids_k = triton_moe.route(logits, k, norm)
+        routes.append((torch.equal(ids, ids_k), (w - w_k).abs().max().item()))
+    ref = moe.fused_moe_ref(x, w13, w2, w, ids)
+    got = triton_moe.fused_moe_small(x, w13, w2, w, ids, block_k=(32, 16))
+    small.append(((got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item(), str(dt)))
+print(json.dumps({"grouped": grouped, "small": small, "routes": routes}))
 """
 
 
-def test_triton_fused_moe_equals_reference_in_the_interpreter():
+@pytest.fixture(scope="module")
+def interpreted():
+    """CHECK's results, run once through Triton's interpreter (CPU)."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
     run = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=ROOT, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    errs = json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_triton_fused_moe_equals_reference_in_the_interpreter(interpreted):
+    errs = interpreted["grouped"]
     assert len(errs) == 3
     for err, peak, dtype in errs:
         assert err <= (1e-5 if dtype == "torch.float32" else 4e-3) * peak, (err, peak, dtype)
+
+
+def test_small_t_moe_and_router_equal_reference_in_the_interpreter(interpreted):
+    """The decode path (T*K <= SMALL_PAIRS): float32 to rounding of sums; 16-bit within 4e-3 of the
+    peak (the K slots are summed in float32, the reference adds them in the model dtype)."""
+    assert len(interpreted["small"]) == 3
+    for err, peak, dtype in interpreted["small"]:
+        assert err <= (1e-5 if dtype == "torch.float32" else 4e-3) * peak, (err, peak, dtype)
+    for same_ids, err in interpreted["routes"]:
+        assert same_ids and err <= 1e-6
 
 
 def test_align_pads_each_expert_to_the_block():

@@ -87,11 +87,18 @@ class TalkerConditioning:
 
 
 def _rows(model_dir: str, name: str, ids: list[int]) -> torch.Tensor:
-    """Rows `ids` of one checkpoint matrix, read without loading the rest of it."""
+    """Rows `ids` of one checkpoint matrix, read without loading the rest of it (drawn, of a
+    `load_format="dummy"` folder)."""
     from safetensors import safe_open
 
+    from omnistage.models import dummy
     from omnistage.models.loader import safetensors_files
 
+    if dummy.is_dummy(model_dir):
+        shapes = dummy.checkpoint_shapes(model_dir)
+        if name in shapes:
+            t = dummy.draw(name, shapes[name][0])
+            return t[ids] if ids else t
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:
             if name in f.keys():

@@ -53,7 +53,6 @@ How a request is decoded (the DiT's ODE is `code2wav_ode.py`; the vocoder is tra
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -117,28 +116,19 @@ class CodecInput:
 def load_token2wav(model_dir: str, device: str = "cpu"):
     """(token2wav module in float32 eval mode, speakers dict) from a Qwen2.5-Omni folder.
 
-    Reads only the `token2wav.*` tensors of the (single or sharded) safetensors checkpoint.
+    Reads only the `token2wav.*` tensors of the (single or sharded) safetensors checkpoint (drawn, of a
+    `load_format="dummy"` folder).
     """
-    from safetensors import safe_open
     from transformers import AutoConfig
     from transformers.initialization import no_init_weights
     from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
 
+    from omnistage.models.loader import read_tensors
+
     config = AutoConfig.from_pretrained(model_dir)
     with no_init_weights():                     # every parameter is loaded below; buffers are built in __init__
         model = Qwen2_5OmniToken2WavModel._from_config(config.token2wav_config, attn_implementation="sdpa")
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            files = sorted({v for k, v in json.load(f)["weight_map"].items() if k.startswith("token2wav.")})
-    else:
-        files = ["model.safetensors"]
-    state = {}
-    for name in files:
-        with safe_open(os.path.join(model_dir, name), "pt") as f:
-            for key in f.keys():
-                if key.startswith("token2wav."):
-                    state[key[len("token2wav."):]] = f.get_tensor(key)
+    state = {key[len("token2wav."):]: t for key, t in read_tensors(model_dir, lambda k: k.startswith("token2wav."))}
     missing, _ = model.load_state_dict(state, strict=False)  # unexpected: filter buffers some exports save
     if missing:
         raise ValueError(f"{model_dir}: token2wav weights missing from the checkpoint: {missing[:5]}")

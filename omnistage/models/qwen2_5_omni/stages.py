@@ -13,7 +13,8 @@ Declared as components of the model's registry entry (`models/registry.py`); an 
     the thinker -> talker adapter streams (`adapters.py`). No tokenizer; eos = codec pad and eos.
 
 Loader contract (`ar.engine.ModelLoader`): `loader(model_dir, device, dtype, max_positions) -> (model,
-text_config, tokenizer or None, eos_ids)`. Only the tensors of the component are read from the safetensors.
+text_config, tokenizer or None, eos_ids)`. Only the tensors of the component are read from the safetensors
+(a `load_format="dummy"` folder's decoders are drawn in place: `models/dummy.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Optional
 import torch
 
 from omnistage.models.llama import Qwen2ForCausalLM
-from omnistage.models.loader import config_copy, eos_ids, read_tensors, safetensors_files
+from omnistage.models import dummy
+from omnistage.models.loader import checkpoint_names, config_copy, eos_ids, read_tensors
 from omnistage.models.qwen2_5_omni.weights import talker_weights, thinker_text_weights
 
 THINKER = "qwen2_5_omni.thinker"
@@ -43,19 +45,16 @@ def _build(config, weights, device: torch.device, dtype: torch.dtype,
     with torch.device("meta"):
         model = Qwen2ForCausalLM(config, max_positions)
     model = model.to_empty(device=device).to(dtype=dtype)   # weights are cast as they are copied in
-    model.load_weights(weights)
+    if weights is None:                         # load_format="dummy"
+        dummy.init_dummy_(model)
+    else:
+        model.load_weights(weights)
     model.rotary.build(device)
     return model.eval()
 
 
 def _has_tensor(model_dir: str, name: str) -> bool:
-    from safetensors import safe_open
-
-    for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt") as f:
-            if name in f.keys():
-                return True
-    return False
+    return name in checkpoint_names(model_dir)
 
 
 def _thinker_eos(model_dir: str, tokenizer, text_config) -> frozenset[int]:
@@ -71,7 +70,7 @@ def load_thinker(model_dir: str, device: torch.device, dtype: torch.dtype, max_p
     # The real checkpoints ship an untied `thinker.lm_head`; the text config's default says tied.
     config.tie_word_embeddings = not _has_tensor(model_dir, "thinker.lm_head.weight")
     config.architectures = ["Qwen2ForCausalLM"]
-    weights = thinker_text_weights(read_tensors(
+    weights = None if dummy.is_dummy(model_dir) else thinker_text_weights(read_tensors(
         model_dir, lambda n: n.startswith("thinker.model.") or n == "thinker.lm_head.weight"))
     model = _build(config, weights, device, dtype, max_positions)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -83,12 +82,15 @@ def load_talker(model_dir: str, device: torch.device, dtype: torch.dtype, max_po
     config = copy.copy(talker)
     config.tie_word_embeddings = False
     config.architectures = ["Qwen2ForCausalLM"]
-    tensors = dict(talker_weights(read_tensors(model_dir, lambda n: n.startswith("talker."))))
-    codec = tensors.pop("codec_embed.weight").to(device, torch.float32)
-    proj = tensors.pop("input_proj.weight").to(device, torch.float32)
-    tensors.pop("input_proj.bias")                  # streamed by the adapter with each text vector
-    tensors["model.embed_tokens.weight"] = codec @ proj.T
-    model = _build(config, tensors.items(), device, dtype, max_positions)
+    weights = None                                  # load_format="dummy": drawn in place
+    if not dummy.is_dummy(model_dir):
+        tensors = dict(talker_weights(read_tensors(model_dir, lambda n: n.startswith("talker."))))
+        codec = tensors.pop("codec_embed.weight").to(device, torch.float32)
+        proj = tensors.pop("input_proj.weight").to(device, torch.float32)
+        tensors.pop("input_proj.bias")              # streamed by the adapter with each text vector
+        tensors["model.embed_tokens.weight"] = codec @ proj.T
+        weights = tensors.items()
+    model = _build(config, weights, device, dtype, max_positions)
     eos = frozenset({int(talker.tts_codec_pad_token_id), int(talker.tts_codec_end_token_id)})
     return model, config, None, eos
 

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from omnistage.models.loader import safetensors_files
+from omnistage.models.loader import read_tensors
 from omnistage.params import check_param
 from omnistage.models.qwen3_tts.codec import SAMPLE_RATE, Qwen3TTSDecoderStage
 from omnistage.models.qwen3_tts.decoder import SpeechDecoder
@@ -52,16 +52,10 @@ class Code2WavDecoder(SpeechDecoder):
 
 
 def load_code2wav(model_dir: str, device: torch.device) -> Code2WavDecoder:
-    from safetensors import safe_open
-
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         config = json.load(f)["code2wav_config"]
-    weights = {}
-    for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                if name.startswith(PREFIX):
-                    weights[name[len(PREFIX):]] = f.get_tensor(name).to(device, torch.float32)
+    weights = {name[len(PREFIX):]: t.to(device, torch.float32)
+               for name, t in read_tensors(model_dir, lambda n: n.startswith(PREFIX))}
     if not weights:
         raise ValueError(f"{model_dir}: the checkpoint has no {PREFIX}* tensors (an audio-out Qwen3-Omni is needed)")
     return Code2WavDecoder(config, weights)

@@ -62,17 +62,11 @@ def talker_params(config) -> dict[str, Any]:
 
 def has_audio_output(model_dir: str) -> bool:
     """The checkpoint speaks: audio output enabled and its talker weights present (headers only)."""
-    from safetensors import safe_open
-
-    from omnistage.models.loader import safetensors_files
+    from omnistage.models.loader import checkpoint_names
 
     if not getattr(omni_config(model_dir), "enable_audio_output", True):
         return False
-    for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt") as f:
-            if any(name.startswith(TALKER_WEIGHTS[0]) for name in f.keys()):
-                return True
-    return False
+    return any(name.startswith(TALKER_WEIGHTS[0]) for name in checkpoint_names(model_dir))
 
 
 def qwen3_omni_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:

@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from omnistage.models import dummy
 from omnistage.models.qwen3_omni.thinker import (MoeDecoderLayer, Qwen3MoeForCausalLM, interleaved_mrope, omni_config,
                                                  read_tensors)
 from omnistage.models.qwen3_tts.predictor import FramePredictor
@@ -69,14 +70,19 @@ def load_talker(model_dir: str, device: torch.device, dtype: torch.dtype, max_po
     talker = omni_config(model_dir).talker_config
     config = talker_text_config(model_dir)
     most = min(max_positions or config.max_position_embeddings, config.max_position_embeddings)
-    tensors = {name[len("talker."):]: t for name, t in read_tensors(model_dir, ("talker.",))}
+    drawn = dummy.is_dummy(model_dir)           # load_format="dummy": the decoder is drawn in place
+    prefixes = ("talker.code_predictor.",) if drawn else ("talker.",)
+    tensors = {name[len("talker."):]: t for name, t in read_tensors(model_dir, prefixes)}
     with torch.device("meta"):
         model = Qwen3OmniTalker(config, most)
     model = model.to_empty(device=device).to(dtype=dtype)
-    decoder = [("model.embed_tokens.weight", tensors["model.codec_embedding.weight"]),
-               ("lm_head.weight", tensors["codec_head.weight"])]
-    decoder += [(k, v) for k, v in tensors.items() if k.startswith(("model.layers.", "model.norm."))]
-    model.load_weights(decoder)
+    if drawn:
+        dummy.init_dummy_(model)
+    else:
+        decoder = [("model.embed_tokens.weight", tensors["model.codec_embedding.weight"]),
+                   ("lm_head.weight", tensors["codec_head.weight"])]
+        decoder += [(k, v) for k, v in tensors.items() if k.startswith(("model.layers.", "model.norm."))]
+        model.load_weights(decoder)
     model.rotary.build(device)
     predictor = CodePredictor(predictor_config(talker), config.hidden_size)
     predictor.load({k[len("code_predictor."):]: v for k, v in tensors.items() if k.startswith("code_predictor.")})

@@ -13,7 +13,8 @@ config's `head_dim`, fused residual norms) with `layers.moe.SparseMoeBlock` as t
 transformers makes sparse (`decoder_sparse_step`, `mlp_only_layers`); the others keep the dense MLP.
 Rope is Qwen3-Omni's interleaved MRoPE (`mrope_interleaved`; transformers always interleaves here).
 Weights: `thinker.model.*` (experts one by one, or fused as transformers holds them in memory) and
-`thinker.lm_head.weight`; the audio and vision towers are the chat renderer's (`processor.py`).
+`thinker.lm_head.weight`; the audio and vision towers are the chat renderer's (`processor.py`). A
+`load_format="dummy"` folder's decoder is drawn in place (`models/dummy.py`).
 
 Loader contract (`ar.engine.ModelLoader`): `load_thinker(model_dir, device, dtype, max_positions) ->
 (model, text_config, tokenizer, eos_ids)`.
@@ -30,7 +31,7 @@ import torch
 from omnistage.layers.attention import AttentionMetadata
 from omnistage.layers.moe import SparseMoeBlock
 from omnistage.models.llama import DecoderLayer, Qwen3ForCausalLM
-from omnistage.models import loader
+from omnistage.models import dummy, loader
 from omnistage.models.loader import eos_ids
 
 THINKER = "qwen3_omni.thinker"
@@ -172,7 +173,10 @@ def load_thinker(model_dir: str, device: torch.device, dtype: torch.dtype, max_p
         model = Qwen3MoeForCausalLM(config, min(max_positions or limit, limit),
                                     report_layer=accept_hidden_layer(model_dir))
     model = model.to_empty(device=device).to(dtype=dtype)   # weights are cast as they are copied in
-    model.load_weights(thinker_weights(read_tensors(model_dir, ("thinker.model.", "thinker.lm_head."))))
+    if dummy.is_dummy(model_dir):               # load_format="dummy": drawn in place
+        dummy.init_dummy_(model)
+    else:
+        model.load_weights(thinker_weights(read_tensors(model_dir, ("thinker.model.", "thinker.lm_head."))))
     model.rotary.build(device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos = getattr(config, "eos_token_id", None)

@@ -32,23 +32,30 @@ How a request is decoded (the DiT's ODE is `code2wav_ode.py`; the vocoder is tra
     first size, so the streamed waveform stays within the tolerance of tests/models/test_omni_streaming.py
     of the whole decode (same noise, same left context / look-ahead).
   * Batching: the engine hands one `decode` the ready chunks of up to `max_batch_requests` requests
-    with the same ODE settings (`Code2WavParams.ode_key`, the batch key); the ODE runs them in one
-    forward per evaluation. BigVGAN runs once per group of equal-length inputs (padding would
-    change a convolution's tail).
-  * CUDA graphs (on a GPU, chunked mode, `cuda_graphs`): the ODE of a chunk (36 DiT evaluations,
-    launch-bound) replays as one graph when the window has a steady length (`_steady_windows`);
-    the batch is padded to a captured size (1, 2, 4, 8, ... up to `max_batch_requests`) with
-    empty rows. Graphs are captured at start-up for the default ODE settings.
-  * TF32: token2wav runs in float32 (as transformers runs it); on a GPU its DiT matmuls may use TF32
-    tensor cores (inputs rounded to 10-bit mantissas): measured on an H200 (7B shape), the CUDA-graph
-    ODE of 8 steady chunks takes 546 ms with TF32 and 1514 ms in plain fp32
-    (benchmarks/profile_talker.py); the waveform moves by 2e-3 of its peak (benchmarks/check_cuda.py).
-    `torch.backends.cuda.matmul.allow_tf32` is a process-wide flag, so it is set once, by
-    `from_stage_spec`, and only when the stage runs in its own process (`runner: process`, the GPU
-    layout of the omni pipeline): there it concerns this stage alone, and every eager run and
-    every graph capture sees the same setting. Inline, in a process other stages share, the stage
-    leaves the flag as the process has it (PyTorch's default: off), so that it never changes
-    another stage's float32 matmuls. Stage option `tf32: false` keeps plain fp32 in its own process.
+    (the omni pipeline: 32) with the same ODE settings (`Code2WavParams.ode_key`, the batch key),
+    first chunks (a request's first audio) before later ones (`codec/scheduler.py`); the ODE runs
+    them in one forward per evaluation. BigVGAN runs once per group of equal-length inputs (padding
+    would change a convolution's tail).
+  * CUDA graphs (on a GPU, chunked mode, `cuda_graphs`): the ODE of a batch (36 DiT evaluations,
+    launch-bound when small) replays as one graph. Graphs are captured at start-up, for the default
+    ODE settings, for every batch size 1, 2, 4, ... up to `max_batch_requests` and every steady
+    window length (`_steady_windows`: each first-chunk size the load rule can pick -- 12 / 24 / 48 /
+    96 codes by default -- and the commonest later windows); a batch is padded to the next captured
+    size with empty rows and its rows to the next captured window with masked frames, so only a
+    window longer than every captured one (a request's own large first chunk) runs eagerly. The
+    capture time is logged (`capture_seconds`; ~6 windows x 6 sizes for the omni pipeline).
+  * Precision: token2wav runs in float32 (as transformers runs it). On a GPU its float32 matmuls use
+    TF32 tensor cores (inputs rounded to 10-bit mantissas; stage option `tf32`, default true; false:
+    plain fp32): measured on an H200 (7B shape), the CUDA-graph ODE of 8 steady chunks takes 546 ms
+    with TF32 and 1514 ms in plain fp32 (benchmarks/profile_talker.py); the waveform moves by 2e-3 of
+    its peak (benchmarks/check_cuda.py). The setting is scoped to this stage's own work
+    (`code2wav_ode.tf32_matmuls`: set around each ODE run and graph capture, restored after), so in
+    the shared layout, where every stage runs in one process, no other stage's float32 matmul
+    changes; that is safe because the process steps its engines from one thread, one at a time
+    (`pipeline/shared.py`). Stage option `dit_dtype: bfloat16` runs the DiT's attention and MLP
+    linears in bf16 (residual stream, norms, modulation and ODE state stay float32): on the tiny
+    checkpoint the whole decode moves by 3e-4 of the waveform's peak (mel 5.6e-3 of std 2.1; tested
+    < 2e-3); benchmarks/code2wav_bench.py measures its speed and error at the 7B shape.
 """
 
 from __future__ import annotations
@@ -67,12 +74,13 @@ import torch
 
 from omnistage.codec.engine import CodecEngine
 from omnistage.codec.speech import MAX_CHUNK_FRAMES, check_voice
-from omnistage.models.qwen2_5_omni.code2wav_ode import Code2WavODE
+from omnistage.models.qwen2_5_omni.code2wav_ode import DIT_DTYPES, Code2WavODE
 from omnistage.params import check_param
 
 logger = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24000
+MAX_BATCH_REQUESTS = 64                         # `max_batch_requests` bound: one graph per size up to it
 
 
 @dataclass
@@ -207,7 +215,8 @@ class Code2Wav:
     def __init__(self, model_dir: str, device: Any = "cpu", default_voice: Optional[str] = None,
                  chunk_codes: Optional[int] = None, first_chunk_codes: Optional[int] = None,
                  past_blocks: int = 2, future_blocks: int = 1, vocoder_context_frames: Optional[int] = None,
-                 max_batch_requests: int = 8, cuda_graphs: bool = True, dynamic_first_chunk: bool = True):
+                 max_batch_requests: int = 8, cuda_graphs: bool = True, dynamic_first_chunk: bool = True,
+                 dit_dtype: str = "float32", tf32: bool = True):
         for name, value in (("chunk_codes", chunk_codes), ("first_chunk_codes", first_chunk_codes)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -216,8 +225,13 @@ class Code2Wav:
         for name, value in (("past_blocks", past_blocks), ("future_blocks", future_blocks)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if max_batch_requests < 1:
-            raise ValueError(f"max_batch_requests must be >= 1, got {max_batch_requests}")
+        if not isinstance(max_batch_requests, int) or not 1 <= max_batch_requests <= MAX_BATCH_REQUESTS:
+            raise ValueError(f"max_batch_requests must be an integer in [1, {MAX_BATCH_REQUESTS}], "
+                             f"got {max_batch_requests!r}")
+        if dit_dtype not in DIT_DTYPES:
+            raise ValueError(f"dit_dtype must be one of {sorted(DIT_DTYPES)}, got {dit_dtype!r}")
+        if not isinstance(tf32, bool):
+            raise ValueError(f"tf32 must be true or false, got {tf32!r}")
         self.device = torch.device(device)
         self.model, self.speakers = load_token2wav(model_dir, self.device)
         self.dit = self.model.code2wav_dit_model
@@ -240,31 +254,26 @@ class Code2Wav:
         # The ODE of a chunk replays as a CUDA graph when its window has one of the steady sizes (the
         # first chunk's, a later chunk's); other windows (a request's tail, whole mode) run eagerly.
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and self.chunk_frames is not None
-        self.graph_frames: set[int] = self._steady_windows() if self.cuda_graphs else set()
+        self.graph_frames: list[int] = sorted(self._steady_windows()) if self.cuda_graphs else []
         self.batch_sizes = [b for b in (1, 2, 4, 8, 16, 32) if b < max_batch_requests] + [max_batch_requests]
-        self.ode = Code2WavODE(self.dit, self.speakers, self.device,
+        self.ode = Code2WavODE(self.dit, self.speakers, self.device, dit_dtype=dit_dtype, tf32=tf32,
                                max_graphs=4 * len(self.batch_sizes) * len(self.graph_frames))
         self._totals = {"dit_seconds_total": 0.0, "vocoder_seconds_total": 0.0,
-                        "dit_batches_total": 0, "dit_rows_total": 0}
+                        "dit_batches_total": 0, "dit_rows_total": 0, "dit_graphed_batches_total": 0}
+        self.capture_seconds = 0.0              # start-up time spent capturing the ODE's graphs
         if self.cuda_graphs:
+            start = time.perf_counter()
+            logger.info("code2wav: capturing %d ODE graphs (batch sizes %s x windows %s mel frames)",
+                        len(self.batch_sizes) * len(self.graph_frames), self.batch_sizes, self.graph_frames)
             self.ode.capture(self.batch_sizes, self.graph_frames, Code2WavParams().ode_key(), self.default_voice)
+            self.capture_seconds = time.perf_counter() - start
+            logger.info("code2wav: captured %d ODE graphs in %.1f s", self.ode.graphs.captures, self.capture_seconds)
 
     @classmethod
     def from_stage_spec(cls, spec) -> CodecEngine:
-        """The code2wav stage's engine; options are this class's keyword arguments plus `tf32` (bool,
-        default true; see the module docstring)."""
+        """The code2wav stage's engine; its options are this class's keyword arguments (module docstring)."""
         options = {"cuda_graphs": spec.engine.cuda_graphs, **spec.options}
-        tf32 = bool(options.pop("tf32", True))
-        device = spec.engine.torch_device()
-        if device.type == "cuda":
-            # Before the graphs are captured: they keep the setting. A shared-layout stage sets it for the
-            # whole process, so the edge adapters' float32 projections use TF32 too (AR stages run bf16).
-            if spec.runner in ("process", "shared"):
-                torch.backends.cuda.matmul.allow_tf32 = tf32
-            elif tf32:
-                logger.info("code2wav runs inline: its float32 matmuls follow the process's TF32 setting "
-                            "(allow_tf32=%s); runner: process gives it its own", torch.backends.cuda.matmul.allow_tf32)
-        return CodecEngine(cls(spec.model_dir, device=device, **options))
+        return CodecEngine(cls(spec.model_dir, device=spec.engine.torch_device(), **options))
 
     # ---- CodecModel: requests ---------------------------------------------------------------------
     def voices(self) -> list[dict[str, Any]]:
@@ -346,10 +355,15 @@ class Code2Wav:
         """Runs the ODE for every request's window in one batch; returns each window's mel [frames, 80]."""
         n = len(states)
         lengths = [we - ws for _, _, ws, we in chunks]
+        # A batch replays a graph when its longest window fits a captured one: rows are padded to that
+        # window's frames (padded keys are masked, so the frames before them decode as without) and
+        # the batch to a captured size with empty rows (every key masked but their own).
         frames = max(lengths)
-        graphed = self.cuda_graphs and frames in self.graph_frames
-        # a graphed batch is padded to a captured size with empty rows (every key masked but their own)
+        captured = [f for f in self.graph_frames if f >= frames]
+        graphed = bool(captured)
+        frames = captured[0] if graphed else frames
         size = next(b for b in self.batch_sizes if b >= n) if graphed else n
+        self._totals["dit_graphed_batches_total"] += graphed
         noise = torch.zeros(size, frames, self.mel_dim)
         codes = torch.zeros(size, frames // self.repeats + 1, dtype=torch.long)
         for i, (state, (_, _, ws, we)) in enumerate(zip(states, chunks)):

@@ -60,10 +60,8 @@ How a request is decoded (the DiT's ODE is `code2wav_ode.py`; the vocoder is tra
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import secrets
 import time
 from dataclasses import dataclass, field, replace
@@ -75,6 +73,7 @@ import torch
 from omnistage.codec.engine import CodecEngine
 from omnistage.codec.speech import MAX_CHUNK_FRAMES, check_voice
 from omnistage.models.qwen2_5_omni.code2wav_ode import DIT_DTYPES, Code2WavODE
+from omnistage.models.qwen2_5_omni.token2wav import DeviceTimer, load_token2wav, vocoder_context
 from omnistage.params import check_param
 
 logger = logging.getLogger(__name__)
@@ -122,38 +121,6 @@ class CodecInput:
         return CodecInput(list(self.codes[start:end]), finished)
 
 
-def load_token2wav(model_dir: str, device: str = "cpu"):
-    """(token2wav module in float32 eval mode, speakers dict) from a Qwen2.5-Omni folder.
-
-    Reads only the `token2wav.*` tensors of the (single or sharded) safetensors checkpoint.
-    """
-    from safetensors import safe_open
-    from transformers import AutoConfig
-    from transformers.initialization import no_init_weights
-    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
-
-    config = AutoConfig.from_pretrained(model_dir)
-    with no_init_weights():                     # every parameter is loaded below; buffers are built in __init__
-        model = Qwen2_5OmniToken2WavModel._from_config(config.token2wav_config, attn_implementation="sdpa")
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            files = sorted({v for k, v in json.load(f)["weight_map"].items() if k.startswith("token2wav.")})
-    else:
-        files = ["model.safetensors"]
-    state = {}
-    for name in files:
-        with safe_open(os.path.join(model_dir, name), "pt") as f:
-            for key in f.keys():
-                if key.startswith("token2wav."):
-                    state[key[len("token2wav."):]] = f.get_tensor(key)
-    missing, _ = model.load_state_dict(state, strict=False)  # unexpected: filter buffers some exports save
-    if missing:
-        raise ValueError(f"{model_dir}: token2wav weights missing from the checkpoint: {missing[:5]}")
-    speakers = torch.load(os.path.join(model_dir, "spk_dict.pt"), weights_only=True)
-    return model.float().eval().to(device), speakers
-
-
 def first_chunk_for_load(active: int, first: int, chunk: int) -> int:
     """Codes in a new request's first chunk when `active` requests are in the stage already: `first`
     while at most 4 are (the earliest first audio), twice that up to 16, four times up to 64, and so
@@ -164,36 +131,18 @@ def first_chunk_for_load(active: int, first: int, chunk: int) -> int:
     return min(size, chunk)
 
 
-def vocoder_context(bigvgan_config) -> int:
-    """Mel frames each side of a frame that can change its BigVGAN samples (rounded up, +1 margin).
-
-    Sums, stage by stage, the radius of the transposed conv, the widest AMP residual block (its
-    dilated and plain convs plus two anti-aliased activations per pair, ~6 samples each) divided
-    by the samples per frame at that stage. Real Qwen2.5-Omni: 40 frames; tests check the bound.
-    """
-    frames, rate = 3.0, 1                       # conv_pre: kernel 7
-    for stride, kernel in zip(bigvgan_config.upsample_rates, bigvgan_config.upsample_kernel_sizes):
-        frames += math.ceil(kernel / stride) / rate
-        rate *= stride
-        amp = max(sum((k - 1) / 2 * d + (k - 1) / 2 + 12 for d in dil)
-                  for k, dil in zip(bigvgan_config.resblock_kernel_sizes, bigvgan_config.resblock_dilation_sizes))
-        frames += amp / rate
-    frames += (6 + 3) / rate                    # activation_post + conv_post (kernel 7)
-    return math.ceil(frames) + 1
-
-
 class Code2WavState:
     """One request's decoding state; a chunk of it is (s, e, window start, window end) in mel frames."""
 
-    def __init__(self, params: Code2WavParams, mel_dim: int, first_frames: int = 0):
+    def __init__(self, params: Code2WavParams, mel_dim: int, first_frames: int = 0, device: Any = "cpu"):
         self.params = params                    # the voice filled in
         self.first_frames = first_frames        # mel frames of the first chunk (chunked mode)
         self.codes: list[int] = []              # every code received so far
         seed = params.seed if params.seed is not None else secrets.randbits(62)
         self.generator = torch.Generator().manual_seed(seed)
         self.noise = torch.zeros(0, mel_dim)    # initial ODE state per mel frame, drawn as needed
-        self.mel = torch.zeros(0, mel_dim)      # final mel frames [0, done)
-        self.lookahead = torch.zeros(0, mel_dim)  # provisional mel after `done` from the last window
+        self.mel = torch.zeros(0, mel_dim, device=device)  # final mel frames [0, done), on the stage's device
+        self.lookahead = torch.zeros(0, mel_dim, device=device)  # provisional mel after `done` (last window)
 
     @property
     def done(self) -> int:
@@ -300,7 +249,7 @@ class Code2Wav:
     def new_state(self, params: Code2WavParams) -> Code2WavState:
         if params.voice is None:
             params = replace(params, voice=self.default_voice)
-        return Code2WavState(params, self.mel_dim, self.first_frames(params))
+        return Code2WavState(params, self.mel_dim, self.first_frames(params), self.device)
 
     def batch_key(self, state: Code2WavState) -> tuple:
         return state.params.ode_key()
@@ -339,15 +288,33 @@ class Code2Wav:
 
     def decode(self, states: list[Code2WavState], chunks: list[tuple[int, int, int, int]]) -> list[np.ndarray]:
         """One ODE batch over the chunks' windows, then BigVGAN; each chunk's samples, in order."""
-        start = time.perf_counter()
+        return self.collect(self.launch(states, chunks), wait=True)
+
+    @torch.no_grad()
+    def launch(self, states: list[Code2WavState], chunks: list[tuple[int, int, int, int]]) -> "_Pending":
+        """Queues `decode`'s device work (the ODE, BigVGAN, the samples' copy to pinned host memory)
+        without waiting for it; `collect` returns the audio. The states move on in `collect`."""
+        timer = DeviceTimer(self.device)
         windows = self._decode_mel(states, chunks)
-        self._totals["dit_seconds_total"] += time.perf_counter() - start
+        timer.mark()
+        pending = self._vocode(states, chunks, windows)
+        timer.mark()
+        pending.timer = timer
         self._totals["dit_batches_total"] += 1
         self._totals["dit_rows_total"] += len(states)
-        start = time.perf_counter()
-        audio = self._vocode(states, chunks, windows)
-        self._totals["vocoder_seconds_total"] += time.perf_counter() - start
-        return audio
+        return pending
+
+    def collect(self, pending: "_Pending", wait: bool) -> Optional[list[np.ndarray]]:
+        """The audio of a launched batch (and its states moved past its chunks); None while the device
+        still works on it and `wait` is false."""
+        if not wait and not pending.timer.done():
+            return None
+        dit, vocoder = pending.timer.seconds()
+        self._totals["dit_seconds_total"] += dit
+        self._totals["vocoder_seconds_total"] += vocoder
+        for state, mel, lookahead in pending.moves:
+            state.mel, state.lookahead = mel, lookahead
+        return [wav.numpy() for wav in pending.audio]
 
     # ---- DiT: codes -> mel ------------------------------------------------------------------------
     @torch.no_grad()
@@ -371,8 +338,10 @@ class Code2Wav:
             window_codes = state.codes[ws // self.repeats: math.ceil(we / self.repeats)]
             codes[i, : len(window_codes)] = torch.tensor(window_codes, dtype=torch.long)
         voices = [s.params.voice for s in states] + [states[0].params.voice] * (size - n)
+        if self.device.type == "cuda":          # no wait for the device: copies from pinned memory
+            noise, codes = noise.pin_memory(), codes.pin_memory()
         mel = self.ode.run(noise, codes, voices, lengths + [0] * (size - n), states[0].params.ode_key(), graphed)
-        return [mel[i, :length].float().cpu() for i, length in enumerate(lengths)]
+        return [mel[i, :length] for i, length in enumerate(lengths)]   # views of a graph's buffer: read now
 
     def _steady_windows(self, most: int = 4) -> set[int]:
         """Window lengths (mel frames) that chunks other than a request's last have: the first
@@ -393,24 +362,35 @@ class Code2Wav:
         return {*firsts, *common[: most - 1]}
 
     # ---- BigVGAN: mel -> audio --------------------------------------------------------------------
-    @torch.no_grad()
     def _vocode(self, states: list[Code2WavState], chunks: list[tuple[int, int, int, int]],
-                windows: list[torch.Tensor]) -> list[np.ndarray]:
-        """Keeps each chunk's mel, vocodes [s, e) with context; returns the samples of [s, e) only."""
-        jobs = []
+                windows: list[torch.Tensor]) -> "_Pending":
+        """Each chunk's kept mel, and BigVGAN over [s, e) with context, queued; the samples of [s, e)
+        only, copied to (pinned) host memory as the device gets there."""
+        moves, jobs = [], []
         for i, (state, (s, e, ws, _), mel) in enumerate(zip(states, chunks, windows)):
-            state.mel = torch.cat([state.mel[:s], mel[s - ws: e - ws]])
-            state.lookahead = mel[e - ws:]
+            kept = torch.cat([state.mel[:s], mel[s - ws: e - ws]])
+            lookahead = mel[e - ws:].clone()
+            moves.append((state, kept, lookahead))
             left = max(0, s - self.voc_ctx)
-            context = torch.cat([state.mel[left:e], state.lookahead[: self.voc_ctx]])
+            context = torch.cat([kept[left:e], lookahead[: self.voc_ctx]])
             jobs.append((i, context, s - left, e - s))
         by_length: dict[int, list] = {}
         for job in jobs:
             by_length.setdefault(job[1].shape[0], []).append(job)
-        audio: list[Optional[np.ndarray]] = [None] * len(jobs)
+        audio: list[Optional[torch.Tensor]] = [None] * len(jobs)
+        pinned = self.device.type == "cuda"
         for group in by_length.values():
-            mel = torch.stack([j[1] for j in group]).transpose(1, 2).to(self.device)
-            wavs = self.vocoder(mel).reshape(len(group), -1).float().cpu().numpy()
+            wavs = self.vocoder(torch.stack([j[1] for j in group]).transpose(1, 2)).reshape(len(group), -1)
             for (i, _, offset, count), wav in zip(group, wavs):
-                audio[i] = np.ascontiguousarray(wav[offset * self.hop: (offset + count) * self.hop], dtype=np.float32)
-        return audio
+                out = torch.empty(count * self.hop, dtype=torch.float32, pin_memory=pinned)
+                audio[i] = out.copy_(wav[offset * self.hop: (offset + count) * self.hop], non_blocking=pinned)
+        return _Pending(moves, audio)
+
+
+@dataclass
+class _Pending:
+    """A launched decode batch (`Code2Wav.launch`), waiting for the device."""
+
+    moves: list                                 # per chunk: (state, its mel [0, e), its look-ahead) to keep
+    audio: list                                 # per chunk: its samples in host memory once the device is done
+    timer: Optional["DeviceTimer"] = None            # ODE and BigVGAN device time

@@ -29,9 +29,13 @@ runs and captures only (`tf32_matmuls`).
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from typing import Optional, Sequence
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 DIT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -187,12 +191,16 @@ class Code2WavODE:
         """Captures the ODE for every batch size and window length (mel frames) under `settings`, at
         start-up, so that no request waits for a capture."""
         repeats = self.dit.config.repeats
+        start = time.perf_counter()
         for size in batch_sizes:
             for frames in sorted(windows):
                 noise = torch.zeros(size, frames, self.mel_dim)
                 codes = torch.zeros(size, frames // repeats + 1, dtype=torch.long)
                 self.run(noise, codes, [voice] * size, [frames] * size, settings, True)
-        torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.device)
+            # a line per size: in a stage process it is also the start-up step its client reports on a timeout
+            logger.info("code2wav: ODE graphs for %d rows captured (%d graphs, %.1f s so far)", size,
+                        self.graphs.captures, time.perf_counter() - start)
 
     def _layer(self, block, h: torch.Tensor, mod: torch.Tensor, rope, mask: torch.Tensor) -> torch.Tensor:
         """`DiTDecoderLayer.forward` with its AdaLN modulation given (`mod`: [6 x hidden], from the

@@ -115,7 +115,7 @@ class Code2WavODE:
         self._voice_cache: dict[str, tuple[torch.Tensor, ...]] = {}
         self._tables: dict[tuple, tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]] = {}
         self.graphs = None                      # GraphCache when `max_graphs` (CUDA only)
-        if max_graphs:
+        if max_graphs and device.type == "cuda":
             from omnistage.layers.graph_cache import GraphCache
 
             self.graphs = GraphCache(max_graphs=max_graphs)

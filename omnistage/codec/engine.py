@@ -13,10 +13,11 @@ audio came out of this stage (`AudioTiming`: first / last audio, underruns); the
 
 A step is schedule -> decode -> update: the `CodecScheduler` picks the ready chunks (round-robin, one
 batch key, up to the model's `max_batch`), the model decodes them in one call, the scheduler files
-the audio and says which requests changed or finished. A model with `launch` / `collect` (code2wav
-on a GPU) keeps one batch in flight instead: a step files the launched batch once the device is done
-with it (else returns at once: the step loop goes on to the other stages of its process) and then
-launches the next, so the host never waits for the device's decode. A request whose `take`, `ready` or decode
+the audio and says which requests changed or finished. A model with `launch` / `collect` that says
+it is `asynchronous` (code2wav on a GPU) keeps one batch in flight instead: a step files the
+launched batch once the device is done with it (else returns at once: the step loop goes on to the
+other stages of its process) and then launches the next, so the host never waits for the device's
+decode. A request whose `take`, `ready` or decode
 raises fails alone (a finished `StageOutput` whose `error` says why; the stage serves on): when a
 batch of several fails, each chunk is decoded again on its own, so the others in it survive. The
 engine owns the requests and their audio; the model (`CodecModel`, implemented in the model's
@@ -71,7 +72,8 @@ class CodecModel(Protocol):
 
     # A model whose decode is device work may split it: `launch(states, chunks) -> pending` queues it and
     # returns at once, `collect(pending, wait) -> audio` (None while the device works and `wait` is false)
-    # moves the states and returns `decode`'s result. The engine then keeps one batch in flight (below).
+    # moves the states and returns `decode`'s result; with `asynchronous = True` the engine then keeps one
+    # batch in flight (below) instead of calling `decode`.
 
     def sample_rate(self, state: Any) -> int: ...          # Hz of the request's audio
 
@@ -97,7 +99,7 @@ class CodecEngine:
         self._decode_seconds = 0.0             # wall seconds in `model.decode` (host included), all batches
         self._decoded = [0, 0]                 # batches, chunks decoded
         self._failed: dict[str, str] = {}      # request id -> why it failed; reported (and dropped) by the next step
-        self._async = callable(getattr(model, "launch", None)) and callable(getattr(model, "collect", None))
+        self._async = bool(getattr(model, "asynchronous", False))   # launch / collect instead of decode
         self._inflight: Optional[tuple[CodecBatch, Any, float]] = None   # launched batch, its pending, start
 
     @property

@@ -14,6 +14,7 @@ class Launched:
 
     params_type = dict
     max_batch = 4
+    asynchronous = True                         # the engine uses launch / collect
 
     def __init__(self):
         self.done = False                       # the fake device finished the batch in flight

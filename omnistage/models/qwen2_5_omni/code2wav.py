@@ -73,7 +73,7 @@ import torch
 from omnistage.codec.engine import CodecEngine
 from omnistage.codec.speech import MAX_CHUNK_FRAMES, check_voice
 from omnistage.models.qwen2_5_omni.code2wav_ode import DIT_DTYPES, Code2WavODE
-from omnistage.models.qwen2_5_omni.token2wav import DeviceTimer, load_token2wav, vocoder_context
+from omnistage.models.qwen2_5_omni.token2wav import DeviceTimer, DeviceVocoder, load_token2wav, vocoder_context
 from omnistage.params import check_param
 
 logger = logging.getLogger(__name__)
@@ -185,6 +185,7 @@ class Code2Wav:
         self.model, self.speakers = load_token2wav(model_dir, self.device)
         self.dit = self.model.code2wav_dit_model
         self.vocoder = self.model.code2wav_bigvgan_model
+        self.vocode = DeviceVocoder(self.vocoder)   # its forward without host syncs
         self.default_voice = default_voice or next(iter(self.speakers))
         if self.default_voice not in self.speakers:
             raise ValueError(f"default_voice must be one of {sorted(self.speakers)}, got {default_voice!r}")
@@ -200,6 +201,8 @@ class Code2Wav:
         self.voc_ctx = vocoder_context_frames if vocoder_context_frames is not None \
             else vocoder_context(self.vocoder.config)
         self.max_batch = max_batch_requests
+        # on a GPU the engine keeps one batch in flight (`launch` / `collect`); on a CPU it calls `decode`
+        self.asynchronous = self.device.type == "cuda"
         # The ODE of a chunk replays as a CUDA graph when its window has one of the steady sizes (the
         # first chunk's, a later chunk's); other windows (a request's tail, whole mode) run eagerly.
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and self.chunk_frames is not None
@@ -380,7 +383,7 @@ class Code2Wav:
         audio: list[Optional[torch.Tensor]] = [None] * len(jobs)
         pinned = self.device.type == "cuda"
         for group in by_length.values():
-            wavs = self.vocoder(torch.stack([j[1] for j in group]).transpose(1, 2)).reshape(len(group), -1)
+            wavs = self.vocode(torch.stack([j[1] for j in group]).transpose(1, 2)).reshape(len(group), -1)
             for (i, _, offset, count), wav in zip(group, wavs):
                 out = torch.empty(count * self.hop, dtype=torch.float32, pin_memory=pinned)
                 audio[i] = out.copy_(wav[offset * self.hop: (offset + count) * self.hop], non_blocking=pinned)

@@ -61,17 +61,19 @@ def tf32_matmuls(on: Optional[bool]):
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
-def block_diff(lengths: Sequence[int], frames: int, block: int) -> torch.Tensor:
-    """Per-row DiT block offsets [rows, 1, frames, frames]; padded keys get a huge offset (masked).
-
-    Every DiT layer keeps keys whose block offset lies in [-look_back, look_ahead]. A padded
+def block_diff(lengths: Sequence[int], frames: int, block: int, device=None) -> torch.Tensor:
+    """Per-row DiT block offsets [rows, 1, frames, frames] on `device`; padded keys get a huge offset
+    (masked). Every DiT layer keeps keys whose block offset lies in [-look_back, look_ahead]. A padded
     query row keeps only itself, so no row is fully masked (that would give NaN values).
     """
-    blocks = torch.arange(frames) // block
+    blocks = torch.arange(frames, device=device) // block
     diff = (blocks[None, :] - blocks[:, None]).expand(len(lengths), frames, frames).clone()
-    valid = torch.arange(frames)[None, :] < torch.tensor(lengths)[:, None]
+    sizes = torch.tensor(lengths)
+    if torch.device(device or "cpu").type == "cuda":   # from pinned memory: no wait for the device's queued work
+        sizes = sizes.pin_memory().to(device, non_blocking=True)
+    valid = torch.arange(frames, device=device)[None, :] < sizes[:, None]
     diff.masked_fill_(~valid[:, None, :], 10**6)
-    eye = torch.eye(frames, dtype=torch.bool)[None] & ~valid[:, :, None]
+    eye = torch.eye(frames, dtype=torch.bool, device=device)[None] & ~valid[:, :, None]
     diff.masked_fill_(eye, 0)
     return diff[:, None]
 
@@ -167,16 +169,17 @@ class Code2WavODE:
         spk = torch.stack([v[1] for v in voices])
         spk_null = torch.stack([v[2] for v in voices])
         cfg = guidance_scale >= 1e-5            # as transformers: below that, a plain conditional forward
-        code_emb = self.dit.text_embed(codes.to(dev))[:, :frames]
+        codes = codes.to(dev, non_blocking=True)   # pinned by the caller on a GPU: no wait for the device
+        code_emb = self.dit.text_embed(codes)[:, :frames]
         if cfg:
-            code_emb = torch.cat([code_emb, self.dit.text_embed(torch.zeros_like(codes).to(dev))[:, :frames]])
+            code_emb = torch.cat([code_emb, self.dit.text_embed(torch.zeros_like(codes))[:, :frames]])
             cond, spk = torch.cat([cond, torch.zeros_like(cond)]), torch.cat([spk, spk_null])
         static = torch.cat([spk[:, None].expand(-1, frames, -1), code_emb, cond[:, None].expand(-1, frames, -1)], -1)
-        diff = block_diff(lengths * (2 if cfg else 1), frames, self.block).to(dev)
+        diff = block_diff(lengths * (2 if cfg else 1), frames, self.block, dev)
         t, layer_mods, final_mod = self._time_tables(num_steps, sway_coefficient)
         # a graph reads the tables it was captured with: only kept ones (`_time_tables`)
         graphed = graphed and self.graphs is not None and (num_steps, sway_coefficient) in self._tables
-        inputs = (noise.to(dev), static, diff)
+        inputs = (noise.to(dev, non_blocking=True), static, diff)
         guidance = guidance_scale if cfg else None
 
         def fn(x, st, bd):

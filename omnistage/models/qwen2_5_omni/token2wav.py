@@ -93,3 +93,28 @@ class DeviceTimer:
             return [b - a for a, b in zip(self.marks, self.marks[1:])]
         self.marks[-1].synchronize()
         return [a.elapsed_time(b) / 1000 for a, b in zip(self.marks, self.marks[1:])]
+
+
+class DeviceVocoder:
+    """transformers' `Qwen2_5OmniToken2WavBigVGANModel.forward` with the same operations in the same
+    order, less its two host syncs (the clamp floor made on the device in every call, the copy of the
+    waveform to the CPU), so a launch can queue it behind the ODE: mel [n, 80, frames] -> waveform
+    [n, 1, samples] in [-1, 1] on the device."""
+
+    def __init__(self, bigvgan):
+        self.model = bigvgan
+        device = next(bigvgan.parameters()).device
+        # `amplitude_to_db`'s floor, made once as transformers makes it (float32 exp of float32 input)
+        self.min_level = torch.exp(torch.tensor(-115 / 20.0 * math.log(10), device=device, dtype=torch.float32))
+
+    @torch.no_grad()
+    def __call__(self, mel: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        decibels = 20 * torch.log10(torch.clamp(torch.exp(mel), min=self.min_level)) - 20
+        hidden = m.conv_pre(m.normalize_spectrogram(decibels, 1, -115))
+        for layer in range(m.num_upsample_layers):
+            hidden = m.ups[layer][0](hidden)
+            residual = sum(m.resblocks[layer * m.num_residual_blocks + block](hidden)
+                           for block in range(m.num_residual_blocks))
+            hidden = residual / m.num_residual_blocks
+        return torch.clamp(m.conv_post(m.activation_post(hidden)), min=-1.0, max=1.0)

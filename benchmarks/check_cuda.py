@@ -165,9 +165,9 @@ def check_code2wav_graphs() -> float:
 
     path = make_tiny_qwen2_5_omni(os.path.join(tempfile.mkdtemp(), "omni"))
     audio = {}
-    torch.backends.cuda.matmul.allow_tf32 = False           # plain fp32: graphs and eager runs alike
-    for graphs in (False, True):
-        engine = CodecEngine(Code2Wav(path, device="cuda", chunk_codes=24, first_chunk_codes=12, cuda_graphs=graphs))
+    for graphs in (False, True):                            # plain fp32 (tf32=False): graphs and eager runs alike
+        engine = CodecEngine(Code2Wav(path, device="cuda", chunk_codes=24, first_chunk_codes=12, cuda_graphs=graphs,
+                                      tf32=False))
         for i, n in enumerate((150, 97, 200)):
             codes = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(i)).tolist()
             engine.add_request(f"r{i}", codes, Code2WavParams(voice=VOICES[i % len(VOICES)], seed=i))
@@ -190,8 +190,7 @@ def check_code2wav_tf32(path: str) -> float:
 
     audio = {}
     for tf32 in (False, True):
-        torch.backends.cuda.matmul.allow_tf32 = tf32        # the process's setting, before the graphs are captured
-        engine = CodecEngine(Code2Wav(path, device="cuda", **CODE2WAV_OPTIONS))
+        engine = CodecEngine(Code2Wav(path, device="cuda", **{**CODE2WAV_OPTIONS, "tf32": tf32}))
         for i in range(3):
             codes = torch.randint(0, 8000, (300,), generator=torch.Generator().manual_seed(i)).tolist()
             engine.add_request(f"r{i}", codes, Code2WavParams(seed=i))

@@ -165,9 +165,11 @@ def table(res: dict) -> str:
              "| chunk | rows | frames | tf32 graph | fp32 graph | bf16 graph | tf32 eager | floor (bf16 peak) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in res["cases"]:
-        lines.append(f"| {r['case']} | {r['rows']} | {r['frames']} | {r['tf32_graph_ms']:.1f} | {r['fp32_graph_ms']:.1f} "
-                     f"| {r['bf16_graph_ms']:.1f} | {r['tf32_eager_ms']:.1f} | {r['floor_ms']:.2f} |")
-    lines += ["", f"transformers `sample`, 1 row, {STEADY} frames, eager fp32: {res['transformers_sample_ms_1_row_steady']:.1f} ms",
+        lines.append(f"| {r['case']} | {r['rows']} | {r['frames']} | {r['tf32_graph_ms']:.1f} "
+                     f"| {r['fp32_graph_ms']:.1f} | {r['bf16_graph_ms']:.1f} | {r['tf32_eager_ms']:.1f} "
+                     f"| {r['floor_ms']:.2f} |")
+    hf = res["transformers_sample_ms_1_row_steady"]
+    lines += ["", f"transformers `sample`, 1 row, {STEADY} frames, eager fp32: {hf:.1f} ms",
               "max |mel - fp32 mel| / fp32 mel std (steady batch of several rows): "
               + ", ".join(f"{k} {v:.2e}" for k, v in res["error_vs_fp32"].items())]
     if "capture" in res:

@@ -141,9 +141,10 @@ def test_tf32_is_set_for_the_block_only():
         assert torch.backends.cuda.matmul.allow_tf32 is before
 
 
-@pytest.mark.parametrize("options, message", [({"dit_dtype": "float16"}, "dit_dtype must be one of"),
-                                              ({"max_batch_requests": 0}, r"max_batch_requests must be an integer in \[1, 64\]"),
-                                              ({"tf32": "yes"}, "tf32 must be true or false")])
+@pytest.mark.parametrize("options, message", [
+    ({"dit_dtype": "float16"}, "dit_dtype must be one of"),
+    ({"max_batch_requests": 0}, r"max_batch_requests must be an integer in \[1, 64\]"),
+    ({"tf32": "yes"}, "tf32 must be true or false")])
 def test_bad_stage_options_name_the_option(omni_dir, options, message):
     with pytest.raises(ValueError, match=message):
         Code2Wav(omni_dir, **options)

@@ -47,6 +47,7 @@ class CodecModel(Protocol):
 
     params_type: type                           # request params class; `params_type()` = the defaults
     max_batch: int                              # most requests one `decode` call serves
+    # optional `first_chunks_alone = True`: first chunks decode in batches of their own (scheduler.py)
 
     def voices(self) -> list[dict[str, Any]]: ...          # one {"id", "name", "sample_rate", "backend", ...} per voice
 
@@ -94,7 +95,7 @@ class CodecEngine:
     def __init__(self, model: CodecModel):
         self.model = model
         self.params_type = model.params_type
-        self.scheduler = CodecScheduler(self._ready, model.max_batch)
+        self.scheduler = CodecScheduler(self._ready, model.max_batch, bool(getattr(model, "first_chunks_alone", False)))
         self._audio_seconds = 0.0
         self._decode_seconds = 0.0             # wall seconds in `model.decode` (host included), all batches
         self._decoded = [0, 0]                 # batches, chunks decoded

@@ -33,8 +33,10 @@ How a request is decoded (the DiT's ODE is `code2wav_ode.py`; the vocoder is tra
     of the whole decode (same noise, same left context / look-ahead).
   * Batching: the engine hands one `decode` the ready chunks of up to `max_batch_requests` requests
     (the omni pipeline: 32) with the same ODE settings (`Code2WavParams.ode_key`, the batch key),
-    first chunks (a request's first audio) before later ones (`codec/scheduler.py`); the ODE runs
-    them in one forward per evaluation. BigVGAN runs once per group of equal-length inputs (padding
+    first chunks (a request's first audio) before later ones and in batches of their own
+    (`first_chunks_alone`: a first chunk's short window decodes in a small, fast batch instead of
+    padded to a full batch of later chunks; `codec/scheduler.py`); the ODE runs them in one forward
+    per evaluation. BigVGAN runs once per group of equal-length inputs (padding
     would change a convolution's tail).
   * CUDA graphs (on a GPU, chunked mode, `cuda_graphs`): the ODE of a batch (36 DiT evaluations,
     launch-bound when small) replays as one graph. Graphs are captured at start-up, for the default
@@ -203,6 +205,8 @@ class Code2Wav:
         self.max_batch = max_batch_requests
         # on a GPU the engine keeps one batch in flight (`launch` / `collect`); on a CPU it calls `decode`
         self.asynchronous = self.device.type == "cuda"
+        # first chunks in batches of their own (short windows: fast), not padded into a batch of later chunks
+        self.first_chunks_alone = True
         # The ODE of a chunk replays as a CUDA graph when its window has one of the steady sizes (the
         # first chunk's, a later chunk's); other windows (a request's tail, whole mode) run eagerly.
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and self.chunk_frames is not None

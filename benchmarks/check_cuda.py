@@ -241,7 +241,13 @@ def check_wire() -> bool:
 
 if __name__ == "__main__":
     ar_only = "--ar-only" in sys.argv                 # the AR checks alone (kernels, greedy ids)
-    args = [a for a in sys.argv[1:] if a != "--ar-only"]
+    args = [a for a in sys.argv[1:] if a not in ("--ar-only", "--code2wav-only")]
+    if "--code2wav-only" in sys.argv:                 # code2wav's checks alone (graphs vs eager, TF32 change)
+        if args:
+            print(f"code2wav TF32 vs fp32 (7B-shape token2wav): max abs diff / peak {check_code2wav_tf32(args[0]):.2e}")
+        c2w = check_code2wav_graphs()
+        print(f"code2wav: CUDA-graph chunked decode vs eager: max abs diff {c2w:.2e}")
+        sys.exit(0 if c2w < 1e-3 else 1)
     kernels_ok = check_kernels()
     err = check_triton()
     print(f"triton paged decode vs SDPA reference: max abs diff {err:.2e}")

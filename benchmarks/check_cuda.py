@@ -165,9 +165,9 @@ def check_code2wav_graphs() -> float:
 
     path = make_tiny_qwen2_5_omni(os.path.join(tempfile.mkdtemp(), "omni"))
     audio = {}
-    torch.backends.cuda.matmul.allow_tf32 = False           # plain fp32: graphs and eager runs alike
-    for graphs in (False, True):
-        engine = CodecEngine(Code2Wav(path, device="cuda", chunk_codes=24, first_chunk_codes=12, cuda_graphs=graphs))
+    for graphs in (False, True):                            # plain fp32 (tf32=False): graphs and eager runs alike
+        engine = CodecEngine(Code2Wav(path, device="cuda", chunk_codes=24, first_chunk_codes=12, cuda_graphs=graphs,
+                                      tf32=False))
         for i, n in enumerate((150, 97, 200)):
             codes = torch.randint(0, 100, (n,), generator=torch.Generator().manual_seed(i)).tolist()
             engine.add_request(f"r{i}", codes, Code2WavParams(voice=VOICES[i % len(VOICES)], seed=i))
@@ -190,8 +190,7 @@ def check_code2wav_tf32(path: str) -> float:
 
     audio = {}
     for tf32 in (False, True):
-        torch.backends.cuda.matmul.allow_tf32 = tf32        # the process's setting, before the graphs are captured
-        engine = CodecEngine(Code2Wav(path, device="cuda", **CODE2WAV_OPTIONS))
+        engine = CodecEngine(Code2Wav(path, device="cuda", **{**CODE2WAV_OPTIONS, "tf32": tf32}))
         for i in range(3):
             codes = torch.randint(0, 8000, (300,), generator=torch.Generator().manual_seed(i)).tolist()
             engine.add_request(f"r{i}", codes, Code2WavParams(seed=i))
@@ -242,7 +241,13 @@ def check_wire() -> bool:
 
 if __name__ == "__main__":
     ar_only = "--ar-only" in sys.argv                 # the AR checks alone (kernels, greedy ids)
-    args = [a for a in sys.argv[1:] if a != "--ar-only"]
+    args = [a for a in sys.argv[1:] if a not in ("--ar-only", "--code2wav-only")]
+    if "--code2wav-only" in sys.argv:                 # code2wav's checks alone (graphs vs eager, TF32 change)
+        if args:
+            print(f"code2wav TF32 vs fp32 (7B-shape token2wav): max abs diff / peak {check_code2wav_tf32(args[0]):.2e}")
+        c2w = check_code2wav_graphs()
+        print(f"code2wav: CUDA-graph chunked decode vs eager: max abs diff {c2w:.2e}")
+        sys.exit(0 if c2w < 1e-3 else 1)
     kernels_ok = check_kernels()
     err = check_triton()
     print(f"triton paged decode vs SDPA reference: max abs diff {err:.2e}")

@@ -275,6 +275,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--code2wav-runner", choices=("inline", "shared", "process"), default=None,
                     help="code2wav's runner in every layout measured (default: the layout's)")
     ap.add_argument("--no-code2wav-graphs", action="store_true", help="code2wav's ODE without CUDA graphs")
+    ap.add_argument("--code2wav-dit-dtype", choices=("float32", "bfloat16"), default=None,
+                    help="Qwen2.5-Omni code2wav's dit_dtype (default: the pipeline's, float32 with TF32)")
     ap.add_argument("--ar-runner", choices=("inline", "shared", "process"), default=None,
                     help="thinker's and talker's runner in every layout measured (default: the layout's)")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers reference")
@@ -317,7 +319,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     tokens, codes = args.thinker_tokens or tokens, args.talker_codes or codes
     code2wav: dict[str, Any] = {}
     options = {("chunk_frames" if args.model == "qwen3-omni" else "chunk_codes"): args.code2wav_chunk,
-               "max_batch_requests": args.code2wav_batch}
+               "max_batch_requests": args.code2wav_batch, "dit_dtype": args.code2wav_dit_dtype}
     if any(options.values()):
         code2wav["options"] = {k: v for k, v in options.items() if v}
     if args.code2wav_runner:

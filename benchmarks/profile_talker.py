@@ -67,8 +67,8 @@ def code2wav(path: str) -> None:
     from omnistage.models.qwen2_5_omni.pipeline import CODE2WAV_OPTIONS
 
     for graphs, tf32 in ((True, True), (True, False), (False, True)):
-        torch.backends.cuda.matmul.allow_tf32 = tf32        # the process's setting, before the graphs are captured
-        eng = Code2Wav(path, device="cuda", cuda_graphs=graphs, **CODE2WAV_OPTIONS)
+        options = {**CODE2WAV_OPTIONS, "tf32": tf32, "max_batch_requests": 8}
+        eng = Code2Wav(path, device="cuda", cuda_graphs=graphs, **options)
         print(f"code2wav DiT dtype {next(eng.dit.parameters()).dtype}, windows {sorted(eng.graph_frames)}")
         frames = max(eng._steady_windows())
         for n in (1, 8):

@@ -13,7 +13,11 @@ audio came out of this stage (`AudioTiming`: first / last audio, underruns); the
 
 A step is schedule -> decode -> update: the `CodecScheduler` picks the ready chunks (round-robin, one
 batch key, up to the model's `max_batch`), the model decodes them in one call, the scheduler files
-the audio and says which requests changed or finished. A request whose `take`, `ready` or decode
+the audio and says which requests changed or finished. A model with `launch` / `collect` that says
+it is `asynchronous` (code2wav on a GPU) keeps one batch in flight instead: a step files the
+launched batch once the device is done with it (else returns at once: the step loop goes on to the
+other stages of its process) and then launches the next, so the host never waits for the device's
+decode. A request whose `take`, `ready` or decode
 raises fails alone (a finished `StageOutput` whose `error` says why; the stage serves on): when a
 batch of several fails, each chunk is decoded again on its own, so the others in it survive. The
 engine owns the requests and their audio; the model (`CodecModel`, implemented in the model's
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Hashable, Optional, Protocol
 
 import numpy as np
@@ -42,6 +47,7 @@ class CodecModel(Protocol):
 
     params_type: type                           # request params class; `params_type()` = the defaults
     max_batch: int                              # most requests one `decode` call serves
+    # optional `first_chunks_alone = True`: first chunks decode in batches of their own (scheduler.py)
 
     def voices(self) -> list[dict[str, Any]]: ...          # one {"id", "name", "sample_rate", "backend", ...} per voice
 
@@ -65,6 +71,11 @@ class CodecModel(Protocol):
     # (the engine retries each chunk alone): Piper moves no state until all are done, code2wav rewrites its own
     def decode(self, states: list, chunks: list) -> list[np.ndarray]: ...
 
+    # A model whose decode is device work may split it: `launch(states, chunks) -> pending` queues it and
+    # returns at once, `collect(pending, wait) -> audio` (None while the device works and `wait` is false)
+    # moves the states and returns `decode`'s result; with `asynchronous = True` the engine then keeps one
+    # batch in flight (below) instead of calling `decode`.
+
     def sample_rate(self, state: Any) -> int: ...          # Hz of the request's audio
 
     def prompt(self, state: Any) -> tuple[Optional[str], list[int]]: ...  # (text read so far, ids read so far)
@@ -72,15 +83,25 @@ class CodecModel(Protocol):
     def stats(self) -> dict[str, float]: ...               # the model's counters (seconds per phase, batches)
 
 
+@dataclass
+class _Decoded:
+    """A batch whose launch failed, decoded chunk by chunk at once (`CodecEngine._launch`)."""
+
+    batch: CodecBatch                           # the requests whose chunk decoded
+    audio: list                                 # their audio, in order
+
+
 class CodecEngine:
     def __init__(self, model: CodecModel):
         self.model = model
         self.params_type = model.params_type
-        self.scheduler = CodecScheduler(self._ready, model.max_batch)
+        self.scheduler = CodecScheduler(self._ready, model.max_batch, bool(getattr(model, "first_chunks_alone", False)))
         self._audio_seconds = 0.0
         self._decode_seconds = 0.0             # wall seconds in `model.decode` (host included), all batches
         self._decoded = [0, 0]                 # batches, chunks decoded
         self._failed: dict[str, str] = {}      # request id -> why it failed; reported (and dropped) by the next step
+        self._async = bool(getattr(model, "asynchronous", False))   # launch / collect instead of decode
+        self._inflight: Optional[tuple[CodecBatch, Any, float]] = None   # launched batch, its pending, start
 
     @property
     def requests(self) -> dict[str, CodecRequest]:
@@ -142,8 +163,18 @@ class CodecEngine:
                 **self.model.stats()}
 
     def step(self) -> list[StageOutput]:
-        batch, audio = self._decode(self.scheduler.schedule())
-        reports = self.scheduler.update(batch, audio)
+        if self._async:                         # file the batch the device finished, then launch the next
+            batch, audio = self._collect()
+            reports = self.scheduler.update(batch, audio)
+            if self._inflight is None:
+                self._launch(self.scheduler.schedule())
+                if not len(batch):              # done at once (a CPU): filed in this step, as `decode` would
+                    batch, audio = self._collect()
+                    if len(batch):
+                        reports = self.scheduler.update(batch, audio)
+        else:
+            batch, audio = self._decode(self.scheduler.schedule())
+            reports = self.scheduler.update(batch, audio)
         outputs = []
         for report in reports:
             if report.request.request_id not in self._failed:
@@ -184,6 +215,51 @@ class CodecEngine:
             self._decode_seconds += time.perf_counter() - start
             self._decoded[0] += 1
             self._decoded[1] += len(batch)
+        return self._each_alone(batch)
+
+    def _launch(self, batch: CodecBatch) -> None:
+        """Queues the batch's decode (`model.launch`); a launch that raises decodes its chunks one by one now
+        and leaves them for the next `_collect`."""
+        if not len(batch):
+            return
+        start = time.perf_counter()
+        self._decoded[0] += 1
+        self._decoded[1] += len(batch)
+        try:
+            pending = self.model.launch([r.state for r in batch.requests], batch.chunks)
+        except Exception as e:
+            logger.warning("codec batch of %d failed at launch (%s); decoding its chunks one by one", len(batch), e)
+            pending = _Decoded(*self._each_alone(batch))
+        self._inflight = (batch, pending, start)
+
+    def _collect(self) -> tuple[CodecBatch, list[np.ndarray]]:
+        """The batch in flight and its audio once the device is done with it (an empty batch before), less
+        the requests aborted or failed since its launch; when collecting raises, each chunk is decoded alone."""
+        if self._inflight is None:
+            return CodecBatch(), []
+        batch, pending, start = self._inflight
+        if isinstance(pending, _Decoded):       # decoded one by one at launch
+            batch, audio = pending.batch, pending.audio
+        else:
+            try:
+                audio = self.model.collect(pending, wait=False)
+            except Exception as e:
+                logger.warning("codec batch of %d failed (%s); decoding its chunks one by one", len(batch), e)
+                batch, audio = self._each_alone(batch)
+            if audio is None:
+                return CodecBatch(), []
+        self._inflight = None
+        self._decode_seconds += time.perf_counter() - start
+        kept, kept_audio = CodecBatch(), []
+        for req, chunk, wav in zip(batch.requests, batch.chunks, audio):
+            if self.requests.get(req.request_id) is req and req.request_id not in self._failed:
+                kept.requests.append(req)
+                kept.chunks.append(chunk)
+                kept_audio.append(wav)
+        return kept, kept_audio
+
+    def _each_alone(self, batch: CodecBatch) -> tuple[CodecBatch, list[np.ndarray]]:
+        """Each chunk of `batch` decoded on its own; the batch of those that did not fail, and their audio."""
         kept, audio = CodecBatch(), []
         for req, chunk in zip(batch.requests, batch.chunks):
             try:

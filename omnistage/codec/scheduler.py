@@ -6,7 +6,7 @@ construction, says what a request's next chunk is, or None when it waits for inp
 left. Out: `schedule()` -> a `CodecBatch`: the next chunk of up to `max_batch` ready requests that
 share the batch key of the first of them -- requests with no audio yet first (a listener waits for
 its first chunk; the others have audio playing), in arrival order, then the rest oldest-served first
-(round-robin); `update(batch, audio)`
+(round-robin; with `first_alone`, a batch with first chunks holds nothing else); `update(batch, audio)`
 appends each decoded chunk to its request, moves the served requests to the back of the queue and
 returns a `CodecReport` for every request that changed (served, or finished without a chunk);
 finished requests leave the scheduler. `abort(request_id)` drops a request.
@@ -58,11 +58,14 @@ class CodecReport:
 
 
 class CodecScheduler:
-    def __init__(self, ready: Callable[[CodecRequest], Optional[Any]], max_batch: int):
+    def __init__(self, ready: Callable[[CodecRequest], Optional[Any]], max_batch: int, first_alone: bool = False):
+        """`first_alone`: a batch with a first chunk takes first chunks only (code2wav: a first chunk's
+        short window then decodes in a small batch instead of padded into a full one of later chunks)."""
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         self.ready = ready
         self.max_batch = max_batch
+        self.first_alone = first_alone
         # Insertion order is the round-robin order: a served request moves to the back.
         self.requests: dict[str, CodecRequest] = {}
 
@@ -80,6 +83,8 @@ class CodecScheduler:
                 break
             if batch.requests and req.batch_key != batch.requests[0].batch_key:
                 continue
+            if self.first_alone and batch.requests and req.chunks and not batch.requests[0].chunks:
+                break                           # sorted: no first chunk follows
             chunk = self.ready(req)
             if chunk is not None:
                 batch.requests.append(req)

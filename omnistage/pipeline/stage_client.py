@@ -51,7 +51,7 @@ import zmq
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline import wire
 from omnistage.pipeline.stage_messages import (CallError, CallReply, CallStage, InitStage, StageFatal, StageOutputs,
-                                               StageReady, StopStage)
+                                               StageReady, StageStarting, StopStage)
 from omnistage.stage import StageDeadError, StageError, StageOutput
 
 logger = logging.getLogger(__name__)
@@ -137,6 +137,7 @@ class StageClient:
         init = InitStage(self._launcher.stage_spec(self.spec))
         self._init: Optional[bytes] = wire.encode(init, self._inline)   # sent by `_poll_start`
         self._deadline = time.monotonic() + self.start_timeout_s
+        self._start_step: Optional[tuple[str, float]] = None   # the process's last `StageStarting`, when
 
     def _bind(self, sock: zmq.Socket, base: str, name: str) -> str:
         """Binds `sock` where the launcher's process can reach it; the endpoint to connect to."""
@@ -157,13 +158,24 @@ class StageClient:
             msg = wire.decode(self._out.recv())
             if isinstance(msg, StageFatal):
                 raise RuntimeError(f"stage {self.label} failed to start: {msg.message}")
+            if isinstance(msg, StageStarting):
+                self._start_step = (msg.message, time.monotonic())
             return msg if isinstance(msg, StageReady) else None
         if self.proc.poll() is not None:
-            raise RuntimeError(f"stage {self.label} process exited with {self.proc.returncode} at start")
+            raise RuntimeError(f"stage {self.label} process exited with {self.proc.returncode} at start"
+                               f"{self._last_step()}")
         if time.monotonic() > self._deadline:
             self._stop_process(0)
-            raise RuntimeError(f"stage {self.label} did not start in {self.start_timeout_s:.0f} s")
+            raise RuntimeError(f"stage {self.label} did not start in {self.start_timeout_s:.0f} s"
+                               f"{self._last_step()}; its process was stopped")
         return None
+
+    def _last_step(self) -> str:
+        """Where a start that failed had got to, for its error message."""
+        if self._start_step is None:
+            return " (it reported no start-up step: still starting Python / importing)"
+        message, at = self._start_step
+        return f" (its last start-up step, {time.monotonic() - at:.0f} s before: {message})"
 
     @property
     def state(self) -> str:
@@ -427,6 +439,26 @@ def _answer_checks(ctx: zmq.Context, addr: str, engine: Any) -> None:
         sock.send(wire.encode(reply))
 
 
+class _StartSteps(logging.Handler):
+    """Sends the INFO (and louder) log records of the stage's build, made in the serving thread, to the
+    client as `StageStarting` messages (the out socket belongs to that thread)."""
+
+    def __init__(self, out: Any):
+        super().__init__(logging.INFO)
+        self.out = out
+        self.thread = threading.get_ident()
+
+    def send(self, message: str) -> None:
+        self.out.send(wire.encode(StageStarting(message)))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if threading.get_ident() == self.thread:
+            try:
+                self.send(record.getMessage())
+            except Exception:                   # a log line must never fail the start
+                pass
+
+
 def _serve(cmd_addr: str, out_addr: str, chk_addr: Optional[str] = None, inline: Optional[str] = None) -> None:
     """The stage process's loop; `inline` ("inline"): the orchestrator is on another host (`wire`)."""
     wire.set_inline_default(inline == "inline")
@@ -438,15 +470,20 @@ def _serve(cmd_addr: str, out_addr: str, chk_addr: Optional[str] = None, inline:
     for sig in (signal.SIGINT, signal.SIGTERM):  # the orchestrator's process decides when to stop
         signal.signal(sig, signal.SIG_IGN)
     spec = wire.decode(cmd.recv()).spec     # an InitStage
+    steps = _StartSteps(out)                    # the build's log lines go to the client as it starts
+    logging.getLogger("omnistage").addHandler(steps)
     try:
         from omnistage.pipeline.build import build_engine
 
         if spec.engine.device == "cpu":         # leave a core to the other processes, as in-process stages do
             spec.engine.apply_cpu_threads()
+        steps.send(f"building the {spec.kind} engine on {spec.engine.device}")
         engine = build_engine(spec)             # the engine itself, here
     except Exception as e:
         out.send(wire.encode(StageFatal(repr(e))))
         return
+    finally:
+        logging.getLogger("omnistage").removeHandler(steps)
     if chk_addr is not None and hasattr(engine, "check_params"):
         threading.Thread(target=_answer_checks, args=(ctx, chk_addr, engine), name="stage-checks",
                          daemon=True).start()

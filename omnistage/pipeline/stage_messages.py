@@ -45,6 +45,14 @@ class StopStage:
 
 # ---- stage process -> client ----------------------------------------------------------------------
 @dataclass
+class StageStarting:
+    """A step of the stage process's start-up (its build's log lines), sent until it is ready, so that a
+    start that fails or takes too long says where it was."""
+
+    message: str                                # e.g. "code2wav: capturing 36 ODE graphs ..."
+
+
+@dataclass
 class StageReady:
     """The engine is built; what the client offers and reads once, at start."""
 

@@ -107,3 +107,16 @@ def test_first_chunks_go_before_later_ones():
     assert [r.request_id for r in sched.schedule().requests] == ["new", "a"]
     assert step(sched) == [("new", "new0", False), ("a", "a1", False)]
     assert step(sched) == [("b", "b1", False), ("new", "new1", True)]      # then round-robin again
+
+
+def test_first_chunks_alone_make_a_batch_of_their_own():
+    """With `first_alone` (code2wav), a batch with a first chunk takes no later chunk, however much room
+    is left; without first chunks waiting, later ones fill the batch as usual."""
+    sched = CodecScheduler(ready, max_batch=4, first_alone=True)
+    add(sched, "a", 3)
+    add(sched, "b", 3)
+    assert step(sched) == [("a", "a0", False), ("b", "b0", False)]
+    add(sched, "new", 2)
+    assert [r.request_id for r in sched.schedule().requests] == ["new"]
+    assert step(sched) == [("new", "new0", False)]
+    assert [r.request_id for r in sched.schedule().requests] == ["a", "b", "new"]

@@ -32,30 +32,38 @@ How a request is decoded (the DiT's ODE is `code2wav_ode.py`; the vocoder is tra
     first size, so the streamed waveform stays within the tolerance of tests/models/test_omni_streaming.py
     of the whole decode (same noise, same left context / look-ahead).
   * Batching: the engine hands one `decode` the ready chunks of up to `max_batch_requests` requests
-    with the same ODE settings (`Code2WavParams.ode_key`, the batch key); the ODE runs them in one
-    forward per evaluation. BigVGAN runs once per group of equal-length inputs (padding would
-    change a convolution's tail).
-  * CUDA graphs (on a GPU, chunked mode, `cuda_graphs`): the ODE of a chunk (36 DiT evaluations,
-    launch-bound) replays as one graph when the window has a steady length (`_steady_windows`);
-    the batch is padded to a captured size (1, 2, 4, 8, ... up to `max_batch_requests`) with
-    empty rows. Graphs are captured at start-up for the default ODE settings.
-  * TF32: token2wav runs in float32 (as transformers runs it); on a GPU its DiT matmuls may use TF32
-    tensor cores (inputs rounded to 10-bit mantissas): measured on an H200 (7B shape), the CUDA-graph
-    ODE of 8 steady chunks takes 546 ms with TF32 and 1514 ms in plain fp32
-    (benchmarks/profile_talker.py); the waveform moves by 2e-3 of its peak (benchmarks/check_cuda.py).
-    `torch.backends.cuda.matmul.allow_tf32` is a process-wide flag, so it is set once, by
-    `from_stage_spec`, and only when the stage runs in its own process (`runner: process`, the GPU
-    layout of the omni pipeline): there it concerns this stage alone, and every eager run and
-    every graph capture sees the same setting. Inline, in a process other stages share, the stage
-    leaves the flag as the process has it (PyTorch's default: off), so that it never changes
-    another stage's float32 matmuls. Stage option `tf32: false` keeps plain fp32 in its own process.
+    (the omni pipeline: 32) with the same ODE settings (`Code2WavParams.ode_key`, the batch key),
+    first chunks (a request's first audio) before later ones and in batches of their own
+    (`first_chunks_alone`: a first chunk's short window decodes in a small, fast batch instead of
+    padded to a full batch of later chunks; `codec/scheduler.py`); the ODE runs them in one forward
+    per evaluation. BigVGAN runs once per group of equal-length inputs (padding
+    would change a convolution's tail).
+  * CUDA graphs (on a GPU, chunked mode, `cuda_graphs`): the ODE of a batch (36 DiT evaluations,
+    launch-bound when small) replays as one graph. Graphs are captured at start-up, for the default
+    ODE settings, for every batch size 1, 2, 4, ... up to `max_batch_requests` and every steady
+    window length (`_steady_windows`: each first-chunk size the load rule can pick -- 12 / 24 / 48 /
+    96 codes by default -- and the commonest later windows); a batch is padded to the next captured
+    size with empty rows and its rows to the next captured window with masked frames, so only a
+    window longer than every captured one (a request's own large first chunk) runs eagerly. The
+    capture time is logged (`capture_seconds`; ~6 windows x 6 sizes for the omni pipeline).
+  * Precision: token2wav runs in float32 (as transformers runs it). On a GPU its float32 matmuls use
+    TF32 tensor cores (inputs rounded to 10-bit mantissas; stage option `tf32`, default true; false:
+    plain fp32): measured on an H200 (7B shape), the CUDA-graph ODE of 8 steady chunks takes 546 ms
+    with TF32 and 1514 ms in plain fp32 (benchmarks/profile_talker.py); the waveform moves by 2e-3 of
+    its peak (benchmarks/check_cuda.py). The setting is scoped to this stage's own work
+    (`code2wav_ode.tf32_matmuls`: set around each ODE run and graph capture, restored after), so in
+    the shared layout, where every stage runs in one process, no other stage's float32 matmul
+    changes; that is safe because the process steps its engines from one thread, one at a time
+    (`pipeline/shared.py`). Stage option `dit_dtype: bfloat16` runs the DiT's attention and MLP
+    linears in bf16 (residual stream, norms, modulation and ODE state stay float32): on the tiny
+    checkpoint the whole decode moves by 3e-4 of the waveform's peak (mel 5.6e-3 of std 2.1; tested
+    < 2e-3); benchmarks/code2wav_bench.py measures its speed and error at the 7B shape.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 import secrets
 import time
 from dataclasses import dataclass, field, replace
@@ -66,12 +74,14 @@ import torch
 
 from omnistage.codec.engine import CodecEngine
 from omnistage.codec.speech import MAX_CHUNK_FRAMES, check_voice
-from omnistage.models.qwen2_5_omni.code2wav_ode import Code2WavODE
+from omnistage.models.qwen2_5_omni.code2wav_ode import DIT_DTYPES, Code2WavODE
+from omnistage.models.qwen2_5_omni.token2wav import DeviceTimer, DeviceVocoder, load_token2wav, vocoder_context
 from omnistage.params import check_param
 
 logger = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24000
+MAX_BATCH_REQUESTS = 64                         # `max_batch_requests` bound: one graph per size up to it
 
 
 @dataclass
@@ -113,29 +123,6 @@ class CodecInput:
         return CodecInput(list(self.codes[start:end]), finished)
 
 
-def load_token2wav(model_dir: str, device: str = "cpu"):
-    """(token2wav module in float32 eval mode, speakers dict) from a Qwen2.5-Omni folder.
-
-    Reads only the `token2wav.*` tensors of the (single or sharded) safetensors checkpoint (drawn, of a
-    `load_format="dummy"` folder).
-    """
-    from transformers import AutoConfig
-    from transformers.initialization import no_init_weights
-    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
-
-    from omnistage.models.loader import read_tensors
-
-    config = AutoConfig.from_pretrained(model_dir)
-    with no_init_weights():                     # every parameter is loaded below; buffers are built in __init__
-        model = Qwen2_5OmniToken2WavModel._from_config(config.token2wav_config, attn_implementation="sdpa")
-    state = {key[len("token2wav."):]: t for key, t in read_tensors(model_dir, lambda k: k.startswith("token2wav."))}
-    missing, _ = model.load_state_dict(state, strict=False)  # unexpected: filter buffers some exports save
-    if missing:
-        raise ValueError(f"{model_dir}: token2wav weights missing from the checkpoint: {missing[:5]}")
-    speakers = torch.load(os.path.join(model_dir, "spk_dict.pt"), weights_only=True)
-    return model.float().eval().to(device), speakers
-
-
 def first_chunk_for_load(active: int, first: int, chunk: int) -> int:
     """Codes in a new request's first chunk when `active` requests are in the stage already: `first`
     while at most 4 are (the earliest first audio), twice that up to 16, four times up to 64, and so
@@ -146,36 +133,18 @@ def first_chunk_for_load(active: int, first: int, chunk: int) -> int:
     return min(size, chunk)
 
 
-def vocoder_context(bigvgan_config) -> int:
-    """Mel frames each side of a frame that can change its BigVGAN samples (rounded up, +1 margin).
-
-    Sums, stage by stage, the radius of the transposed conv, the widest AMP residual block (its
-    dilated and plain convs plus two anti-aliased activations per pair, ~6 samples each) divided
-    by the samples per frame at that stage. Real Qwen2.5-Omni: 40 frames; tests check the bound.
-    """
-    frames, rate = 3.0, 1                       # conv_pre: kernel 7
-    for stride, kernel in zip(bigvgan_config.upsample_rates, bigvgan_config.upsample_kernel_sizes):
-        frames += math.ceil(kernel / stride) / rate
-        rate *= stride
-        amp = max(sum((k - 1) / 2 * d + (k - 1) / 2 + 12 for d in dil)
-                  for k, dil in zip(bigvgan_config.resblock_kernel_sizes, bigvgan_config.resblock_dilation_sizes))
-        frames += amp / rate
-    frames += (6 + 3) / rate                    # activation_post + conv_post (kernel 7)
-    return math.ceil(frames) + 1
-
-
 class Code2WavState:
     """One request's decoding state; a chunk of it is (s, e, window start, window end) in mel frames."""
 
-    def __init__(self, params: Code2WavParams, mel_dim: int, first_frames: int = 0):
+    def __init__(self, params: Code2WavParams, mel_dim: int, first_frames: int = 0, device: Any = "cpu"):
         self.params = params                    # the voice filled in
         self.first_frames = first_frames        # mel frames of the first chunk (chunked mode)
         self.codes: list[int] = []              # every code received so far
         seed = params.seed if params.seed is not None else secrets.randbits(62)
         self.generator = torch.Generator().manual_seed(seed)
         self.noise = torch.zeros(0, mel_dim)    # initial ODE state per mel frame, drawn as needed
-        self.mel = torch.zeros(0, mel_dim)      # final mel frames [0, done)
-        self.lookahead = torch.zeros(0, mel_dim)  # provisional mel after `done` from the last window
+        self.mel = torch.zeros(0, mel_dim, device=device)  # final mel frames [0, done), on the stage's device
+        self.lookahead = torch.zeros(0, mel_dim, device=device)  # provisional mel after `done` (last window)
 
     @property
     def done(self) -> int:
@@ -197,7 +166,8 @@ class Code2Wav:
     def __init__(self, model_dir: str, device: Any = "cpu", default_voice: Optional[str] = None,
                  chunk_codes: Optional[int] = None, first_chunk_codes: Optional[int] = None,
                  past_blocks: int = 2, future_blocks: int = 1, vocoder_context_frames: Optional[int] = None,
-                 max_batch_requests: int = 8, cuda_graphs: bool = True, dynamic_first_chunk: bool = True):
+                 max_batch_requests: int = 8, cuda_graphs: bool = True, dynamic_first_chunk: bool = True,
+                 dit_dtype: str = "float32", tf32: bool = True):
         for name, value in (("chunk_codes", chunk_codes), ("first_chunk_codes", first_chunk_codes)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -206,12 +176,18 @@ class Code2Wav:
         for name, value in (("past_blocks", past_blocks), ("future_blocks", future_blocks)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if max_batch_requests < 1:
-            raise ValueError(f"max_batch_requests must be >= 1, got {max_batch_requests}")
+        if not isinstance(max_batch_requests, int) or not 1 <= max_batch_requests <= MAX_BATCH_REQUESTS:
+            raise ValueError(f"max_batch_requests must be an integer in [1, {MAX_BATCH_REQUESTS}], "
+                             f"got {max_batch_requests!r}")
+        if dit_dtype not in DIT_DTYPES:
+            raise ValueError(f"dit_dtype must be one of {sorted(DIT_DTYPES)}, got {dit_dtype!r}")
+        if not isinstance(tf32, bool):
+            raise ValueError(f"tf32 must be true or false, got {tf32!r}")
         self.device = torch.device(device)
         self.model, self.speakers = load_token2wav(model_dir, self.device)
         self.dit = self.model.code2wav_dit_model
         self.vocoder = self.model.code2wav_bigvgan_model
+        self.vocode = DeviceVocoder(self.vocoder)   # its forward without host syncs
         self.default_voice = default_voice or next(iter(self.speakers))
         if self.default_voice not in self.speakers:
             raise ValueError(f"default_voice must be one of {sorted(self.speakers)}, got {default_voice!r}")
@@ -227,34 +203,33 @@ class Code2Wav:
         self.voc_ctx = vocoder_context_frames if vocoder_context_frames is not None \
             else vocoder_context(self.vocoder.config)
         self.max_batch = max_batch_requests
+        # on a GPU the engine keeps one batch in flight (`launch` / `collect`); on a CPU it calls `decode`
+        self.asynchronous = self.device.type == "cuda"
+        # first chunks in batches of their own (short windows: fast), not padded into a batch of later chunks
+        self.first_chunks_alone = True
         # The ODE of a chunk replays as a CUDA graph when its window has one of the steady sizes (the
         # first chunk's, a later chunk's); other windows (a request's tail, whole mode) run eagerly.
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and self.chunk_frames is not None
-        self.graph_frames: set[int] = self._steady_windows() if self.cuda_graphs else set()
+        self.graph_frames: list[int] = sorted(self._steady_windows()) if self.cuda_graphs else []
         self.batch_sizes = [b for b in (1, 2, 4, 8, 16, 32) if b < max_batch_requests] + [max_batch_requests]
-        self.ode = Code2WavODE(self.dit, self.speakers, self.device,
+        self.ode = Code2WavODE(self.dit, self.speakers, self.device, dit_dtype=dit_dtype, tf32=tf32,
                                max_graphs=4 * len(self.batch_sizes) * len(self.graph_frames))
         self._totals = {"dit_seconds_total": 0.0, "vocoder_seconds_total": 0.0,
-                        "dit_batches_total": 0, "dit_rows_total": 0}
+                        "dit_batches_total": 0, "dit_rows_total": 0, "dit_graphed_batches_total": 0}
+        self.capture_seconds = 0.0              # start-up time spent capturing the ODE's graphs
         if self.cuda_graphs:
+            start = time.perf_counter()
+            logger.info("code2wav: capturing %d ODE graphs (batch sizes %s x windows %s mel frames)",
+                        len(self.batch_sizes) * len(self.graph_frames), self.batch_sizes, self.graph_frames)
             self.ode.capture(self.batch_sizes, self.graph_frames, Code2WavParams().ode_key(), self.default_voice)
+            self.capture_seconds = time.perf_counter() - start
+            logger.info("code2wav: captured %d ODE graphs in %.1f s", self.ode.graphs.captures, self.capture_seconds)
 
     @classmethod
     def from_stage_spec(cls, spec) -> CodecEngine:
-        """The code2wav stage's engine; options are this class's keyword arguments plus `tf32` (bool,
-        default true; see the module docstring)."""
+        """The code2wav stage's engine; its options are this class's keyword arguments (module docstring)."""
         options = {"cuda_graphs": spec.engine.cuda_graphs, **spec.options}
-        tf32 = bool(options.pop("tf32", True))
-        device = spec.engine.torch_device()
-        if device.type == "cuda":
-            # Before the graphs are captured: they keep the setting. A shared-layout stage sets it for the
-            # whole process, so the edge adapters' float32 projections use TF32 too (AR stages run bf16).
-            if spec.runner in ("process", "shared"):
-                torch.backends.cuda.matmul.allow_tf32 = tf32
-            elif tf32:
-                logger.info("code2wav runs inline: its float32 matmuls follow the process's TF32 setting "
-                            "(allow_tf32=%s); runner: process gives it its own", torch.backends.cuda.matmul.allow_tf32)
-        return CodecEngine(cls(spec.model_dir, device=device, **options))
+        return CodecEngine(cls(spec.model_dir, device=spec.engine.torch_device(), **options))
 
     # ---- CodecModel: requests ---------------------------------------------------------------------
     def voices(self) -> list[dict[str, Any]]:
@@ -281,7 +256,7 @@ class Code2Wav:
     def new_state(self, params: Code2WavParams) -> Code2WavState:
         if params.voice is None:
             params = replace(params, voice=self.default_voice)
-        return Code2WavState(params, self.mel_dim, self.first_frames(params))
+        return Code2WavState(params, self.mel_dim, self.first_frames(params), self.device)
 
     def batch_key(self, state: Code2WavState) -> tuple:
         return state.params.ode_key()
@@ -320,15 +295,33 @@ class Code2Wav:
 
     def decode(self, states: list[Code2WavState], chunks: list[tuple[int, int, int, int]]) -> list[np.ndarray]:
         """One ODE batch over the chunks' windows, then BigVGAN; each chunk's samples, in order."""
-        start = time.perf_counter()
+        return self.collect(self.launch(states, chunks), wait=True)
+
+    @torch.no_grad()
+    def launch(self, states: list[Code2WavState], chunks: list[tuple[int, int, int, int]]) -> "_Pending":
+        """Queues `decode`'s device work (the ODE, BigVGAN, the samples' copy to pinned host memory)
+        without waiting for it; `collect` returns the audio. The states move on in `collect`."""
+        timer = DeviceTimer(self.device)
         windows = self._decode_mel(states, chunks)
-        self._totals["dit_seconds_total"] += time.perf_counter() - start
+        timer.mark()
+        pending = self._vocode(states, chunks, windows)
+        timer.mark()
+        pending.timer = timer
         self._totals["dit_batches_total"] += 1
         self._totals["dit_rows_total"] += len(states)
-        start = time.perf_counter()
-        audio = self._vocode(states, chunks, windows)
-        self._totals["vocoder_seconds_total"] += time.perf_counter() - start
-        return audio
+        return pending
+
+    def collect(self, pending: "_Pending", wait: bool) -> Optional[list[np.ndarray]]:
+        """The audio of a launched batch (and its states moved past its chunks); None while the device
+        still works on it and `wait` is false."""
+        if not wait and not pending.timer.done():
+            return None
+        dit, vocoder = pending.timer.seconds()
+        self._totals["dit_seconds_total"] += dit
+        self._totals["vocoder_seconds_total"] += vocoder
+        for state, mel, lookahead in pending.moves:
+            state.mel, state.lookahead = mel, lookahead
+        return [wav.numpy() for wav in pending.audio]
 
     # ---- DiT: codes -> mel ------------------------------------------------------------------------
     @torch.no_grad()
@@ -336,10 +329,15 @@ class Code2Wav:
         """Runs the ODE for every request's window in one batch; returns each window's mel [frames, 80]."""
         n = len(states)
         lengths = [we - ws for _, _, ws, we in chunks]
+        # A batch replays a graph when its longest window fits a captured one: rows are padded to that
+        # window's frames (padded keys are masked, so the frames before them decode as without) and
+        # the batch to a captured size with empty rows (every key masked but their own).
         frames = max(lengths)
-        graphed = self.cuda_graphs and frames in self.graph_frames
-        # a graphed batch is padded to a captured size with empty rows (every key masked but their own)
+        captured = [f for f in self.graph_frames if f >= frames]
+        graphed = bool(captured)
+        frames = captured[0] if graphed else frames
         size = next(b for b in self.batch_sizes if b >= n) if graphed else n
+        self._totals["dit_graphed_batches_total"] += graphed
         noise = torch.zeros(size, frames, self.mel_dim)
         codes = torch.zeros(size, frames // self.repeats + 1, dtype=torch.long)
         for i, (state, (_, _, ws, we)) in enumerate(zip(states, chunks)):
@@ -347,8 +345,10 @@ class Code2Wav:
             window_codes = state.codes[ws // self.repeats: math.ceil(we / self.repeats)]
             codes[i, : len(window_codes)] = torch.tensor(window_codes, dtype=torch.long)
         voices = [s.params.voice for s in states] + [states[0].params.voice] * (size - n)
+        if self.device.type == "cuda":          # no wait for the device: copies from pinned memory
+            noise, codes = noise.pin_memory(), codes.pin_memory()
         mel = self.ode.run(noise, codes, voices, lengths + [0] * (size - n), states[0].params.ode_key(), graphed)
-        return [mel[i, :length].float().cpu() for i, length in enumerate(lengths)]
+        return [mel[i, :length] for i, length in enumerate(lengths)]   # views of a graph's buffer: read now
 
     def _steady_windows(self, most: int = 4) -> set[int]:
         """Window lengths (mel frames) that chunks other than a request's last have: the first
@@ -369,24 +369,35 @@ class Code2Wav:
         return {*firsts, *common[: most - 1]}
 
     # ---- BigVGAN: mel -> audio --------------------------------------------------------------------
-    @torch.no_grad()
     def _vocode(self, states: list[Code2WavState], chunks: list[tuple[int, int, int, int]],
-                windows: list[torch.Tensor]) -> list[np.ndarray]:
-        """Keeps each chunk's mel, vocodes [s, e) with context; returns the samples of [s, e) only."""
-        jobs = []
+                windows: list[torch.Tensor]) -> "_Pending":
+        """Each chunk's kept mel, and BigVGAN over [s, e) with context, queued; the samples of [s, e)
+        only, copied to (pinned) host memory as the device gets there."""
+        moves, jobs = [], []
         for i, (state, (s, e, ws, _), mel) in enumerate(zip(states, chunks, windows)):
-            state.mel = torch.cat([state.mel[:s], mel[s - ws: e - ws]])
-            state.lookahead = mel[e - ws:]
+            kept = torch.cat([state.mel[:s], mel[s - ws: e - ws]])
+            lookahead = mel[e - ws:].clone()
+            moves.append((state, kept, lookahead))
             left = max(0, s - self.voc_ctx)
-            context = torch.cat([state.mel[left:e], state.lookahead[: self.voc_ctx]])
+            context = torch.cat([kept[left:e], lookahead[: self.voc_ctx]])
             jobs.append((i, context, s - left, e - s))
         by_length: dict[int, list] = {}
         for job in jobs:
             by_length.setdefault(job[1].shape[0], []).append(job)
-        audio: list[Optional[np.ndarray]] = [None] * len(jobs)
+        audio: list[Optional[torch.Tensor]] = [None] * len(jobs)
+        pinned = self.device.type == "cuda"
         for group in by_length.values():
-            mel = torch.stack([j[1] for j in group]).transpose(1, 2).to(self.device)
-            wavs = self.vocoder(mel).reshape(len(group), -1).float().cpu().numpy()
+            wavs = self.vocode(torch.stack([j[1] for j in group]).transpose(1, 2)).reshape(len(group), -1)
             for (i, _, offset, count), wav in zip(group, wavs):
-                audio[i] = np.ascontiguousarray(wav[offset * self.hop: (offset + count) * self.hop], dtype=np.float32)
-        return audio
+                out = torch.empty(count * self.hop, dtype=torch.float32, pin_memory=pinned)
+                audio[i] = out.copy_(wav[offset * self.hop: (offset + count) * self.hop], non_blocking=pinned)
+        return _Pending(moves, audio)
+
+
+@dataclass
+class _Pending:
+    """A launched decode batch (`Code2Wav.launch`), waiting for the device."""
+
+    moves: list                                 # per chunk: (state, its mel [0, e), its look-ahead) to keep
+    audio: list                                 # per chunk: its samples in host memory once the device is done
+    timer: Optional["DeviceTimer"] = None            # ODE and BigVGAN device time

@@ -50,7 +50,12 @@ RENDERER_WEIGHTS = ("thinker.audio_tower.", "thinker.visual.", "thinker.model.em
 # Measured on an H200 (7B shape, random bf16 weights, 1 stream, 6 s answers; benchmarks/omni_bench.py):
 # each chunk costs about the same (36 DiT evaluations, launch-bound), so larger chunks decode faster
 # than real time: chunk 48 -> RTF 1.7, 96 -> 0.98, 192 -> 0.86 (with code2wav in its own process).
-CODE2WAV_OPTIONS = {"first_chunk_codes": 12, "chunk_codes": 96, "past_blocks": 2, "future_blocks": 1}
+# 32 requests per ODE batch: at 32 streams every ready chunk decodes in one batch (graphs for 1..32 rows).
+CODE2WAV_OPTIONS = {"first_chunk_codes": 12, "chunk_codes": 96, "past_blocks": 2, "future_blocks": 1,
+                    "max_batch_requests": 32}
+# code2wav's device memory besides its weights: its CUDA graphs' static inputs (~1.5 GiB for 1..32 rows)
+# and their shared pool (a 32-row ODE's activations); an estimate for the memory plan
+CODE2WAV_WORKSPACE_BYTES = 4 * 2**30
 # Where the stages run on a GPU: "process" (one process each) or "shared" (all in the serving process, each
 # on a CUDA stream of its own); benchmarks/omni_bench.py measures both. Shared, measured on one H200
 # (benchmarks/RESULTS.md, session 5): TTFA 0.50 / 0.87 s at 1 / 8 streams against 0.90 / 2.28 s for
@@ -99,7 +104,8 @@ def omni_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
     code2wav = StageSpec("code2wav", "codec", model_dir, engine, final_output="audio", runner=runner,
                          backend="qwen2_5_omni_code2wav", options={
                              **CODE2WAV_OPTIONS, "default_voice": default_voice},
-                         memory={"weights_prefix": CODE2WAV_WEIGHTS, "weights_dtype": "float32"})  # runs in fp32
+                         memory={"weights_prefix": CODE2WAV_WEIGHTS, "weights_dtype": "float32",   # runs in fp32
+                                 "workspace_bytes": CODE2WAV_WORKSPACE_BYTES})
     edges = [EdgeSpec("thinker", "talker", "qwen2_5_omni.thinker_to_talker", chunk_size=1,
                       options={"model_dir": model_dir, "default_voice": default_voice}),
              EdgeSpec("talker", "code2wav", "qwen2_5_omni.talker_to_code2wav", chunk_size=1)]

@@ -7,6 +7,8 @@ Measured on the tiny checkpoint (seed 7, 60 codes = 1.2 s; mel std 2.1, waveform
       4 / 2:           mel 8.4e-6, waveform 4.4e-6
       0 / 0:           mel 0.19,   waveform 0.75 (clicks at each joint: no vocoder right context)
   * batched vs alone: max |diff| ~1e-6 (float rounding of different GEMM shapes).
+  * `dit_dtype="bfloat16"` (attention / MLP linears in bf16), whole mode vs float32: waveform 3.0e-4,
+    mel 5.6e-3 (chunked 12 / 24: waveform 1.1e-3, as the float32 chunked decode).
 """
 
 import numpy as np
@@ -16,6 +18,7 @@ from omni_testutil import single_thread
 
 from omnistage.codec.engine import CodecEngine
 from omnistage.models.qwen2_5_omni.code2wav import Code2Wav, Code2WavParams, CodecInput, vocoder_context
+from omnistage.models.qwen2_5_omni.code2wav_ode import tf32_matmuls
 from omnistage.params import ParamError
 
 SEED = 7
@@ -103,6 +106,48 @@ def test_batched_requests_decode_as_if_alone(omni_dir):
         for request in requests:
             alone = run(alone_engine, [request])[request[0]][0]
             np.testing.assert_allclose(together[request[0]][0], alone, rtol=0, atol=1e-5)
+
+
+def test_bf16_dit_stays_close_to_the_float32_whole_decode(omni_dir, reference):
+    engine = CodecEngine(Code2Wav(omni_dir, dit_dtype="bfloat16"))
+    wav, mel, _ = run(engine, [("b", codes(60), Code2WavParams(voice="Ethan", seed=SEED))])["b"]
+    ref_wav, ref_mel, _ = reference
+    assert next(engine.model.dit.transformer_blocks[0].ff.parameters()).dtype == torch.bfloat16
+    assert (mel - ref_mel).abs().max() < 2e-2
+    assert 0 < np.abs(wav - ref_wav).max() < 2e-3
+
+
+def test_windows_padded_to_a_captured_length_decode_as_unpadded(omni_dir):
+    """The rule that lets a short window (a request's tail, a first chunk beside later ones) replay a
+    longer window's graph: frames padded after a window are masked, so its frames decode as without."""
+    options = {"chunk_codes": 24, "first_chunk_codes": 12}
+    requests = [(f"p{i}", codes(n, seed=i), Code2WavParams(voice="Ethan", seed=i)) for i, n in enumerate([31, 17])]
+    plain = run(CodecEngine(Code2Wav(omni_dir, **options)), requests)
+    padded = CodecEngine(Code2Wav(omni_dir, **options))
+    padded.model.graph_frames = [160]           # every window here is shorter: all padded to 160 frames
+    for rid, (wav, mel, _) in run(padded, requests).items():
+        np.testing.assert_allclose(wav, plain[rid][0], rtol=0, atol=1e-5)
+    assert padded.stats()["dit_graphed_batches_total"] == padded.stats()["dit_batches_total"]
+
+
+def test_tf32_is_set_for_the_block_only():
+    before = torch.backends.cuda.matmul.allow_tf32
+    with pytest.raises(RuntimeError):
+        with tf32_matmuls(not before):
+            assert torch.backends.cuda.matmul.allow_tf32 is (not before)
+            raise RuntimeError("a failed ODE run restores the flag too")
+    assert torch.backends.cuda.matmul.allow_tf32 is before
+    with tf32_matmuls(None):                    # a CPU stage leaves the flag alone
+        assert torch.backends.cuda.matmul.allow_tf32 is before
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"dit_dtype": "float16"}, "dit_dtype must be one of"),
+    ({"max_batch_requests": 0}, r"max_batch_requests must be an integer in \[1, 64\]"),
+    ({"tf32": "yes"}, "tf32 must be true or false")])
+def test_bad_stage_options_name_the_option(omni_dir, options, message):
+    with pytest.raises(ValueError, match=message):
+        Code2Wav(omni_dir, **options)
 
 
 def test_vocoder_context_bounds_bigvgan_receptive_field(whole, reference):

@@ -1,0 +1,110 @@
+"""token2wav's parts that code2wav (`code2wav.py`) builds on: loading its weights from a Qwen2.5-Omni
+folder, BigVGAN's receptive field in mel frames, and device timing of queued work (the code2wav
+stage's engine, in whatever process runs it).
+
+In: a checkpoint folder (`load_token2wav`), a BigVGAN config (`vocoder_context`), a device
+(`DeviceTimer`). Out: the float32 token2wav module and the speakers of `spk_dict.pt`; a frame count;
+seconds per phase.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+
+
+def load_token2wav(model_dir: str, device: str = "cpu"):
+    """(token2wav module in float32 eval mode, speakers dict) from a Qwen2.5-Omni folder.
+
+    Reads only the `token2wav.*` tensors of the (single or sharded) safetensors checkpoint (drawn, of a
+    `load_format="dummy"` folder).
+    """
+    from transformers import AutoConfig
+    from transformers.initialization import no_init_weights
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniToken2WavModel
+
+    from omnistage.models.loader import read_tensors
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with no_init_weights():                     # every parameter is loaded below; buffers are built in __init__
+        model = Qwen2_5OmniToken2WavModel._from_config(config.token2wav_config, attn_implementation="sdpa")
+    state = {key[len("token2wav."):]: t for key, t in read_tensors(model_dir, lambda k: k.startswith("token2wav."))}
+    missing, _ = model.load_state_dict(state, strict=False)  # unexpected: filter buffers some exports save
+    if missing:
+        raise ValueError(f"{model_dir}: token2wav weights missing from the checkpoint: {missing[:5]}")
+    speakers = torch.load(os.path.join(model_dir, "spk_dict.pt"), weights_only=True)
+    return model.float().eval().to(device), speakers
+
+
+def vocoder_context(bigvgan_config) -> int:
+    """Mel frames each side of a frame that can change its BigVGAN samples (rounded up, +1 margin).
+
+    Sums, stage by stage, the radius of the transposed conv, the widest AMP residual block (its
+    dilated and plain convs plus two anti-aliased activations per pair, ~6 samples each) divided
+    by the samples per frame at that stage. Real Qwen2.5-Omni: 40 frames; tests check the bound.
+    """
+    frames, rate = 3.0, 1                       # conv_pre: kernel 7
+    for stride, kernel in zip(bigvgan_config.upsample_rates, bigvgan_config.upsample_kernel_sizes):
+        frames += math.ceil(kernel / stride) / rate
+        rate *= stride
+        amp = max(sum((k - 1) / 2 * d + (k - 1) / 2 + 12 for d in dil)
+                  for k, dil in zip(bigvgan_config.resblock_kernel_sizes, bigvgan_config.resblock_dilation_sizes))
+        frames += amp / rate
+    frames += (6 + 3) / rate                    # activation_post + conv_post (kernel 7)
+    return math.ceil(frames) + 1
+
+
+class DeviceTimer:
+    """Device time of phases of queued work: CUDA events on the current stream, wall clock on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks = [self._now()]
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self) -> None:
+        self.marks.append(self._now())
+
+    def done(self) -> bool:
+        return not self.cuda or self.marks[-1].query()
+
+    def seconds(self) -> list[float]:
+        """Seconds between consecutive marks (waits for the last one)."""
+        if not self.cuda:
+            return [b - a for a, b in zip(self.marks, self.marks[1:])]
+        self.marks[-1].synchronize()
+        return [a.elapsed_time(b) / 1000 for a, b in zip(self.marks, self.marks[1:])]
+
+
+class DeviceVocoder:
+    """transformers' `Qwen2_5OmniToken2WavBigVGANModel.forward` with the same operations in the same
+    order, less its two host syncs (the clamp floor made on the device in every call, the copy of the
+    waveform to the CPU), so a launch can queue it behind the ODE: mel [n, 80, frames] -> waveform
+    [n, 1, samples] in [-1, 1] on the device."""
+
+    def __init__(self, bigvgan):
+        self.model = bigvgan
+        device = next(bigvgan.parameters()).device
+        # `amplitude_to_db`'s floor, made once as transformers makes it (float32 exp of float32 input)
+        self.min_level = torch.exp(torch.tensor(-115 / 20.0 * math.log(10), device=device, dtype=torch.float32))
+
+    @torch.no_grad()
+    def __call__(self, mel: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        decibels = 20 * torch.log10(torch.clamp(torch.exp(mel), min=self.min_level)) - 20
+        hidden = m.conv_pre(m.normalize_spectrogram(decibels, 1, -115))
+        for layer in range(m.num_upsample_layers):
+            hidden = m.ups[layer][0](hidden)
+            residual = sum(m.resblocks[layer * m.num_residual_blocks + block](hidden)
+                           for block in range(m.num_residual_blocks))
+            hidden = residual / m.num_residual_blocks
+        return torch.clamp(m.conv_post(m.activation_post(hidden)), min=-1.0, max=1.0)

@@ -226,6 +226,7 @@ class FramePredictor:
         noise = self._noise(batch, self.heads[0].out_features, dev) if sampled else None
         ks = [p.top_k for p in params if not p.greedy]
         k_most = max(ks) if ks and all(0 < k <= TOP_K_MOST for k in ks) else 0
+        k_most = k_most if k_most < self.heads[0].out_features else 0
         s = hidden.shape[0]
         size = _bucket(s) if self.graphs is not None else None
         if size is None:

@@ -50,3 +50,19 @@ def test_bucket_path_equals_plain_path(talkers):
                                                    prompt_ids=[[]] * n, output_ids=[[]] * n,
                                                    generators=[None] * n))[0][1]
     assert torch.equal(plain_codes[1], greedy_row)             # a greedy row beside sampled ones stays greedy
+
+
+def test_top_k_sampling_equals_the_whole_vocabulary_filter():
+    """`pick` over each row's top-k logits only draws what the whole-vocabulary sort + filter draws
+    for the same noise (per-row temperature, top-k, top-p; a row with top-k below the most)."""
+    from omnistage.models.qwen3_tts.predictor import pick
+
+    g = torch.Generator().manual_seed(3)
+    logits = 3 * torch.randn(6, 300, generator=g)
+    noise = torch.empty(6, 300).exponential_(generator=g)
+    temp = torch.tensor([0.9, 0.7, 1.0, 1.3, 0.9, 0.5])
+    top_k = torch.tensor([50, 50, 5, 50, 1, 20])
+    top_p = torch.tensor([1.0, 0.8, 1.0, 0.5, 1.0, 0.95])
+    whole = pick(logits, temp, top_k, top_p, noise)
+    assert torch.equal(pick(logits, temp, top_k, top_p, noise, k_most=50), whole)
+    assert whole[4] == logits[4].argmax()                       # top-k 1 is greedy

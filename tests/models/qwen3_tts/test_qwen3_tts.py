@@ -71,6 +71,21 @@ def test_seeded_sampling_is_per_request(talkers, cases):
     assert solo.shape[1] == 4 and (solo >= 0).all() and (solo < 128).all()
 
 
+def test_min_new_tokens_holds_codec_eos_back(talkers, cases):
+    """min_new_tokens (vLLM's min_tokens): no eos before that many frames -- the frames before the
+    reference's eos are its own, the answer runs on past it; out of range: a 400 naming it."""
+    case = cases["custom_voice_greedy"]
+    ref = reference("custom_voice_greedy")["codes"]
+    n = len(ref)
+    params = params_of(case, max_new_tokens=n + 10, min_new_tokens=n + 3)
+    got = frames_of(run_all(talkers["custom_voice"], {"long": (case["text"], params)})["long"])
+    np.testing.assert_array_equal(got[:n], ref)
+    assert n + 3 <= len(got) <= n + 9
+    with pytest.raises(ParamError) as err:
+        talkers["custom_voice"].add_request("bad", "Hello.", params_of(case, max_new_tokens=8, min_new_tokens=8))
+    assert err.value.field == "min_new_tokens"
+
+
 def test_omni_waveform_equals_reference(tts_folders, cases):
     from omnistage import Omni
 

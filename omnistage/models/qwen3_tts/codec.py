@@ -44,6 +44,30 @@ class FramesInput:
         return FramesInput([list(f) for f in self.frames[start:end]], finished, self.context if start == 0 else None)
 
 
+@dataclass
+class TalkerFrames:
+    """A talker's frames so far, as the talker -> decoder adapter returns them: the output's own
+    lists, turned into a `FramesInput` only for the frames `slice` sends (the orchestrator sends
+    each frame once; building every frame so far at every step cost O(frames) per row per step)."""
+    ids: list[int]                              # group-0 code per generated token
+    codes: list[list[int]]                      # per generated token: codebooks 1..G-1
+    count: int                                  # frames given (the eos frame left out once the talker stopped)
+    finished: bool = True                       # no frames follow
+    context: Any = None                         # as `FramesInput.context`
+
+    def __len__(self) -> int:
+        return self.count
+
+    def slice(self, start: int, end: int, finished: bool) -> FramesInput:
+        end = min(end, self.count)
+        frames = [[t] + list(c) for t, c in zip(self.ids[start:end], self.codes[start:end])]
+        return FramesInput(frames, finished, self.context if start == 0 else None)
+
+    @property
+    def frames(self) -> list[list[int]]:
+        return self.slice(0, self.count, self.finished).frames
+
+
 class DecoderState:
     """One request's frames: those received and how many are decoded."""
 

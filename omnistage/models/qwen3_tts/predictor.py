@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from omnistage.ar.sampler import SamplingBatch, filter_logits, filter_values, to_device
 from omnistage.layers.fused import rms_norm, rotary_and_cache, silu_and_mul
+from omnistage.params import SamplingParams
 
 GRAPHS = os.environ.get("OMNISTAGE_TTS_PREDICTOR_GRAPHS", "1") != "0"
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)   # batch sizes captured (rows padded up)
@@ -139,6 +140,7 @@ class FramePredictor:
         freqs = torch.arange(self.groups, dtype=torch.float32, device=dev)[:, None] * (1.0 / theta ** half)[None]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()          # [G, head_dim] float32, per position
+        self._subs: dict[tuple, SamplingParams] = {}     # (temperature, top_k, top_p) -> `_sub_params`
         self.graphs = None
         if dev.type == "cuda" and GRAPHS:
             from omnistage.layers.graph_cache import GraphCache
@@ -199,6 +201,18 @@ class FramePredictor:
         return torch.stack(codes, dim=1), rows
 
     # ---- per step -------------------------------------------------------------------------------
+    def _sub_params(self, p: SamplingParams) -> SamplingParams:
+        """A sampled row's code-predictor sampling: the request's temperature / top-k / top-p under
+        generation_config's subtalker ones; made once per distinct triple (a clone of the request's
+        params, with its validation, per row and step cost more host time than the frame)."""
+        key = (p.temperature, p.top_k, p.top_p)
+        sub = self._subs.get(key)
+        if sub is None:
+            fields = dict(zip(("temperature", "top_k", "top_p"), key))
+            fields.update(self.sampling)
+            sub = self._subs[key] = SamplingParams(**fields)
+        return sub
+
     def _noise(self, batch: SamplingBatch, vocab: int, device: torch.device) -> torch.Tensor:
         """[G-1, S, V] Exp(1) draws; a seeded row's from its generator, G-1 draws of V in order."""
         unseeded = [i for i, g in enumerate(batch.generators) if g is None]
@@ -218,7 +232,7 @@ class FramePredictor:
         """hidden [S, H], code0 [S] -> (codes [S, G-1], frame rows [S, H]). Greedy rows stay greedy;
         sampled ones take generation_config's subtalker temperature / top-k / top-p (the request's
         own where it has none), never penalties."""
-        params = [p if p.greedy else p.clone(**self.sampling) for p in batch.params]
+        params = [p if p.greedy else self._sub_params(p) for p in batch.params]
         dev = hidden.device
         sampled = not all(p.greedy for p in params)
         temp, top_k, top_p = filter_values(params, dev)

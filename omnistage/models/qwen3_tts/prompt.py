@@ -6,7 +6,8 @@ modules (`TextSide`: text embedding + projection, codec embedding). Out: an `ARP
 prompt as embedding rows (`prompt_embeds`), the text rows its generated positions add
 (`extra_rows`, then `extra_pad`), `frame_feedback` on -- and the `SamplingParams` the reference's
 `generate` uses (generation_config.json: temperature / top-k / top-p / repetition penalty; eos
-masked for 2 tokens; the top 1024 codec ids suppressed but eos).
+masked for `min_new_tokens` (2) tokens; the top 1024 codec ids but eos are masked by the talker's
+`compute_logits`, not per request).
 
 The layout is qwen-tts' (`Qwen3TTSForConditionalGeneration.generate`): [instruction rows] +
 the role rows "<|im_start|>assistant\\n" + codec tag rows (think / language / speaker / pad / bos,
@@ -218,9 +219,8 @@ class PromptBuilder:
         least = 2 if least is None else least
         check_param(isinstance(least, int) and 0 <= least <= most - 1, "min_new_tokens",
                     f"an integer in [0, max_new_tokens - 1 = {most - 1}]", least)
-        suppressed = [i for i in range(cfg.vocab_size - 1024, cfg.vocab_size) if i != cfg.eos]
         return SamplingParams(temperature=float(gen.get("temperature", 0.9)) if do_sample else 0.0,
                               top_k=int(gen.get("top_k", 50)), top_p=float(gen.get("top_p", 1.0)),
                               repetition_penalty=float(gen.get("repetition_penalty", 1.05)),
-                              max_tokens=most - 1, min_tokens=least, stop_token_ids=[cfg.eos], bad_token_ids=suppressed,
+                              max_tokens=most - 1, min_tokens=least, stop_token_ids=[cfg.eos],
                               seed=getattr(params, "seed", None))

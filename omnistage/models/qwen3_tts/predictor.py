@@ -42,7 +42,7 @@ GRAPHS = os.environ.get("OMNISTAGE_TTS_PREDICTOR_GRAPHS", "1") != "0"
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)   # batch sizes captured (rows padded up)
 
 
-TOP_K_MOST = 64                                 # sampled rows all with top-k <= this sample from their top-k logits only
+TOP_K_MOST = 64                                 # when every sampled row's top-k is <= this: sample from those logits only
 
 
 def _bucket(n: int) -> Optional[int]:
@@ -92,7 +92,8 @@ def _merge(layer, eps: float) -> MergedLayer:
     qkv, qkv_bias = _merged([a.q_proj, a.k_proj, a.v_proj])
     gate_up, gate_up_bias = _merged([mlp.gate_proj, mlp.up_proj])
     return MergedLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, qkv, qkv_bias,
-                       SimpleNamespace(weight=a.q_norm.weight, eps=eps), SimpleNamespace(weight=a.k_norm.weight, eps=eps),
+                       SimpleNamespace(weight=a.q_norm.weight, eps=eps),
+                       SimpleNamespace(weight=a.k_norm.weight, eps=eps),
                        a.o_proj.weight, a.o_proj.bias, gate_up, gate_up_bias, mlp.down_proj.weight, mlp.down_proj.bias)
 
 

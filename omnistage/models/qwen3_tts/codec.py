@@ -29,6 +29,8 @@ from omnistage.codec.speech import TTSParams
 from omnistage.models.qwen3_tts.decoder import SpeechDecoder, load_decoder
 
 SAMPLE_RATE = 24000
+# the `decoder_dtype` option -> what the decoder's convolutions and matmuls compute in (`SpeechDecoder.to_dtype`)
+DECODER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -83,12 +85,14 @@ class Qwen3TTSDecoderStage:
     params_type = TTSParams
 
     def __init__(self, model_dir: str, device: Any = "cpu", first_chunk_frames: int = 4, chunk_frames: int = 24,
-                 left_context_frames: int = 25, max_batch: int = 16):
+                 left_context_frames: int = 25, max_batch: int = 16, decoder_dtype: str = "float32"):
         for name, value, low in (("first_chunk_frames", first_chunk_frames, 1), ("chunk_frames", chunk_frames, 1),
                                  ("left_context_frames", left_context_frames, 0), ("max_batch", max_batch, 1)):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        self.decoder = self.load_decoder(model_dir, torch.device(device))
+        if decoder_dtype not in DECODER_DTYPES:
+            raise ValueError(f"decoder_dtype must be one of {sorted(DECODER_DTYPES)}, got {decoder_dtype!r}")
+        self.decoder = self.load_decoder(model_dir, torch.device(device)).to_dtype(DECODER_DTYPES[decoder_dtype])
         self.first_chunk, self.chunk, self.context = first_chunk_frames, chunk_frames, left_context_frames
         self.max_batch = max_batch
         self._batches = 0
@@ -99,7 +103,8 @@ class Qwen3TTSDecoderStage:
 
     @classmethod
     def from_stage_spec(cls, spec) -> CodecEngine:
-        """Options: `first_chunk_frames`, `chunk_frames`, `left_context_frames`, `max_batch`."""
+        """Options: `first_chunk_frames`, `chunk_frames`, `left_context_frames`, `max_batch`,
+        `decoder_dtype` ("float32", the default, or "bfloat16")."""
         return CodecEngine(cls(spec.model_dir, device=spec.engine.torch_device(), **spec.options))
 
     def voices(self) -> list[dict[str, Any]]:

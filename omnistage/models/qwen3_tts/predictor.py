@@ -19,9 +19,10 @@ runs the same function eagerly.
 Few kernels per sub-step (the frame is 15 sub-steps x 5 layers at 1.7B: kernel launches, not
 weight reads, set its time): q|k|v and gate|up are one GEMM each (`MergedLayer`, built at load),
 RMSNorm with the residual add, q/k-norm + rope + the cache write, and SiLU-mul are
-`layers/fused.py`'s kernels (their PyTorch references on the CPU), GQA is SDPA's `enable_gqa`
-(no repeated K/V), and sampling looks only at each row's top-k logits when every sampled row has
-a top-k of at most `TOP_K_MOST` (`pick`; generation_config's subtalker top-k is 50).
+`layers/fused.py`'s kernels (their PyTorch references on the CPU), GQA repeats no K/V (a one-row
+sub-step puts a kv head's query heads as its query rows; the 2-row prefill uses SDPA's
+`enable_gqa`), and sampling looks only at each row's top-k logits when every sampled row has a
+top-k of at most `TOP_K_MOST` (`pick`; generation_config's subtalker top-k is 50).
 """
 
 from __future__ import annotations
@@ -170,9 +171,12 @@ class FramePredictor:
                                     cache[i], slots, m.q_norm, m.k_norm)
             keys = cache[i, 0].view(s, g, hkv, hd)[:, :start + n].transpose(1, 2)
             values = cache[i, 1].view(s, g, hkv, hd)[:, :start + n].transpose(1, 2)
-            att = F.scaled_dot_product_attention(q.view(s, n, hq, hd).transpose(1, 2), keys, values,
-                                                 is_causal=n > 1, enable_gqa=hq != hkv)
-            out = F.linear(att.transpose(1, 2).reshape(s * n, hq * hd), m.o_proj, m.o_bias)
+            if n == 1:                          # one query: its heads of a kv head as that head's query rows
+                att = F.scaled_dot_product_attention(q.view(s, hkv, hq // hkv, hd), keys, values)
+            else:
+                att = F.scaled_dot_product_attention(q.view(s, n, hq, hd).transpose(1, 2), keys, values,
+                                                     is_causal=True, enable_gqa=hq != hkv).transpose(1, 2)
+            out = F.linear(att.reshape(s * n, hq * hd), m.o_proj, m.o_bias)
             h, residual = rms_norm(out, m.post_norm, self.eps, residual)
             out = F.linear(silu_and_mul(F.linear(h, m.gate_up, m.gate_up_bias)), m.down, m.down_bias)
         h, _ = rms_norm(out, self.norm.weight, self.eps, residual)

@@ -43,7 +43,7 @@ GRAPHS = os.environ.get("OMNISTAGE_TTS_PREDICTOR_GRAPHS", "1") != "0"
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)   # batch sizes captured (rows padded up)
 
 
-TOP_K_MOST = 64                                 # when every sampled row's top-k is <= this: sample from those logits only
+TOP_K_MOST = 64                                 # every sampled row with top-k <= this: sample from those logits only
 
 
 def _bucket(n: int) -> Optional[int]:

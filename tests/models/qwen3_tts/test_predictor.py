@@ -66,3 +66,26 @@ def test_top_k_sampling_equals_the_whole_vocabulary_filter():
     whole = pick(logits, temp, top_k, top_p, noise)
     assert torch.equal(pick(logits, temp, top_k, top_p, noise, k_most=50), whole)
     assert whole[4] == logits[4].argmax()                       # top-k 1 is greedy
+
+
+def test_fused_kernels_path_equals_reference_in_the_triton_interpreter(tts_folders):
+    """The frame function on `layers/fused.py`'s Triton kernels (the interpreter runs them on CPU
+    tensors: the cache layout, strided q/k views and per-head norms reach the kernels as on CUDA)
+    gives the codes of its PyTorch reference path (float32, sampled on the same draws)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("triton")
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root, HF_HUB_OFFLINE="1")
+    script = os.path.join(os.path.dirname(__file__), "predictor_triton.py")
+    run = subprocess.run([sys.executable, script, tts_folders["custom_voice"]], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    for mode, (equal, calls) in out.items():
+        assert calls > 0 and equal, (mode, out)

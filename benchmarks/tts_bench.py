@@ -6,7 +6,8 @@ real layout with Qwen3-TTS-12Hz-1.7B's shape (`omnistage.testing.qwen3_tts.SHAPE
 tiny text tokenizer, ids below 800) -- random weights time like real ones. Then, through
 `AsyncOmni` (talker and decoder stages on one GPU, each in its own process: the pipeline's default
 on a GPU), N concurrent requests (N = 1, 8, 32, 64), each: one sentence, --frames frames
-(max_new_tokens = frames + 1; a random talker rarely samples eos early) = frames / 12.5 s of audio:
+(max_new_tokens = frames + 1, min_new_tokens = frames: codec eos is held back, so every answer has
+exactly `frames` frames, whatever a random talker samples) = frames / 12.5 s of audio:
   TTFP  request arrival -> its first audio samples reach the caller (mean, p90)
   RTF   (last audio - arrival) / seconds of audio (mean); below 1 = faster than real time
   audio-s/s  all requests' audio seconds / wall seconds of the whole round
@@ -87,10 +88,11 @@ def _params(variant: str, frames: int):
     from omnistage.models.qwen3_tts.prompt import Qwen3TTSParams
 
     if variant != "base":
-        return Qwen3TTSParams(voice="vivian", language="English", max_new_tokens=frames + 1)
+        return Qwen3TTSParams(voice="vivian", language="English", max_new_tokens=frames + 1, min_new_tokens=frames)
     t = np.arange(3 * 24000) / 24000                # a 3 s reference voice (the same for every request)
     voice = (0.3 * np.sin(2 * np.pi * (180 + 90 * t) * t)).astype(np.float32)
-    return Qwen3TTSParams(language="English", max_new_tokens=frames + 1, ref_audio=(voice, 24000),
+    return Qwen3TTSParams(language="English", max_new_tokens=frames + 1, min_new_tokens=frames,
+                          ref_audio=(voice, 24000),
                           ref_text="The old engineer kept a notebook of every tide.")
 
 

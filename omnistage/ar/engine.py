@@ -458,7 +458,7 @@ class AREngine:
                 index=seq.index, text=text, token_ids=seq.output_token_ids,   # a fresh list (a slice)
                 logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                codes=[list(c) for c in seq.codes] if seq.codes else None))
+                codes=list(seq.codes) if seq.codes else None))     # frames are never changed once added
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
                              outputs=outs, finished=finished, metrics=req.metrics,
                              num_cached_tokens=req.seqs[0].num_cached_tokens, context_frames=req.context_frames)

@@ -29,6 +29,8 @@ from omnistage.codec.speech import TTSParams
 from omnistage.models.qwen3_tts.decoder import SpeechDecoder, load_decoder
 
 SAMPLE_RATE = 24000
+# the `decoder_dtype` option -> what the decoder's convolutions and matmuls compute in (`SpeechDecoder.to_dtype`)
+DECODER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -42,6 +44,30 @@ class FramesInput:
 
     def slice(self, start: int, end: int, finished: bool) -> "FramesInput":
         return FramesInput([list(f) for f in self.frames[start:end]], finished, self.context if start == 0 else None)
+
+
+@dataclass
+class TalkerFrames:
+    """A talker's frames so far, as the talker -> decoder adapter returns them: the output's own
+    lists, turned into a `FramesInput` only for the frames `slice` sends (the orchestrator sends
+    each frame once; building every frame so far at every step cost O(frames) per row per step)."""
+    ids: list[int]                              # group-0 code per generated token
+    codes: list[list[int]]                      # per generated token: codebooks 1..G-1
+    count: int                                  # frames given (the eos frame left out once the talker stopped)
+    finished: bool = True                       # no frames follow
+    context: Any = None                         # as `FramesInput.context`
+
+    def __len__(self) -> int:
+        return self.count
+
+    def slice(self, start: int, end: int, finished: bool) -> FramesInput:
+        end = min(end, self.count)
+        frames = [[t] + list(c) for t, c in zip(self.ids[start:end], self.codes[start:end])]
+        return FramesInput(frames, finished, self.context if start == 0 else None)
+
+    @property
+    def frames(self) -> list[list[int]]:
+        return self.slice(0, self.count, self.finished).frames
 
 
 class DecoderState:
@@ -59,12 +85,14 @@ class Qwen3TTSDecoderStage:
     params_type = TTSParams
 
     def __init__(self, model_dir: str, device: Any = "cpu", first_chunk_frames: int = 4, chunk_frames: int = 24,
-                 left_context_frames: int = 25, max_batch: int = 16):
+                 left_context_frames: int = 25, max_batch: int = 16, decoder_dtype: str = "float32"):
         for name, value, low in (("first_chunk_frames", first_chunk_frames, 1), ("chunk_frames", chunk_frames, 1),
                                  ("left_context_frames", left_context_frames, 0), ("max_batch", max_batch, 1)):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        self.decoder = self.load_decoder(model_dir, torch.device(device))
+        if decoder_dtype not in DECODER_DTYPES:
+            raise ValueError(f"decoder_dtype must be one of {sorted(DECODER_DTYPES)}, got {decoder_dtype!r}")
+        self.decoder = self.load_decoder(model_dir, torch.device(device)).to_dtype(DECODER_DTYPES[decoder_dtype])
         self.first_chunk, self.chunk, self.context = first_chunk_frames, chunk_frames, left_context_frames
         self.max_batch = max_batch
         self._batches = 0
@@ -75,7 +103,8 @@ class Qwen3TTSDecoderStage:
 
     @classmethod
     def from_stage_spec(cls, spec) -> CodecEngine:
-        """Options: `first_chunk_frames`, `chunk_frames`, `left_context_frames`, `max_batch`."""
+        """Options: `first_chunk_frames`, `chunk_frames`, `left_context_frames`, `max_batch`,
+        `decoder_dtype` ("float32", the default, or "bfloat16")."""
         return CodecEngine(cls(spec.model_dir, device=spec.engine.torch_device(), **spec.options))
 
     def voices(self) -> list[dict[str, Any]]:

@@ -90,10 +90,19 @@ class SpeechDecoder:
         self.inv_freq = 1.0 / (float(theta) ** half)
         self.upsample = math.prod(config["upsample_rates"] + config["upsampling_ratios"])   # samples per frame
         self.layers = int(config["num_hidden_layers"])
+        self.compute_dtype = torch.float32      # `to_dtype`
 
     @property
     def device(self) -> torch.device:
         return self.inv_freq.device
+
+    def to_dtype(self, dtype: torch.dtype) -> "SpeechDecoder":
+        """The decoder computing its convolutions and matmuls in `dtype` (the decoder stage's
+        `decoder_dtype`): bfloat16 runs them under autocast; weights, residual streams and norms stay
+        float32. Measured on the tiny random model: ~9% rms off the float32 decode (the vocoder's
+        deep conv chain amplifies bf16 rounding), so float32 stays the default."""
+        self.compute_dtype = dtype
+        return self
 
     @property
     def look_ahead(self) -> int:
@@ -200,10 +209,12 @@ class SpeechDecoder:
         """codes [B, G, T] (long) -> samples [B, T * 1920] in [-1, 1]."""
         if codes.shape[1] != self.groups:
             raise ValueError(f"codes must have {self.groups} codebooks, got {codes.shape[1]}")
-        h = self._latent(codes.to(self.device))
-        h = self._transformer(h.transpose(1, 2)).transpose(1, 2)
-        for k, factor in enumerate(self.config["upsampling_ratios"]):
-            h = self._convnext(_trans_conv(h, self.w, f"upsample.{k}.0.conv", factor, self.both_sided_trim),
-                               f"upsample.{k}.1.")
-        wav = self._vocoder(h).clamp(-1, 1)[:, 0]
+        with torch.autocast(self.device.type, dtype=self.compute_dtype,
+                            enabled=self.compute_dtype != torch.float32):
+            h = self._latent(codes.to(self.device))
+            h = self._transformer(h.transpose(1, 2)).transpose(1, 2)
+            for k, factor in enumerate(self.config["upsampling_ratios"]):
+                h = self._convnext(_trans_conv(h, self.w, f"upsample.{k}.0.conv", factor, self.both_sided_trim),
+                                   f"upsample.{k}.1.")
+            wav = self._vocoder(h).float().clamp(-1, 1)[:, 0]
         return wav[:, :codes.shape[-1] * self.upsample]

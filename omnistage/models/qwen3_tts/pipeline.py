@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 from omnistage.config import EngineConfig
 from omnistage.models.loader import lm_shape
-from omnistage.models.qwen3_tts.codec import FramesInput
+from omnistage.models.qwen3_tts.codec import TalkerFrames
 from omnistage.models.qwen3_tts.talker import TALKER
 from omnistage.spec import EdgeSpec, PipelineSpec, StageSpec
 from omnistage.stage import StageOutput
@@ -45,15 +45,15 @@ def qwen3_tts_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:
     return PipelineSpec([talker, decoder], edges, model="qwen3_tts")
 
 
-def talker_to_decoder(out: StageOutput) -> FramesInput:
+def talker_to_decoder(out: StageOutput) -> TalkerFrames:
     """Frames so far (group-0 code + the predictor's codes); once the talker stopped on eos, without
     the eos frame. The talker prompt's `context_frames` (Base in-context cloning) go along as the
-    decoder's left context."""
+    decoder's left context. Frames are built only for the slice sent (`TalkerFrames`)."""
     comps, context = out.output.outputs, out.output.context_frames
     if not comps:
-        return FramesInput([], finished=out.finished, context=context)
+        return TalkerFrames([], [], 0, finished=out.finished, context=context)
     ids, codes = comps[0].token_ids, comps[0].codes or []
-    frames = [[t] + list(c) for t, c in zip(ids, codes)]
-    if out.finished and comps[0].finish_reason == "stop" and frames:
-        frames = frames[:-1]
-    return FramesInput(frames, finished=out.finished, context=context)
+    count = min(len(ids), len(codes))
+    if out.finished and comps[0].finish_reason == "stop" and count:
+        count -= 1
+    return TalkerFrames(ids, codes, count, finished=out.finished, context=context)

@@ -1,12 +1,13 @@
 """Qwen3-TTS requests -> the talker's AR request (the talker stage's process, on its device).
 
 In: the text to speak and a `TTSParams` (task_type, voice, instructions, language; `Qwen3TTSParams`
-adds do_sample / seed / non_streaming_mode), the folder's `TTSConfig`, and the talker's text-side
+adds do_sample / seed / non_streaming_mode / min_new_tokens), the folder's `TTSConfig`, and the talker's text-side
 modules (`TextSide`: text embedding + projection, codec embedding). Out: an `ARPrompt` -- the
 prompt as embedding rows (`prompt_embeds`), the text rows its generated positions add
 (`extra_rows`, then `extra_pad`), `frame_feedback` on -- and the `SamplingParams` the reference's
 `generate` uses (generation_config.json: temperature / top-k / top-p / repetition penalty; eos
-masked for 2 tokens; the top 1024 codec ids suppressed but eos).
+masked for `min_new_tokens` (2) tokens; the top 1024 codec ids but eos are masked by the talker's
+`compute_logits`, not per request).
 
 The layout is qwen-tts' (`Qwen3TTSForConditionalGeneration.generate`): [instruction rows] +
 the role rows "<|im_start|>assistant\\n" + codec tag rows (think / language / speaker / pad / bos,
@@ -40,6 +41,9 @@ class Qwen3TTSParams(TTSParams):
     do_sample: Optional[bool] = None            # False = greedy talker and code predictor; None = generation_config.json
     seed: Optional[int] = None                  # per-request generator seed for sampling
     non_streaming_mode: Optional[bool] = None   # all text in the prompt; None = the task's default (Base: False)
+    # frames before which codec eos is never sampled (vLLM's `min_tokens`, HF generate's name beside
+    # max_new_tokens); None = 2, the reference's; at most max_new_tokens - 1 (benchmarks: full-length answers)
+    min_new_tokens: Optional[int] = None
 
 
 @dataclass
@@ -211,9 +215,12 @@ class PromptBuilder:
         do_sample = gen.get("do_sample", True) if do_sample is None else do_sample
         most = params.max_new_tokens or int(gen.get("max_new_tokens", 2048))
         check_param(most >= 3, "max_new_tokens", "an integer >= 3", most)
-        suppressed = [i for i in range(cfg.vocab_size - 1024, cfg.vocab_size) if i != cfg.eos]
+        least = getattr(params, "min_new_tokens", None)
+        least = 2 if least is None else least
+        check_param(isinstance(least, int) and 0 <= least <= most - 1, "min_new_tokens",
+                    f"an integer in [0, max_new_tokens - 1 = {most - 1}]", least)
         return SamplingParams(temperature=float(gen.get("temperature", 0.9)) if do_sample else 0.0,
                               top_k=int(gen.get("top_k", 50)), top_p=float(gen.get("top_p", 1.0)),
                               repetition_penalty=float(gen.get("repetition_penalty", 1.05)),
-                              max_tokens=most - 1, min_tokens=2, stop_token_ids=[cfg.eos], bad_token_ids=suppressed,
+                              max_tokens=most - 1, min_tokens=least, stop_token_ids=[cfg.eos],
                               seed=getattr(params, "seed", None))

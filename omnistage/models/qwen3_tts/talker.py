@@ -14,6 +14,8 @@ dtype, max_positions)` follows the AR loader contract and returns `(Qwen3TTSTalk
     over a KV buffer made fresh for that frame, so nothing is kept or shared between requests or
     frames; one CUDA graph per batch bucket on the GPU) and returns the row its next position adds
     (the sum of their embeddings);
+  * `compute_logits`: the codec head's logits with the top 1024 ids but eos masked (the
+    reference's suppressed tokens);
   * `make_request`: text + `TTSParams` -> the AR request (`prompt.py`, with the talker's text
     embedding and projection, which live here, on the talker's device); for Base the reference
     voice is encoded here too (`reference.py`: speech-tokenizer encoder + speaker encoder).
@@ -108,6 +110,16 @@ class Qwen3TTSTalker(Qwen3ForCausalLM):
     def attach(self, predictor: CodePredictor, prompts: PromptBuilder) -> None:
         self.frame_head = predictor
         self.prompts = prompts
+        cfg = prompts.config
+        # the top 1024 codec ids but eos are never sampled (the reference's suppress_tokens): masked
+        # here, once per step on the device, rather than as 1023 bad_token_ids of every row
+        mask = torch.zeros(cfg.vocab_size, dtype=torch.bool, device=self.embed_tokens.weight.device)
+        mask[cfg.vocab_size - 1024:] = True
+        mask[cfg.eos] = False
+        self.suppressed = mask
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().compute_logits(hidden).masked_fill(self.suppressed, float("-inf"))
 
     def make_request(self, inputs, params: Optional[TTSParams]):
         """Text (a string, a `TTSInput` or {"prompt": text}) + TTSParams -> (ARPrompt, SamplingParams)."""

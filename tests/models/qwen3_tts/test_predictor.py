@@ -50,3 +50,42 @@ def test_bucket_path_equals_plain_path(talkers):
                                                    prompt_ids=[[]] * n, output_ids=[[]] * n,
                                                    generators=[None] * n))[0][1]
     assert torch.equal(plain_codes[1], greedy_row)             # a greedy row beside sampled ones stays greedy
+
+
+def test_top_k_sampling_equals_the_whole_vocabulary_filter():
+    """`pick` over each row's top-k logits only draws what the whole-vocabulary sort + filter draws
+    for the same noise (per-row temperature, top-k, top-p; a row with top-k below the most)."""
+    from omnistage.models.qwen3_tts.predictor import pick
+
+    g = torch.Generator().manual_seed(3)
+    logits = 3 * torch.randn(6, 300, generator=g)
+    noise = torch.empty(6, 300).exponential_(generator=g)
+    temp = torch.tensor([0.9, 0.7, 1.0, 1.3, 0.9, 0.5])
+    top_k = torch.tensor([50, 50, 5, 50, 1, 20])
+    top_p = torch.tensor([1.0, 0.8, 1.0, 0.5, 1.0, 0.95])
+    whole = pick(logits, temp, top_k, top_p, noise)
+    assert torch.equal(pick(logits, temp, top_k, top_p, noise, k_most=50), whole)
+    assert whole[4] == logits[4].argmax()                       # top-k 1 is greedy
+
+
+def test_fused_kernels_path_equals_reference_in_the_triton_interpreter(tts_folders):
+    """The frame function on `layers/fused.py`'s Triton kernels (the interpreter runs them on CPU
+    tensors: the cache layout, strided q/k views and per-head norms reach the kernels as on CUDA)
+    gives the codes of its PyTorch reference path (float32, sampled on the same draws)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("triton")
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root, HF_HUB_OFFLINE="1")
+    script = os.path.join(os.path.dirname(__file__), "predictor_triton.py")
+    run = subprocess.run([sys.executable, script, tts_folders["custom_voice"]], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    for mode, (equal, calls) in out.items():
+        assert calls > 0 and equal, (mode, out)

@@ -2,50 +2,43 @@
 tensor parallel each give the one-process engine's latents for the same seeds, on the tiny FLUX and Wan
 checkpoints; bad options are refused at start-up naming the option.
 
-Each parallel engine is the real `DiffusionEngine` with `parallel_config`: this test process is rank 0
-(scheduler, solver, decode), the other ranks are spawned processes that load the same folder. Two
-requests with different prompts and seeds run batched in one forward. Tolerance: 5e-5 absolute on
-latents of magnitude ~3 (sums in another order; measured ~1e-6), images within one uint8 level.
+Each parallel engine is the real `DiffusionEngine` with `parallel_config`; its rank 0 (scheduler,
+solver, decode) is a worker of this module's process pool, the other ranks are processes it spawns
+that load the same folder (`dit_worlds.py`). Two requests with different prompts and seeds run
+batched in one forward. Tolerance: 5e-5 absolute on latents of magnitude ~3 (sums in another order;
+measured ~1e-6), images within one uint8 level.
+
+Starting a world of ranks is what costs here (each rank imports torch and diffusers), so every world
+starts once, as soon as the module's first test asks, two at a time (one per core), while this
+process computes the references; each test then asserts on its world's results. Each world shows
+all it can: FLUX x Ulysses 2 runs through `Omni` (the user-facing form), Wan x Ulysses 2 also
+refuses a size that does not split.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import multiprocessing as mp
+from concurrent.futures import ProcessPoolExecutor
+
 import pytest
-import torch
+from dit_worlds import assert_equal, engine, generate, run_world
 
 from omnistage.config import DiffusionParallelConfig, EngineConfig
 from omnistage.diffusion.engine import DiffusionEngine
-from omnistage.diffusion.pipelines.flux import FluxFamily
 from omnistage.diffusion.pipelines.sd3 import SD3Family
-from omnistage.diffusion.pipelines.wan import WanFamily
-from omnistage.params import DiffusionParams, ParamError
 
-ATOL = 5e-5
-FAMILIES = {"flux": FluxFamily, "wan": WanFamily}
-# FLUX runs true CFG (negative prompt + true_cfg_scale), Wan classic CFG: CFG-parallel has two branches
-PARAMS = {"flux": DiffusionParams(height=16, width=16, num_inference_steps=2, seed=1, true_cfg_scale=2.0),
-          "wan": DiffusionParams(height=16, width=16, num_frames=5, num_inference_steps=2, seed=1,
-                                 guidance_scale=3.0)}
+WORLD_TIMEOUT_S = 900           # one world's start, generation and close on a loaded 2-core machine
+
+# (kind, parallel_config); FLUX and Wan x Ulysses 2 run in test_omni_... and test_wan_ulysses_...
+CASES = [("flux", {"ring_degree": 2}), ("flux", {"cfg_parallel_size": 2}), ("flux", {"tensor_parallel_size": 2}),
+         ("wan", {"ring_degree": 2}), ("wan", {"cfg_parallel_size": 2}), ("wan", {"tensor_parallel_size": 2}),
+         ("flux", {"ulysses_degree": 2, "ring_degree": 2}), ("wan", {"ulysses_degree": 2, "ring_degree": 2})]
+OMNI = ("flux", {"ulysses_degree": 2})
+SPLIT = ("wan", {"ulysses_degree": 2})
 
 
-def _generate(engine: DiffusionEngine, kind: str) -> dict:
-    """request id -> (final latents, images / frames as uint8) for two batched requests."""
-    latents = {}
-    decode = engine.family.decode_batch
-
-    def keep(tasks):                      # observe rank 0's latents right before the VAE
-        for task in tasks:
-            latents[task.request_id] = task.latents.clone()
-        return decode(tasks)
-
-    engine.family.decode_batch = keep
-    p = PARAMS[kind]
-    out = engine.generate({"a": ({"prompt": "a red cat", "negative_prompt": "blurry"}, p),
-                           "b": ({"prompt": "a blue dog", "negative_prompt": "dark"}, p.clone(seed=7))})
-    pixels = {rid: np.asarray(o.video.frames if o.video is not None else o.images[0]).astype(np.int16)
-              for rid, o in out.items()}
-    return {rid: (latents[rid], pixels[rid]) for rid in out}
+def _case_id(kind: str, parallel: dict) -> str:
+    return f"{kind}-" + "-".join(f"{n.split('_')[0]}{v}" for n, v in parallel.items())
 
 
 @pytest.fixture(scope="module")
@@ -63,55 +56,59 @@ def tiny_dir(tmp_path_factory):
     return get
 
 
-def _engine(tiny_dir, kind: str, parallel=None) -> DiffusionEngine:
-    return DiffusionEngine(tiny_dir(kind), FAMILIES[kind],
-                           EngineConfig(device="cpu", dtype="float32", parallel_config=parallel))
+@pytest.fixture(scope="module")
+def worlds(tiny_dir):
+    """case id -> the future of its world's `run_world` results; all submitted at once, the 4-rank
+    worlds first (the longest first finishes soonest in all)."""
+    jobs = {_case_id(*OMNI): (*OMNI, True, False), _case_id(*SPLIT): (*SPLIT, False, True)}
+    jobs.update({_case_id(k, p): (k, p, False, False) for k, p in CASES})
+    order = sorted(jobs, key=lambda cid: -DiffusionParallelConfig(**jobs[cid][1]).world_size)
+    pool = ProcessPoolExecutor(max_workers=2, mp_context=mp.get_context("spawn"))
+    try:
+        futures = {cid: pool.submit(run_world, tiny_dir(jobs[cid][0]), *jobs[cid]) for cid in order}
+        yield futures
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_dir):
-    """kind -> the one-process engine's results."""
+    """kind -> the one-process engine's results (computed here while the pool runs the worlds)."""
     done = {}
 
     def get(kind):
         if kind not in done:
-            done[kind] = _generate(_engine(tiny_dir, kind), kind)
+            done[kind] = generate(engine(tiny_dir(kind), kind), kind)
         return done[kind]
 
     return get
 
 
-CASES = [("flux", {"ulysses_degree": 2}), ("flux", {"ring_degree": 2}), ("flux", {"cfg_parallel_size": 2}),
-         ("flux", {"tensor_parallel_size": 2}),
-         ("wan", {"ulysses_degree": 2}), ("wan", {"ring_degree": 2}), ("wan", {"cfg_parallel_size": 2}),
-         ("wan", {"tensor_parallel_size": 2}),
-         ("flux", {"ulysses_degree": 2, "ring_degree": 2}), ("wan", {"ulysses_degree": 2, "ring_degree": 2})]
+def _world(worlds, kind: str, parallel: dict) -> dict:
+    """Its world's results, checked for what every world must show."""
+    got = worlds[_case_id(kind, parallel)].result(timeout=WORLD_TIMEOUT_S)
+    assert got["alive"]                             # the other ranks ran
+    assert got["max_batch_tasks"] == 2              # both requests shared each forward
+    return got
 
 
-@pytest.mark.parametrize("kind,parallel", CASES, ids=[f"{k}-" + "-".join(f"{n.split('_')[0]}{v}" for n, v in p.items())
-                                                      for k, p in CASES])
-def test_parallel_equals_one_process(tiny_dir, reference, kind, parallel):
-    engine = _engine(tiny_dir, kind, parallel)
-    try:
-        assert engine.ranks is not None and engine.ranks.workers.alive()
-        got = _generate(engine, kind)
-        assert engine.runner.max_batch_tasks == 2            # both requests shared each forward
-    finally:
-        engine.close()
-    want = reference(kind)
-    for rid, (latents, pixels) in want.items():
-        torch.testing.assert_close(got[rid][0], latents, atol=ATOL, rtol=0)
-        assert np.abs(got[rid][1] - pixels).max() <= 1
+@pytest.mark.parametrize("kind,parallel", CASES, ids=[_case_id(k, p) for k, p in CASES])
+def test_parallel_equals_one_process(worlds, reference, kind, parallel):
+    assert_equal(_world(worlds, kind, parallel)["results"], reference(kind))
 
 
-def test_sizes_that_do_not_split_are_refused(tiny_dir):
-    engine = _engine(tiny_dir, "wan", {"ulysses_degree": 2})
-    try:
-        with pytest.raises(ParamError) as err:     # 3 latent frames x 2 x 2 patches = 12 tokens: splits;
-            engine.check_params(PARAMS["wan"].clone(height=4, width=4, num_frames=1))   # 1 x 1 x 1 does not
-        assert err.value.field == "height" and "ulysses_degree x ring_degree = 2" in str(err.value)
-    finally:
-        engine.close()
+def test_wan_ulysses_equals_one_process_and_refuses_sizes_that_do_not_split(worlds, reference):
+    got = _world(worlds, *SPLIT)
+    assert_equal(got["results"], reference("wan"))
+    assert got["split_error"] is not None, "a 4x4, 1-frame Wan request was not refused under ulysses_degree=2"
+    field, message = got["split_error"]
+    assert field == "height" and "ulysses_degree x ring_degree = 2" in message
+
+
+def test_omni_parallel_config(worlds, reference):
+    """The user-facing form: `Omni(model, parallel_config=...)` (FLUX, Ulysses 2) gives the one-process
+    engine's latents and images, both requests batched in each forward."""
+    assert_equal(_world(worlds, *OMNI)["results"], reference("flux"))
 
 
 @pytest.mark.parametrize("kind,parallel,words", [
@@ -121,7 +118,7 @@ def test_sizes_that_do_not_split_are_refused(tiny_dir):
 ])
 def test_sizes_the_model_cannot_take_are_refused(tiny_dir, kind, parallel, words):
     with pytest.raises(ValueError, match=words):
-        _engine(tiny_dir, kind, parallel)
+        engine(tiny_dir(kind), kind, parallel)
 
 
 def test_family_without_a_plan_is_refused(tiny_dir):
@@ -140,18 +137,3 @@ def test_bad_options(options, words):
     with pytest.raises(ValueError, match=words):
         EngineConfig(**options)
     assert DiffusionParallelConfig(2, 2, 2, 1).world_size == 8
-
-
-def test_omni_parallel_config(tiny_dir, reference):
-    """The user-facing form: `Omni(model, parallel_config=...)` gives the one-process images."""
-    from omnistage.entrypoints.omni import Omni
-
-    p = PARAMS["flux"]
-    with Omni(tiny_dir("flux"), device="cpu", dtype="float32", parallel_config={"ulysses_degree": 2}) as omni:
-        assert omni.orchestrator.stages["dit"].ranks.workers.alive()
-        outs = omni.generate([{"prompt": "a red cat", "negative_prompt": "blurry"},
-                              {"prompt": "a blue dog", "negative_prompt": "dark"}], [p, p.clone(seed=7)],
-                             use_tqdm=False)
-    want = reference("flux")
-    for rid, out in zip("ab", outs):
-        assert np.abs(np.asarray(out.images[0]).astype(np.int16) - want[rid][1]).max() <= 1

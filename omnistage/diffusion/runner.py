@@ -101,7 +101,8 @@ class DiffusionRunner:
         x = torch.cat(xs)
         cached = self.cache.forward(tasks) if self.cache is not None else contextlib.nullcontext()
         with self.phase("denoise"), cached:
-            out = self.denoise(key, x, torch.cat(ts).to(x.device), conds, row_tasks, branches)
+            # non_blocking: a host -> device copy that does not wait for the queued GPU work (no host sync)
+            out = self.denoise(key, x, torch.cat(ts).to(x.device, non_blocking=True), conds, row_tasks, branches)
         velocities, row = [], 0
         for task in tasks:
             n = task.num_images

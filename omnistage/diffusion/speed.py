@@ -105,8 +105,12 @@ def merge_projections(family, groups: dict[str, list[nn.Module]], ignored: tuple
 
 
 def compile_blocks(blocks: list[nn.Module], backend: str = "inductor") -> None:
+    """Each block's forward through torch.compile; a block compiled before (a second engine on the
+    same family: benchmarks) compiles its eager forward again rather than wrapping the compiled one."""
     for block in blocks:
-        block.forward = torch.compile(block.forward, dynamic=True, backend=backend)
+        eager = block.__dict__.get("_eager_forward", block.forward)
+        block._eager_forward = eager
+        block.forward = torch.compile(eager, dynamic=True, backend=backend)
 
 
 class Accelerator:

@@ -89,7 +89,7 @@ class FluxFamily(ImageFamily):
         guidance = None
         if self.guidance_embeds:
             g = [task.params.guidance_scale for task in row_tasks for _ in range(task.num_images)]
-            guidance = torch.tensor(g, dtype=torch.float32, device=self.device)
+            guidance = torch.tensor(g, dtype=torch.float32).to(self.device, non_blocking=True)   # no host sync
         txt_ids = torch.zeros(text.shape[1], 3, device=self.device, dtype=text.dtype)
         return self.transformer(hidden_states=x, timestep=t, guidance=guidance, pooled_projections=pooled,
                                 encoder_hidden_states=text, txt_ids=txt_ids, img_ids=row_tasks[0].static["img_ids"],

@@ -106,7 +106,7 @@ class QwenImageFamily(ImageFamily):
         guidance = None
         if self.transformer.config.guidance_embeds:
             g = [task.params.guidance_scale or 1.0 for task in row_tasks for _ in range(task.num_images)]
-            guidance = torch.tensor(g, dtype=torch.float32, device=self.device)
+            guidance = torch.tensor(g, dtype=torch.float32).to(self.device, non_blocking=True)   # no host sync
         return self.transformer(hidden_states=x, timestep=t, guidance=guidance, encoder_hidden_states=text,
                                 encoder_hidden_states_mask=mask, img_shapes=img_shapes, return_dict=False)[0]
 

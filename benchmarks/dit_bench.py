@@ -26,7 +26,8 @@ in for the text encoders. One run measures:
 Also checks that our batched forward equals diffusers' separate calls and (in --smoke) that the
 analytic FLOP count equals torch's FlopCounterMode. Prints a markdown table last; --out writes JSON
 after every section (a run cut short keeps what finished). --no-speed skips the speed rows;
---only picks sections (wan, flux, throughput, offload; `kernels` = the fast-path check).
+--only picks sections (wan, flux, throughput, offload; `kernels` = the fast-path check; default on
+the GPU: all but offload, whose targets are met).
 
     PYTHONPATH=<dir with diffusers 0.42.1 + importlib_metadata + zipp>:. python benchmarks/dit_bench.py --out dit.json
     PYTHONPATH=...:. python benchmarks/dit_bench.py --only flux,throughput --out dit.json   # some sections
@@ -310,6 +311,7 @@ def throughput_rows(flux_cfg: dict, flux_vae, t: dict, device, dtype, smoke: boo
 
 # ---- main --------------------------------------------------------------------------------------------------
 SECTIONS = ("wan", "flux", "throughput", "offload", "kernels")
+GPU_DEFAULT = ("wan", "flux", "throughput", "kernels")    # offload met its targets: run it with --only offload
 
 
 def flux_vae_for(s: dict, smoke: bool):
@@ -456,10 +458,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script, not the GPU)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--no-speed", action="store_true", help="only the baseline rows (no compile / fp8 / offload rows)")
-    ap.add_argument("--only", default=",".join(SECTIONS),
-                    help=f"comma-separated sections to run, among {', '.join(SECTIONS)} (default: all)")
+    ap.add_argument("--only", default=None,
+                    help=f"comma-separated sections to run, among {', '.join(SECTIONS)} (default: all with "
+                         f"--smoke, else {', '.join(GPU_DEFAULT)})")
     args = ap.parse_args(argv)
-    only = tuple(p.strip() for p in args.only.split(",") if p.strip())
+    only = (tuple(p.strip() for p in args.only.split(",") if p.strip()) if args.only is not None
+            else SECTIONS if args.smoke else GPU_DEFAULT)
     bad = [p for p in only if p not in SECTIONS]
     if bad:
         ap.error(f"--only: unknown section(s) {bad}; choose among {', '.join(SECTIONS)}")

@@ -11,8 +11,9 @@ the family's modules in place, in this order:
      FP8, a group with a member named in `ignored_layers` stays unmerged, so the ignored layer stays
      bf16 alone.
   1. FP8 (`quantization="fp8"`): every `nn.Linear` inside the DiTs' repeated blocks (merged ones
-     included: one activation quantization for the whole group) becomes an `Fp8Linear` (layers/fp8_linear.py) unless its name contains one of `ignored_layers`; text
-     encoders, VAE and the DiT's embedders / head stay in the model dtype.
+     included: one activation quantization for the whole group) becomes an `Fp8Linear`
+     (layers/fp8_linear.py) unless its name contains one of `ignored_layers`; text encoders, VAE
+     and the DiT's embedders / head stay in the model dtype.
   2. offload (diffusion/offload.py): model-level or layerwise.
   3. regional compile: each repeated block's `forward` goes through `torch.compile(dynamic=True)`
      (one compiled code object per block class, reused by every block of it and by every

@@ -161,6 +161,9 @@ def test_speed_from_config():
     assert speed.attention == {"dit": "SAGE_ATTN", "text_encoder": "auto"}
     assert speed.ignored_layers == ("img_mlp", "txt_mlp") and speed.offload == "layerwise"
     assert speed.compile is False              # compile is a CUDA fast path
+    assert speed.merge_projections is True     # lossless, on wherever the DiT runs in one process
+    parallel = EngineConfig(device="cpu", parallel_config={"ulysses_degree": 2})
+    assert DiffusionSpeed.from_config(parallel).merge_projections is False   # the plans name separate layers
     assert AttentionRouter("auto", torch.device("cpu")).name == "TORCH_SDPA"
     assert AttentionRouter("auto", torch.device("cuda")).name == "CUDNN_ATTN"
 

@@ -29,7 +29,8 @@ VIDEO = dict(height=32, width=32, num_frames=5)
 CASES = {
     "flux": (dict(guidance_scale=4.5), dict(guidance_scale=4.5), IMAGE,
              DiffusionSpeed(attention={"dit": "FLEX_ATTN", "text_encoder": "MATH_ATTN"}, compile=True,
-                            compile_backend="eager", offload="layerwise", merge_projections=True)),
+                            compile_backend="eager", offload="layerwise", merge_projections=True,
+                            step_constants=True)),
     "qwen-image": (dict(true_cfg_scale=3.0, negative_prompt="blurry"), dict(true_cfg_scale=3.0), IMAGE,
                    DiffusionSpeed(attention={"dit": "FLEX_ATTN", "text_encoder": "MATH_ATTN"}, offload="model",
                                   merge_projections=True)),
@@ -41,7 +42,7 @@ CASES = {
                                merge_projections=True)),
     "wan2.2": (dict(guidance_scale=4.0, negative_prompt="blurry", output_type="np"), dict(guidance_scale=4.0), VIDEO,
                DiffusionSpeed(attention={"dit": "FLEX_ATTN", "text_encoder": "MATH_ATTN"}, offload="layerwise",
-                              merge_projections=True)),
+                              merge_projections=True, step_constants=True)),
 }
 
 
@@ -75,6 +76,8 @@ def test_lossless_options_match_diffusers(tiny_dir, kind):
         per_dit = [{m.group.gemms for m in d.modules() if isinstance(m, merged_linear.LinearPart)}
                    for d in eng.family.denoisers()]          # (Wan2.2: each step runs one of two experts)
         assert all(len(g) == 1 for g in per_dit) and sum(g.pop() for g in per_dit) == eng.runner.num_forwards
+    if speed.step_constants:                   # rotary tables: computed at the first step, reused after
+        assert acc.constants.hits == eng.runner.num_forwards - len(acc.constants.outputs) > 0
     if speed.compile:
         assert acc.compiled_blocks == sum(len(getattr(acc_m, a)) for acc_m in [eng.family.transformer]
                                           for a in eng.family.repeated_blocks)

@@ -127,6 +127,9 @@ class DiffusionFamily:
     # repeated block list -> groups of linear layers (names inside one block) that its forward always
     # calls with the same input tensor: each group runs as one GEMM (layers/merged_linear.py)
     merged_projections: dict[str, tuple[tuple[str, ...], ...]] = {}
+    # submodules of a denoiser whose output depends only on `key(task)` of the step's group (rotary
+    # tables per resolution): computed once per key (diffusion/speed.py StepConstants)
+    step_constant_modules: tuple[str, ...] = ()
     # what a parallel DiT reads (parallel/mesh.py, diffusion/ranks.py); None: one process only
     parallel_plan: Optional[DiTParallelPlan] = None
 

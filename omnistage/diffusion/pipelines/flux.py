@@ -41,6 +41,7 @@ class FluxFamily(ImageFamily):
                                                2.64230861e-01))
     repeated_blocks = ("transformer_blocks", "single_transformer_blocks")
     # a single block feeds its normed input to q, k, v and the MLP: one 3072 -> 21504 GEMM at FLUX.1 size
+    step_constant_modules = ("pos_embed",)     # rotary of (text ids, image ids): the key's latent size, T5_MAX
     merged_projections = {"transformer_blocks": JOINT_QKV,
                           "single_transformer_blocks": (("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),)}
     # text and image tokens are both split (joint attention: the rope table runs over text, then image);

@@ -12,8 +12,12 @@ in for the text encoders. One run measures:
     conditional and an unconditional call; FLUX: one call);
   - the compute floor = analytic FLOPs of those forwards (every matmul + attention QK^T and PV) /
     the bf16 matmul rate measured in the same run (8192^3);
-  - throughput of 8 concurrent 512x512 FLUX requests through `DiffusionEngine` with step batching
-    (max_num_seqs=8) versus one at a time (max_num_seqs=1), decode included.
+  - throughput of 8 concurrent 512x512 FLUX requests (20 steps, decode included) on a FLUX family of
+    its own: diffusers' `FluxPipeline.__call__` one request at a time (the same random prompt
+    embeddings passed as `prompt_embeds`), and our `DiffusionEngine` with step batching
+    (max_num_seqs=8) and one at a time (max_num_seqs=1), each eager (no speed feature) and with the
+    CUDA default (`DiffusionSpeed.from_config`: merged projections + regional compile), so both
+    ratios (ours batched vs ours one at a time, vs diffusers one at a time) are printed.
   - the speed features (benchmarks/dit_speed.py): per workload diffusers + regional compile, ours
     eager with the flash / cuDNN SDPA kernels (the data behind DEFAULT_ATTENTION), ours default
     (compile + default attention), + 8-bit attention, + FP8, each with first-call (compile) seconds
@@ -21,9 +25,12 @@ in for the text encoders. One run measures:
     block eager vs compiled (fusion); offload modes on Wan-14B-shaped blocks.
 Also checks that our batched forward equals diffusers' separate calls and (in --smoke) that the
 analytic FLOP count equals torch's FlopCounterMode. Prints a markdown table last; --out writes JSON
-after every section (a run cut short keeps what finished). --no-speed skips the speed rows.
+after every section (a run cut short keeps what finished). --no-speed skips the speed rows;
+--only picks sections (wan, flux, throughput, offload; `kernels` = the fast-path check; default on
+the GPU: all but offload, whose targets are met).
 
     PYTHONPATH=<dir with diffusers 0.42.1 + importlib_metadata + zipp>:. python benchmarks/dit_bench.py --out dit.json
+    PYTHONPATH=...:. python benchmarks/dit_bench.py --only flux,throughput --out dit.json   # some sections
     python benchmarks/dit_bench.py --smoke      # tiny shapes on CPU (what CI runs; compile rows skipped)
 """
 
@@ -49,6 +56,7 @@ from omnistage.diffusion.engine import DiffusionEngine  # noqa: E402
 from omnistage.diffusion.pipelines.flux import FluxFamily  # noqa: E402
 from omnistage.diffusion.pipelines.wan import WanFamily  # noqa: E402
 from omnistage.diffusion.runner import DiffusionRunner  # noqa: E402
+from omnistage.diffusion.speed import DiffusionSpeed  # noqa: E402
 from omnistage.diffusion.task import Conditioning  # noqa: E402
 from omnistage.params import DiffusionParams  # noqa: E402
 
@@ -238,24 +246,88 @@ def flux_call(family):
 
 
 # ---- throughput ------------------------------------------------------------------------------------------
-def throughput(family, n: int, size: int, steps: int, batched: bool) -> dict:
-    engine = DiffusionEngine.from_family(family, max_num_seqs=n if batched else 1)
-    warm = {"w": ({"prompt": "x"}, DiffusionParams(height=size, width=size, num_inference_steps=2, seed=0))}
-    engine.generate(warm)
-    requests = {f"r{i}": ({"prompt": "x"}, DiffusionParams(height=size, width=size, num_inference_steps=steps, seed=i))
-                for i in range(n)}
+def throughput(family, n: int, size: int, steps: int, batched: bool, speed=None) -> dict:
+    """n requests through one engine (`speed`: None = no speed feature), warmed by one 2-step request
+    and, batched, by one round of n 2-step requests (compiles each batch size's graphs once)."""
+    engine = DiffusionEngine.from_family(family, max_num_seqs=n if batched else 1, speed=speed)
+
+    def requests(count: int, num_steps: int) -> dict:
+        return {f"r{i}": ({"prompt": "x"}, DiffusionParams(height=size, width=size, num_inference_steps=num_steps,
+                                                           seed=i)) for i in range(count)}
+    engine.generate(requests(n if batched else 1, 2))
     sync(family.device)
     start = time.perf_counter()
-    outs = engine.generate(requests)
+    outs = engine.generate(requests(n, steps))
     sync(family.device)
     seconds = time.perf_counter() - start
     assert len(outs) == n and all(len(o.images) == 1 for o in outs.values())
     return {"seconds": seconds, "requests_per_s": n / seconds, "max_batch_tasks": engine.stats()["max_batch_tasks"]}
 
 
+def diffusers_throughput(family, n: int, size: int, steps: int) -> dict:
+    """diffusers' `FluxPipeline.__call__` per request on the family's transformer, VAE and scheduler
+    config, with random prompt embeddings of the real shape (what our bench family's encode makes)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(family.scheduler_config),
+                        vae=family.vae, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
+                        transformer=family.transformer)
+    pipe.set_progress_bar_config(disable=True)
+
+    def call(seed: int, num_steps: int):
+        cond = family.random_cond()
+        return pipe(prompt_embeds=cond.embeds[None], pooled_prompt_embeds=cond.pooled[None], height=size, width=size,
+                    num_inference_steps=num_steps, guidance_scale=3.5,
+                    generator=torch.Generator("cpu").manual_seed(seed)).images
+    call(0, 2)
+    sync(family.device)
+    start = time.perf_counter()
+    images = [img for i in range(n) for img in call(i, steps)]
+    sync(family.device)
+    seconds = time.perf_counter() - start
+    assert len(images) == n
+    return {"seconds": seconds, "requests_per_s": n / seconds, "max_batch_tasks": 1}
+
+
+def throughput_rows(flux_cfg: dict, flux_vae, t: dict, device, dtype, smoke: bool) -> dict:
+    """The throughput section on a FLUX family of its own (the speed rows change theirs): diffusers
+    first (plain modules), ours eager, then ours with the default speed features (merges + compiles)."""
+    from diffusers import FluxTransformer2DModel
+
+    family = build(BenchFlux, FluxTransformer2DModel, flux_cfg, flux_vae, FLUX_SCHEDULER, 16 if smoke else 512,
+                   device, dtype)
+    rows = {"shape": f"FLUX.1-dev ({flux_cfg['num_layers']}+{flux_cfg['num_single_layers']} blocks), "
+                     f"{t['size']}x{t['size']}, {t['steps']} steps, {t['n']} requests"}
+    args = (family, t["n"], t["size"], t["steps"])
+    rows["diffusers_one_at_a_time"] = diffusers_throughput(*args)
+    rows["batched"] = throughput(*args, batched=True)
+    rows["one_at_a_time"] = throughput(*args, batched=False)
+    default = DiffusionSpeed.from_config(EngineConfig(device=str(device)))
+    rows["default"] = {"merge_projections": default.merge_projections, "compile": default.compile}
+    rows["default_one_at_a_time"] = throughput(*args, batched=False, speed=default)
+    rows["default_batched"] = throughput(*args, batched=True, speed=default)
+    return rows
+
+
 # ---- main --------------------------------------------------------------------------------------------------
-def run(smoke: bool, speed: bool = True) -> dict:
-    from diffusers import AutoencoderKL, AutoencoderKLWan, FluxTransformer2DModel, WanTransformer3DModel
+SECTIONS = ("wan", "flux", "throughput", "offload", "kernels")
+GPU_DEFAULT = ("wan", "flux", "throughput", "kernels")    # offload met its targets: run it with --only offload
+
+
+def flux_vae_for(s: dict, smoke: bool):
+    from diffusers import AutoencoderKL
+
+    kw = dict(in_channels=3, out_channels=3, use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611,
+              shift_factor=0.1159)
+    if smoke:
+        return AutoencoderKL(down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+                             **kw, **s["flux_vae"])
+    return AutoencoderKL(down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+                         **kw, **FLUX_VAE)
+
+
+def run(smoke: bool, speed: bool = True, only: tuple = SECTIONS) -> dict:
+    from diffusers import AutoencoderKLWan, FluxTransformer2DModel, WanTransformer3DModel
 
     s = SMOKE if smoke else FULL
     config = EngineConfig(device="cpu" if smoke else "auto").resolved("diffusion")   # as a diffusion stage runs
@@ -264,68 +336,68 @@ def run(smoke: bool, speed: bool = True) -> dict:
                                   DEVICE=device, DTYPE=dtype)      # what dit_speed's rows use
     wan_cfg, flux_cfg = dict(WAN, **s.get("wan_cfg", {})), dict(FLUX, **s.get("flux_cfg", {}))
     res: dict = {"smoke": smoke, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                 "torch": torch.__version__, "dtype": str(dtype), "commit": _commit()}
+                 "torch": torch.__version__, "dtype": str(dtype), "commit": _commit(), "sections": list(only)}
     import diffusers
     res["diffusers"] = diffusers.__version__
     rate = matmul_rate(device, dtype, s["matmul"])
     res["matmul_tflops"] = rate / 1e12
-    if device.type == "cuda":
+    if device.type == "cuda" and "kernels" in only:
         dit_speed.guarded(res, "kernels", lambda: dit_speed.kernel_row(device, dtype))
         print("kernels:", res["kernels"], flush=True)
 
-    wan_vae = AutoencoderKLWan(**(dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1,
-                                       temperal_downsample=[True], scale_factor_temporal=2, scale_factor_spatial=2)
-                                  if smoke else {}))
-    w = s["wan"]
-    wan = build(BenchWan, WanTransformer3DModel, wan_cfg, wan_vae, WAN_SCHEDULER, w["text"], device, dtype)
-    lat = ((w["frames"] - 1) // wan.t_scale + 1, w["height"] // wan.s_scale, w["width"] // wan.s_scale)
-    wan_params = DiffusionParams(height=w["height"], width=w["width"], num_frames=w["frames"], num_inference_steps=50,
-                                 guidance_scale=5.0, seed=0)
-    call = wan_call(wan)
-    res["wan"] = step_bench(wan, wan_params, call, wan_flops(wan_cfg, *lat, w["text"]), rate, s,
-                            counted=(lambda task: call(task, rows=("cond",))) if smoke else None)
-    res["wan"]["shape"] = f"{w['width']}x{w['height']}x{w['frames']}"
-    _save(res)
-    if speed:
-        dit_speed.guarded(res["wan"], "speed", lambda: dit_speed.speed_rows(bench, wan, wan_params, call, s, smoke))
+    if "wan" in only:
+        wan_vae = AutoencoderKLWan(**(dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1,
+                                           temperal_downsample=[True], scale_factor_temporal=2,
+                                           scale_factor_spatial=2) if smoke else {}))
+        w = s["wan"]
+        wan = build(BenchWan, WanTransformer3DModel, wan_cfg, wan_vae, WAN_SCHEDULER, w["text"], device, dtype)
+        lat = ((w["frames"] - 1) // wan.t_scale + 1, w["height"] // wan.s_scale, w["width"] // wan.s_scale)
+        wan_params = DiffusionParams(height=w["height"], width=w["width"], num_frames=w["frames"],
+                                     num_inference_steps=50, guidance_scale=5.0, seed=0)
+        call = wan_call(wan)
+        res["wan"] = step_bench(wan, wan_params, call, wan_flops(wan_cfg, *lat, w["text"]), rate, s,
+                                counted=(lambda task: call(task, rows=("cond",))) if smoke else None)
+        res["wan"]["shape"] = f"{w['width']}x{w['height']}x{w['frames']}"
         _save(res)
-    del wan
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+        if speed:
+            dit_speed.guarded(res["wan"], "speed", lambda: dit_speed.speed_rows(bench, wan, wan_params, call, s, smoke))
+            _save(res)
+        del wan
+        _free(device)
 
     f = s["flux"]
-    flux_vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4,
-                             up_block_types=["UpDecoderBlock2D"] * 4, use_quant_conv=False, use_post_quant_conv=False,
-                             scaling_factor=0.3611, shift_factor=0.1159, **FLUX_VAE) if not smoke else \
-        AutoencoderKL(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 2,
-                      up_block_types=["UpDecoderBlock2D"] * 2, use_quant_conv=False, use_post_quant_conv=False,
-                      scaling_factor=0.3611, shift_factor=0.1159, **s["flux_vae"])
-    flux = build(BenchFlux, FluxTransformer2DModel, flux_cfg, flux_vae, FLUX_SCHEDULER, f["text"], device, dtype)
-    tokens = (f["size"] // flux.multiple) ** 2
-    flux_params = DiffusionParams(height=f["size"], width=f["size"], num_inference_steps=50, guidance_scale=3.5, seed=0)
-    call = flux_call(flux)
-    res["flux"] = step_bench(flux, flux_params, call, flux_flops(flux_cfg, tokens, f["text"]), rate, s,
-                             counted=call if smoke else None)
-    res["flux"]["shape"] = f"{f['size']}x{f['size']}"
-    _save(res)
+    if "flux" in only:
+        flux = build(BenchFlux, FluxTransformer2DModel, flux_cfg, flux_vae_for(s, smoke), FLUX_SCHEDULER, f["text"],
+                     device, dtype)
+        tokens = (f["size"] // flux.multiple) ** 2
+        flux_params = DiffusionParams(height=f["size"], width=f["size"], num_inference_steps=50, guidance_scale=3.5,
+                                      seed=0)
+        call = flux_call(flux)
+        res["flux"] = step_bench(flux, flux_params, call, flux_flops(flux_cfg, tokens, f["text"]), rate, s,
+                                 counted=call if smoke else None)
+        res["flux"]["shape"] = f"{f['size']}x{f['size']}"
+        _save(res)
+        if speed:
+            if device.type == "cuda":
+                dit_speed.guarded(res, "fusion", lambda: dit_speed.fusion_row(bench, flux))
+            dit_speed.guarded(res["flux"], "speed",
+                              lambda: dit_speed.speed_rows(bench, flux, flux_params, call, s, smoke))
+            _save(res)
+        del flux
+        _free(device)
 
-    t = s["thr"]
-    res["throughput"] = {"shape": f"FLUX.1-dev ({flux_cfg['num_layers']}+{flux_cfg['num_single_layers']} blocks), "
-                                  f"{t['size']}x{t['size']}, {t['steps']} steps, {t['n']} requests",
-                         "batched": throughput(flux, t["n"], t["size"], t["steps"], batched=True),
-                         "one_at_a_time": throughput(flux, t["n"], t["size"], t["steps"], batched=False)}
-    _save(res)
-    if not speed:
-        return res
-    if device.type == "cuda":
-        dit_speed.guarded(res, "fusion", lambda: dit_speed.fusion_row(bench, flux))
-    dit_speed.guarded(res["flux"], "speed", lambda: dit_speed.speed_rows(bench, flux, flux_params, call, s, smoke))
-    _save(res)
-    del flux
+    if "throughput" in only:
+        res["throughput"] = throughput_rows(flux_cfg, flux_vae_for(s, smoke), s["thr"], device, dtype, smoke)
+        _save(res)
+        _free(device)
+    if speed and "offload" in only:
+        dit_speed.guarded(res, "offload", lambda: dit_speed.offload_rows(bench, s, smoke))
+    return res
+
+
+def _free(device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    dit_speed.guarded(res, "offload", lambda: dit_speed.offload_rows(bench, s, smoke))
-    return res
 
 
 def _save(res: dict) -> None:
@@ -348,19 +420,37 @@ def table(res: dict) -> str:
     names = {"wan": "Wan2.1-1.3B shape, {shape} frames, CFG ({rows} rows)",
              "flux": "FLUX.1-dev shape, {shape}, guidance-distilled ({rows} row)"}
     for key, label in names.items():
-        r = res[key]
+        r = res.get(key)
+        if r is None:
+            continue
         rows.append(f"| {label.format(**r)} | {r['ours_s']:.4f} | {r['diffusers_s']:.4f} | {r['floor_s']:.4f} "
                     f"({r['tflops']:.1f} TFLOP) | {r['ours_s'] / r['floor_s']:.2f} | "
                     f"{r['rel_diff_vs_diffusers']:.1e} |")
-    t = res["throughput"]
-    rows += ["", "| throughput: " + t["shape"] + " | seconds | requests/s | largest batch |", "|---|---|---|---|"]
-    for key, label in (("batched", "step batching (max_num_seqs=8)"), ("one_at_a_time", "one at a time")):
-        r = t[key]
-        rows.append(f"| {label} | {r['seconds']:.2f} | {r['requests_per_s']:.3f} | {int(r['max_batch_tasks'])} |")
+    rows += throughput_table(res.get("throughput"))
     rows += dit_speed.table(res)
     rows.append(f"\nbf16 matmul rate (measured, {res['device']}): {res['matmul_tflops']:.3g} TFLOP/s; "
                 f"torch {res['torch']}, diffusers {res['diffusers']}, commit {res['commit']}")
     return "\n".join(rows)
+
+
+def throughput_table(t) -> list[str]:
+    if not t:
+        return []
+    d = t["default"]
+    default = "ours default (" + " + ".join(k for k in ("merge_projections", "compile") if d[k]) + ")"
+    rows = ["", "| throughput: " + t["shape"] + " | seconds | requests/s | largest batch | vs ours one at a time "
+            "| vs diffusers one at a time |", "|---|---|---|---|---|---|"]
+    base = t["diffusers_one_at_a_time"]["requests_per_s"]
+    for key, label, alone in (("diffusers_one_at_a_time", "diffusers pipe() one at a time", None),
+                              ("one_at_a_time", "one at a time", "one_at_a_time"),          # ours, eager
+                              ("batched", "step batching (max_num_seqs=8)", "one_at_a_time"),
+                              ("default_one_at_a_time", f"{default}, one at a time", "default_one_at_a_time"),
+                              ("default_batched", f"{default}, step batching", "default_one_at_a_time")):
+        r = t[key]
+        vs_ours = f"{r['requests_per_s'] / t[alone]['requests_per_s']:.2f}x" if alone else "-"
+        rows.append(f"| {label} | {r['seconds']:.2f} | {r['requests_per_s']:.3f} | {int(r['max_batch_tasks'])} | "
+                    f"{vs_ours} | {r['requests_per_s'] / base:.2f}x |")
+    return rows
 
 
 def main(argv=None) -> dict:
@@ -368,13 +458,21 @@ def main(argv=None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script, not the GPU)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--no-speed", action="store_true", help="only the baseline rows (no compile / fp8 / offload rows)")
+    ap.add_argument("--only", default=None,
+                    help=f"comma-separated sections to run, among {', '.join(SECTIONS)} (default: all with "
+                         f"--smoke, else {', '.join(GPU_DEFAULT)})")
     args = ap.parse_args(argv)
+    only = (tuple(p.strip() for p in args.only.split(",") if p.strip()) if args.only is not None
+            else SECTIONS if args.smoke else GPU_DEFAULT)
+    bad = [p for p in only if p not in SECTIONS]
+    if bad:
+        ap.error(f"--only: unknown section(s) {bad}; choose among {', '.join(SECTIONS)}")
     global OUT_PATH
     OUT_PATH = args.out
     if importlib.util.find_spec("diffusers") is None:
         raise SystemExit("dit_bench needs diffusers==0.42.1 (+ importlib_metadata, zipp): pip install --no-deps "
                          "--target DIR <wheels> and put DIR on PYTHONPATH")
-    return report(lambda: run(args.smoke, speed=not args.no_speed), table, args.out)
+    return report(lambda: run(args.smoke, speed=not args.no_speed, only=only), table, args.out)
 
 
 def report(run_fn, table_fn, out) -> dict:

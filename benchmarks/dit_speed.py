@@ -5,20 +5,25 @@ seconds of:
   diffusers + compile   diffusers' own regional compile (`compile_repeated_blocks`) of the same
                         module, the pipeline's module calls per step (undone afterwards)
   ours eager / SDPA kernel   our runner's step with the attention backend pinned, no compile
-  ours default          `DiffusionSpeed.from_config` for CUDA: regional compile + DEFAULT_ATTENTION
+  ours compile, unmerged     regional compile + DEFAULT_ATTENTION, projections left separate
+  ours default          `DiffusionSpeed.from_config` for CUDA: merged projections (one GEMM per group
+                        of `merged_projections`) + regional compile + DEFAULT_ATTENTION
   ours + sage           the default with SAGE_ATTN for the DiT (8-bit attention; lossy)
-  ours + fp8            the default with the DiT blocks' linear layers in FP8 (lossy; applied last)
+  ours + fp8            the default with the DiT blocks' linear layers in FP8, merged ones included (lossy;
+                        applied last; the activation quantization compiles into the blocks' kernels)
 each with its first-call seconds (compile included) and the relative error of one denoiser output vs
 the eager bf16 forward (the correctness block: compiled vs eager, sage vs SDPA, fp8 vs bf16).
 `offload_rows`: peak memory and step time of a Wan-14B-shaped DiT with fewer blocks (stated in the
 row) resident / model-level / layerwise. `fusion_row`: CUDA kernels of one FLUX single block, eager vs
-compiled (what the compile fuses). Every row runs in try/except: a failing row prints its error
-and the others still run.
+compiled, separate vs merged projections (what the compile fuses); on CUDA the eager and default rows
+also count the CUDA kernels of one whole step (`kernels_per_step`). Every row runs in try/except: a
+failing row prints its error and the others still run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import traceback
 
@@ -118,14 +123,23 @@ def speed_rows(bench, family, params, diffusers_call, s: dict, smoke: bool) -> d
     default = DiffusionSpeed.from_config(EngineConfig(device=str(family.device)))   # compile: CUDA only
     holder: dict = {}
 
-    def ours_default():
-        engine = DiffusionEngine.from_family(family, speed=default)
-        holder["engine"] = engine
-        first, steady = _first_and_steady(lambda: engine.runner.step([task]), bench, s)
-        return {"step_s": steady, "first_s": first, "compiled_blocks": engine.accel.compiled_blocks,
-                "attention": engine.accel.routers["dit"].name,
-                "rel_err_vs_eager": _rel(_one_output(family, task, engine.accel.phase), eager)}
-    guarded(rows, "ours default", ours_default)
+    def ours_with(speed):
+        def row():
+            engine = DiffusionEngine.from_family(family, speed=speed)
+            holder["engine"] = engine
+            first, steady = _first_and_steady(lambda: engine.runner.step([task]), bench, s)
+            out = {"step_s": steady, "first_s": first, "compiled_blocks": engine.accel.compiled_blocks,
+                   "merged_groups": engine.accel.merged_groups, "attention": engine.accel.routers["dit"].name,
+                   "rel_err_vs_eager": _rel(_one_output(family, task, engine.accel.phase), eager)}
+            if on_gpu:
+                out["kernels_per_step"] = cuda_kernels(lambda: engine.runner.step([task]), bench)
+            return out
+        return row
+    if on_gpu:                                  # before the default row merges the family's projections
+        guarded(rows, "ours eager, CUDNN_ATTN", _with_kernels(rows.get("ours eager, CUDNN_ATTN"), family, task,
+                                                              bench))
+        guarded(rows, "ours compile, unmerged", ours_with(dataclasses.replace(default, merge_projections=False)))
+    guarded(rows, "ours default", ours_with(default))
     engine = holder.get("engine")
     if engine is None:
         return rows
@@ -149,6 +163,31 @@ def speed_rows(bench, family, params, diffusers_call, s: dict, smoke: bool) -> d
                 "rel_err_vs_eager": _rel(_one_output(family, task, engine.accel.phase), eager)}
     guarded(rows, "ours + fp8", ours_fp8)
     return rows
+
+
+def cuda_kernels(fn, bench) -> int:
+    """CUDA kernels one call of `fn` launches (after two warm calls), from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        fn()
+        fn()
+        bench.sync(bench.DEVICE)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            bench.sync(bench.DEVICE)
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def _with_kernels(row, family, task, bench):
+    """The eager cuDNN row plus the kernels of one eager step (no speed feature but that backend)."""
+    def fn():
+        if row is None or "error" in row:
+            return row or {"error": "row missing"}
+        engine = DiffusionEngine.from_family(family, speed=DiffusionSpeed(
+            attention={"dit": "CUDNN_ATTN", "text_encoder": "auto"}, compile=False))
+        return dict(row, kernels_per_step=cuda_kernels(lambda: engine.runner.step([task]), bench))
+    return fn
 
 
 def offload_rows(bench, s: dict, smoke: bool) -> dict:
@@ -238,8 +277,11 @@ def peak_by_part(block, step) -> dict:
 
 
 def fusion_row(bench, flux_family) -> dict:
-    """CUDA kernels per call of one FLUX single-stream block at 1024^2, eager vs compiled."""
-    from torch.profiler import ProfilerActivity, profile
+    """CUDA kernels per call of one FLUX single-stream block at 1024^2, eager vs compiled, with its
+    projections separate and merged (q|k|v|mlp as one GEMM, on a copy of the block)."""
+    import copy
+
+    from omnistage.layers.merged_linear import merge_linears
 
     block = flux_family.transformer.single_transformer_blocks[0]
     d = block.attn.to_q.in_features if hasattr(block.attn, "to_q") else 3072
@@ -251,18 +293,17 @@ def fusion_row(bench, flux_family) -> dict:
     txt = torch.randn(1, 512, d, device=bench.DEVICE, dtype=bench.DTYPE)
     x = x[:, 512:]
 
-    def kernels(fn) -> int:
-        with torch.no_grad():
-            fn()
-            fn()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                fn()
-                bench.sync(bench.DEVICE)
-        return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
-    eager = kernels(lambda: block(x, txt, temb, rot))
-    compiled = torch.compile(block, dynamic=True)
-    fused = kernels(lambda: compiled(x, txt, temb, rot))
-    return {"eager_kernels": eager, "compiled_kernels": fused}
+    merged = copy.deepcopy(block)
+    for group in flux_family.merged_projections["single_transformer_blocks"]:
+        merge_linears(merged, group)
+    out = {}
+    for name, b in (("", block), ("merged_", merged)):
+        out[f"{name}eager_kernels"] = cuda_kernels(lambda: b(x, txt, temb, rot), bench)
+        compiled = torch.compile(b, dynamic=True)
+        out[f"{name}compiled_kernels"] = cuda_kernels(lambda: compiled(x, txt, temb, rot), bench)
+        out[f"{name}compiled_s"] = bench.timed(lambda: compiled(x, txt, temb, rot), bench.DEVICE, 5, 1)
+    del merged
+    return out
 
 
 def table(res: dict) -> list[str]:
@@ -280,7 +321,8 @@ def table(res: dict) -> list[str]:
             if "error" in r:
                 lines.append(f"| {name} | error: {r['error'][:120]} | | | |")
                 continue
-            lines.append(f"| {name} | {r['step_s']:.4f} | {r['first_s']:.1f} | {r['rel_err_vs_eager']:.1e} | |")
+            kernels = f" ({r['kernels_per_step']} CUDA kernels/step)" if "kernels_per_step" in r else ""
+            lines.append(f"| {name}{kernels} | {r['step_s']:.4f} | {r['first_s']:.1f} | {r['rel_err_vs_eager']:.1e} | |")
     kern = res.get("kernels")
     if kern:
         lines.append("\nfast paths vs references (FLUX shapes, rel. error): " +
@@ -288,7 +330,9 @@ def table(res: dict) -> list[str]:
     fusion = res.get("fusion")
     if fusion and "error" not in fusion:
         lines.append(f"\nCUDA kernels per FLUX single block call: eager {fusion['eager_kernels']}, "
-                     f"compiled {fusion['compiled_kernels']}")
+                     f"compiled {fusion['compiled_kernels']} ({fusion['compiled_s'] * 1e3:.2f} ms); merged "
+                     f"projections: eager {fusion.get('merged_eager_kernels')}, compiled "
+                     f"{fusion.get('merged_compiled_kernels')} ({fusion.get('merged_compiled_s', 0) * 1e3:.2f} ms)")
     off = res.get("offload")
     if off:
         lines += ["", f"| offload: {off.get('shape', '')} | s/step | peak GiB | peak GiB at 40 blocks (extrapolated) |",

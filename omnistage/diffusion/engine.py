@@ -129,7 +129,8 @@ class DiffusionEngine:
         self.limits = self.family.limits()            # sizes, steps, frames a request may ask for; defaults
         self.scheduler = DiffusionScheduler(max_num_seqs, max_num_batched_tokens)
         self.runner = DiffusionRunner(self.family, self.cache, self.accel.phase,
-                                      denoise=self.ranks.denoise if self.ranks is not None else None)
+                                      denoise=self.ranks.denoise if self.ranks is not None else None,
+                                      constants=self.accel.constants.use if self.accel.constants else None)
         self.tasks: dict[str, DiffusionTask] = {}
         self._metrics: dict[str, RequestMetrics] = {}
         self._pending: list[StageOutput] = []       # outputs produced between steps (aborts)

@@ -25,18 +25,21 @@ from omnistage.diffusion.task import DiffusionTask
 
 class DiffusionRunner:
     def __init__(self, family: DiffusionFamily, cache: Optional[StepCache] = None, phase: Optional[Callable] = None,
-                 denoise: Optional[Callable] = None):
+                 denoise: Optional[Callable] = None, constants: Optional[Callable] = None):
         """`cache`: the step cache consulted inside the denoiser's blocks, or None. `phase(name)`: the
         context the denoiser call runs in (diffusion/speed.py `Accelerator.phase`: its attention
         backend, offload moves); None runs it as is. `denoise(key, x, t, conds, row_tasks, branches)`:
         the denoiser call over the stacked rows (`branches[i]`: block i's CFG branch, 0 = prompt,
         1 = negative); None: the family's own `denoise` in this process (a parallel DiT passes
-        `DiTRanks.denoise`, diffusion/ranks.py)."""
+        `DiTRanks.denoise`, diffusion/ranks.py). `constants(key)`: the context that lets the DiT's
+        step-constant modules answer from their cache for the group's compatibility key
+        (`StepConstants.use`, diffusion/speed.py); None: none."""
         self.family = family
         self.denoise = denoise or (lambda key, x, t, conds, row_tasks, branches:
                                    family.denoise(key, x, t, conds, row_tasks))
         self.cache = cache
         self.phase = phase or (lambda name: contextlib.nullcontext())
+        self.constants = constants or (lambda key: contextlib.nullcontext())
         self.last_batch_rows = 0                # rows of the most recent forward
         self.last_batch_tasks = 0               # tasks in the most recent forward
         self.max_batch_rows = 0                 # largest forward seen (rows)
@@ -100,8 +103,9 @@ class DiffusionRunner:
         key = fam.key(tasks[0])
         x = torch.cat(xs)
         cached = self.cache.forward(tasks) if self.cache is not None else contextlib.nullcontext()
-        with self.phase("denoise"), cached:
-            out = self.denoise(key, x, torch.cat(ts).to(x.device), conds, row_tasks, branches)
+        with self.phase("denoise"), cached, self.constants(key):
+            # non_blocking: a host -> device copy that does not wait for the queued GPU work (no host sync)
+            out = self.denoise(key, x, torch.cat(ts).to(x.device, non_blocking=True), conds, row_tasks, branches)
         velocities, row = [], 0
         for task in tasks:
             n = task.num_images

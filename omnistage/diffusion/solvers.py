@@ -175,9 +175,10 @@ def _unipc_update(x: torch.Tensor, outputs: list, sigmas: torch.Tensor, t_idx: i
         if D1 is None:
             return x_t_.to(x.dtype)
         rhos = torch.full((1,), 0.5) if order == 2 else torch.linalg.solve(R[:-1, :-1], b[:-1])
-        res = torch.einsum("k,bkc...->bc...", rhos.to(x.device, x.dtype), D1)
+        res = torch.einsum("k,bkc...->bc...", rhos.to(x.device, x.dtype, non_blocking=True), D1)
         return (x_t_ - alpha_t * B_h * res).to(x.dtype)
-    rhos = (torch.full((1,), 0.5) if order == 1 else torch.linalg.solve(R, b)).to(x.device, x.dtype)
+    # non_blocking: the host -> device copy of the coefficients does not wait for the queued GPU work
+    rhos = (torch.full((1,), 0.5) if order == 1 else torch.linalg.solve(R, b)).to(x.device, x.dtype, non_blocking=True)
     corr = torch.einsum("k,bkc...->bc...", rhos[:-1], D1) if D1 is not None else 0
     return (x_t_ - alpha_t * B_h * (corr + rhos[-1] * (model_t - m0))).to(x.dtype)
 

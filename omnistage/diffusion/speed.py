@@ -3,12 +3,21 @@
 In: a `DiffusionSpeed` (from the stage's `EngineConfig`: attention_backend, quantization,
 ignored_layers, enforce_eager, enable_cpu_offload, enable_layerwise_offload) and a family, which
 declares what the code reads: its component roles (`component_roles()`: "dit" / "text_encoder" /
-"vae") and each DiT's repeated block lists (`repeated_blocks`). `Accelerator(family, speed)`
-changes the family's modules in place, in this order:
-  1. FP8 (`quantization="fp8"`): every `nn.Linear` inside the DiTs' repeated blocks becomes an
-     `Fp8Linear` (layers/fp8_linear.py) unless its name contains one of `ignored_layers`; text
-     encoders, VAE and the DiT's embedders / head stay in the model dtype.
+"vae"), each DiT's repeated block lists (`repeated_blocks`) and, per block list, the groups of
+linear layers that read the same input (`merged_projections`). `Accelerator(family, speed)` changes
+the family's modules in place, in this order:
+  0. merged projections (`merge_projections`, on unless the DiT runs parallel): each declared group
+     becomes one GEMM with a part in place of each member (layers/merged_linear.py; lossless). With
+     FP8, a group with a member named in `ignored_layers` stays unmerged, so the ignored layer stays
+     bf16 alone.
+  1. FP8 (`quantization="fp8"`): every `nn.Linear` inside the DiTs' repeated blocks (merged ones
+     included: one activation quantization for the whole group) becomes an `Fp8Linear`
+     (layers/fp8_linear.py) unless its name contains one of `ignored_layers`; text encoders, VAE
+     and the DiT's embedders / head stay in the model dtype.
   2. offload (diffusion/offload.py): model-level or layerwise.
+  2b. step constants (`step_constants`): the DiT modules the family names in `step_constant_modules`
+     (rotary tables: functions of the resolution alone) run once per compatibility key of a step's
+     group (`StepConstants`, up to 8 keys kept) instead of once per step; the runner names the key.
   3. regional compile: each repeated block's `forward` goes through `torch.compile(dynamic=True)`
      (one compiled code object per block class, reused by every block of it and by every
      resolution); module hooks (layerwise offload) stay outside the compiled code. On by default
@@ -25,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -35,6 +45,7 @@ from omnistage.config import EngineConfig, attention_backends
 from omnistage.diffusion.attention import AttentionRouter
 from omnistage.diffusion.offload import LayerwiseOffload, ModelOffload
 from omnistage.layers.fp8_linear import quantize_fp8
+from omnistage.layers.merged_linear import merge_linears
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +61,21 @@ class DiffusionSpeed:
     quantization: Optional[str] = None          # None | "fp8"
     ignored_layers: tuple = ()                  # module-name parts FP8 leaves alone
     offload: Optional[str] = None               # None | "model" | "layerwise"
+    merge_projections: bool = False             # one GEMM per group of the family's `merged_projections`
+    step_constants: bool = False                # the family's `step_constant_modules` once per group key
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "DiffusionSpeed":
         """What a stage's (resolved) config asks for; compile is on for CUDA unless enforce_eager, and
-        off for a parallel DiT (its collectives and attention hooks run eagerly, diffusion/ranks.py)."""
+        off for a parallel DiT (its collectives and attention hooks run eagerly, diffusion/ranks.py);
+        merged projections and step constants are on unless the DiT is parallel (its plans name the
+        separate layers and split the rotary tables)."""
         parallel = config.parallel_config is not None and config.parallel_config.world_size > 1
         offload = "model" if config.enable_cpu_offload else "layerwise" if config.enable_layerwise_offload else None
         return cls(attention=attention_backends(config.attention_backend),
                    compile=config.torch_device().type == "cuda" and not config.enforce_eager and not parallel,
-                   quantization=config.quantization, ignored_layers=tuple(config.ignored_layers), offload=offload)
+                   quantization=config.quantization, ignored_layers=tuple(config.ignored_layers), offload=offload,
+                   merge_projections=not parallel, step_constants=not parallel)
 
 
 def dit_blocks(family, name: str) -> dict[str, list[nn.Module]]:
@@ -70,9 +86,66 @@ def dit_blocks(family, name: str) -> dict[str, list[nn.Module]]:
             if getattr(module, attr, None) is not None}
 
 
+def merge_projections(family, groups: dict[str, list[nn.Module]], ignored: tuple = ()) -> int:
+    """Merge the family's `merged_projections` groups in every block of `groups` (a DiT's
+    `dit_blocks`), except groups with a member whose full name ("single_transformer_blocks.3.proj_mlp")
+    contains one of `ignored`; returns the number of groups merged."""
+    merged = 0
+    for attr, blocks in groups.items():
+        for i, block in enumerate(blocks):
+            for group in family.merged_projections.get(attr, ()):
+                if not any(part in f"{attr}.{i}.{name}" for name in group for part in ignored):
+                    merged += merge_linears(block, group)
+    return merged
+
+
+class StepConstants:
+    """Outputs of DiT modules that depend only on a step group's compatibility key (the family's
+    `step_constant_modules`, e.g. FLUX's `pos_embed`, Wan's `rope`: rotary tables per resolution),
+    computed once per key. `use(key)` is the context of one denoiser call (the runner opens it); outside
+    it (another rank, a benchmark's direct call) the modules run as usual. The kept outputs are read,
+    never written, by the blocks; the `size` most recent keys are kept."""
+
+    def __init__(self, modules: list[nn.Module], size: int = 8):
+        self.key = None                         # the compatibility key of the denoiser call running now
+        self.outputs: OrderedDict = OrderedDict()   # (module index, key) -> its output
+        self.size = size
+        self.hits = 0                           # module calls answered from `outputs`
+        self.num_modules = len(modules)
+        for index, module in enumerate(modules):
+            module.forward = self._cached(index, module.forward)
+
+    def _cached(self, index: int, forward):
+        def call(*args, **kwargs):
+            if self.key is None:
+                return forward(*args, **kwargs)
+            k = (index, self.key)
+            if k in self.outputs:
+                self.hits += 1
+                self.outputs.move_to_end(k)
+                return self.outputs[k]
+            out = self.outputs[k] = forward(*args, **kwargs)
+            while len(self.outputs) > self.size * self.num_modules:
+                self.outputs.popitem(last=False)
+            return out
+        return call
+
+    @contextlib.contextmanager
+    def use(self, key):
+        self.key = key
+        try:
+            yield
+        finally:
+            self.key = None
+
+
 def compile_blocks(blocks: list[nn.Module], backend: str = "inductor") -> None:
+    """Each block's forward through torch.compile; a block compiled before (a second engine on the
+    same family: benchmarks) compiles its eager forward again rather than wrapping the compiled one."""
     for block in blocks:
-        block.forward = torch.compile(block.forward, dynamic=True, backend=backend)
+        eager = block.__dict__.get("_eager_forward", block.forward)
+        block._eager_forward = eager
+        block.forward = torch.compile(eager, dynamic=True, backend=backend)
 
 
 class Accelerator:
@@ -81,6 +154,15 @@ class Accelerator:
         roles = family.component_roles()
         dits = [name for name, role in roles.items() if role == "dit"]
         groups = {name: dit_blocks(family, name) for name in dits}
+        self.merged_groups = 0                  # groups of linear layers merged into one GEMM
+        if speed.merge_projections:
+            ignored = speed.ignored_layers if speed.quantization == "fp8" else ()
+            self.merged_groups = sum(merge_projections(family, groups[name], ignored) for name in dits)
+            log.info("merged projections: %d groups of linear layers run as one GEMM each", self.merged_groups)
+        self.constants: Optional[StepConstants] = None  # step constants (None: off, or nothing declared)
+        if speed.step_constants:
+            modules = [family.c[name].get_submodule(m) for name in dits for m in family.step_constant_modules]
+            self.constants = StepConstants(modules) if modules else None
         self.fp8_layers = 0                     # linear layers swapped for Fp8Linear
         if speed.quantization == "fp8":
             for name in dits:

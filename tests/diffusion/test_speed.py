@@ -18,7 +18,7 @@ from omnistage.config import EngineConfig
 from omnistage.diffusion.attention import AttentionRouter
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.speed import DiffusionSpeed
-from omnistage.layers import fp8_linear, quant_attention
+from omnistage.layers import fp8_linear, merged_linear, quant_attention
 from omnistage.models.registry import diffusion_family
 from omnistage.params import DiffusionParams
 
@@ -29,15 +29,20 @@ VIDEO = dict(height=32, width=32, num_frames=5)
 CASES = {
     "flux": (dict(guidance_scale=4.5), dict(guidance_scale=4.5), IMAGE,
              DiffusionSpeed(attention={"dit": "FLEX_ATTN", "text_encoder": "MATH_ATTN"}, compile=True,
-                            compile_backend="eager", offload="layerwise")),
+                            compile_backend="eager", offload="layerwise", merge_projections=True,
+                            step_constants=True)),
     "qwen-image": (dict(true_cfg_scale=3.0, negative_prompt="blurry"), dict(true_cfg_scale=3.0), IMAGE,
-                   DiffusionSpeed(attention={"dit": "FLEX_ATTN", "text_encoder": "MATH_ATTN"}, offload="model")),
+                   DiffusionSpeed(attention={"dit": "FLEX_ATTN", "text_encoder": "MATH_ATTN"}, offload="model",
+                                  merge_projections=True)),
     "sd3": (dict(guidance_scale=5.0, negative_prompt="blurry"), dict(guidance_scale=5.0), IMAGE,
-            DiffusionSpeed(attention={"dit": "MATH_ATTN", "text_encoder": "EFFICIENT_ATTN"}, offload="layerwise")),
+            DiffusionSpeed(attention={"dit": "MATH_ATTN", "text_encoder": "EFFICIENT_ATTN"}, offload="layerwise",
+                           merge_projections=True)),
     "z-image": (dict(guidance_scale=4.0, negative_prompt="blurry"), dict(guidance_scale=4.0), IMAGE,
-                DiffusionSpeed(attention={"dit": "FLEX_ATTN", "text_encoder": "MATH_ATTN"}, offload="layerwise")),
+                DiffusionSpeed(attention={"dit": "FLEX_ATTN", "text_encoder": "MATH_ATTN"}, offload="layerwise",
+                               merge_projections=True)),
     "wan2.2": (dict(guidance_scale=4.0, negative_prompt="blurry", output_type="np"), dict(guidance_scale=4.0), VIDEO,
-               DiffusionSpeed(attention={"dit": "FLEX_ATTN", "text_encoder": "MATH_ATTN"}, offload="layerwise")),
+               DiffusionSpeed(attention={"dit": "FLEX_ATTN", "text_encoder": "MATH_ATTN"}, offload="layerwise",
+                              merge_projections=True, step_constants=True)),
 }
 
 
@@ -64,6 +69,15 @@ def test_lossless_options_match_diffusers(tiny_dir, kind):
     eng, out = _run(tiny_dir, kind, speed)
     assert max_pixel_diff(_pixels(out), ref) <= 2
     acc = eng.accel
+    parts = [m for d in eng.family.denoisers() for m in d.modules() if isinstance(m, merged_linear.LinearPart)]
+    assert acc.merged_groups > 0 and len(parts) >= 2 * acc.merged_groups   # every declared group merged ...
+    assert all(p.group._left == 0 and p.group._output is None for p in parts)   # ... and keeps nothing after
+    if not speed.compile:                      # each group's members shared one GEMM per forward of its DiT
+        per_dit = [{m.group.gemms for m in d.modules() if isinstance(m, merged_linear.LinearPart)}
+                   for d in eng.family.denoisers()]          # (Wan2.2: each step runs one of two experts)
+        assert all(len(g) == 1 for g in per_dit) and sum(g.pop() for g in per_dit) == eng.runner.num_forwards
+    if speed.step_constants:                   # rotary tables: computed at the first step, reused after
+        assert acc.constants.hits == eng.runner.num_forwards - len(acc.constants.outputs) > 0
     if speed.compile:
         assert acc.compiled_blocks == sum(len(getattr(acc_m, a)) for acc_m in [eng.family.transformer]
                                           for a in eng.family.repeated_blocks)
@@ -116,7 +130,9 @@ def test_sage_reference_close_to_sdpa():
 
 def test_fp8_reference_path(tiny_dir):
     """FP8 W8A8 (reference form on CPU): a linear layer within 5 % relative error of float32, and the
-    FLUX family with its DiT blocks quantized within 8 pixel levels of the float32 image (measured <= 2)."""
+    FLUX family with its DiT blocks quantized (projections merged first, so a merged group is one FP8
+    GEMM; a group with an ignored member stays unmerged and bf16) within 8 pixel levels of the float32
+    image (measured <= 2)."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48)
     x = torch.randn(5, 7, 64)
@@ -131,12 +147,16 @@ def test_fp8_reference_path(tiny_dir):
     assert ((fast - ref).norm() / ref.norm()).item() < 1e-2
     full = _resident(tiny_dir)
     ignored = ("ff_context", "single_transformer_blocks.0.")      # a part of a name, or a whole block
-    eng, out = _run(tiny_dir, "flux", DiffusionSpeed(quantization="fp8", ignored_layers=ignored), seed=4, steps=2)
+    eng, out = _run(tiny_dir, "flux", DiffusionSpeed(quantization="fp8", ignored_layers=ignored, merge_projections=True),
+                    seed=4, steps=2)
     blocks = [b for a in eng.family.repeated_blocks for b in getattr(eng.family.transformer, a)]
     names = [n for b in blocks for n, m in b.named_modules() if isinstance(m, fp8_linear.Fp8Linear)]
     assert eng.accel.fp8_layers == len(names) > 0 and not any("ff_context" in n for n in names)
     assert not any(isinstance(m, fp8_linear.Fp8Linear) for m in eng.family.transformer.single_transformer_blocks[0].modules())
     assert isinstance(eng.family.transformer.proj_out, torch.nn.Linear)      # outside the blocks: untouched
+    dit = eng.family.transformer
+    assert isinstance(dit.transformer_blocks[0].attn.to_k.group.proj, fp8_linear.Fp8Linear)   # q|k|v: one FP8 GEMM
+    assert type(dit.single_transformer_blocks[0].proj_mlp) is torch.nn.Linear   # ignored: neither merged nor FP8
     assert max_pixel_diff(_pixels(out), _pixels(full)) <= 8
 
 
@@ -146,6 +166,9 @@ def test_speed_from_config():
     assert speed.attention == {"dit": "SAGE_ATTN", "text_encoder": "auto"}
     assert speed.ignored_layers == ("img_mlp", "txt_mlp") and speed.offload == "layerwise"
     assert speed.compile is False              # compile is a CUDA fast path
+    assert speed.merge_projections is True     # lossless, on wherever the DiT runs in one process
+    parallel = EngineConfig(device="cpu", parallel_config={"ulysses_degree": 2})
+    assert DiffusionSpeed.from_config(parallel).merge_projections is False   # the plans name separate layers
     assert AttentionRouter("auto", torch.device("cpu")).name == "TORCH_SDPA"
     assert AttentionRouter("auto", torch.device("cuda")).name == "CUDNN_ATTN"
 

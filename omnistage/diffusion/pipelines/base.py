@@ -124,6 +124,12 @@ class DiffusionFamily:
     # layer by layer, FP8-quantized)
     dit_components: tuple[str, ...] = ("transformer", "transformer_2")
     repeated_blocks: tuple[str, ...] = ("transformer_blocks",)
+    # repeated block list -> groups of linear layers (names inside one block) that its forward always
+    # calls with the same input tensor: each group runs as one GEMM (layers/merged_linear.py)
+    merged_projections: dict[str, tuple[tuple[str, ...], ...]] = {}
+    # submodules of a denoiser whose output depends only on `key(task)` of the step's group (rotary
+    # tables per resolution): computed once per key (diffusion/speed.py StepConstants)
+    step_constant_modules: tuple[str, ...] = ()
     # what a parallel DiT reads (parallel/mesh.py, diffusion/ranks.py); None: one process only
     parallel_plan: Optional[DiTParallelPlan] = None
 
@@ -345,6 +351,10 @@ class ImageFamily(DiffusionFamily):
         z = (z / self.vae.config.scaling_factor) + self.vae.config.shift_factor
         self.set_tiling(self.vae, task.params.height * task.params.width)
         return to_pil(self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0])
+
+
+JOINT_QKV = (("attn.to_q", "attn.to_k", "attn.to_v"), ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"))
+"""The merge groups of a joint-attention block (image q|k|v, text q|k|v): FLUX, SD3, Qwen-Image."""
 
 
 def cfg_prompts(tasks: list[DiffusionTask]) -> list[str]:

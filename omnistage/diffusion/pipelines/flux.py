@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from omnistage.diffusion.pipelines.base import ImageFamily, assign_conds, cfg_prompts, seeded_noise
+from omnistage.diffusion.pipelines.base import JOINT_QKV, ImageFamily, assign_conds, cfg_prompts, seeded_noise
 from omnistage.diffusion.pipelines.qwen_image import pack, unpack
 from omnistage.diffusion.step_cache import BlockCacheSpec
 from omnistage.diffusion.task import Conditioning, DiffusionTask
@@ -40,6 +40,10 @@ class FluxFamily(ImageFamily):
                                  coefficients=(4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00,
                                                2.64230861e-01))
     repeated_blocks = ("transformer_blocks", "single_transformer_blocks")
+    # a single block feeds its normed input to q, k, v and the MLP: one 3072 -> 21504 GEMM at FLUX.1 size
+    step_constant_modules = ("pos_embed",)     # rotary of (text ids, image ids): the key's latent size, T5_MAX
+    merged_projections = {"transformer_blocks": JOINT_QKV,
+                          "single_transformer_blocks": (("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),)}
     # text and image tokens are both split (joint attention: the rope table runs over text, then image);
     # CFG-parallel applies to true CFG (negative prompt + true_cfg_scale > 1)
     parallel_plan = DiTParallelPlan(
@@ -86,7 +90,7 @@ class FluxFamily(ImageFamily):
         guidance = None
         if self.guidance_embeds:
             g = [task.params.guidance_scale for task in row_tasks for _ in range(task.num_images)]
-            guidance = torch.tensor(g, dtype=torch.float32, device=self.device)
+            guidance = torch.tensor(g, dtype=torch.float32).to(self.device, non_blocking=True)   # no host sync
         txt_ids = torch.zeros(text.shape[1], 3, device=self.device, dtype=text.dtype)
         return self.transformer(hidden_states=x, timestep=t, guidance=guidance, pooled_projections=pooled,
                                 encoder_hidden_states=text, txt_ids=txt_ids, img_ids=row_tasks[0].static["img_ids"],

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from omnistage.diffusion.pipelines.base import (ImageFamily, assign_conds, cfg_prompts, pad_stack, seeded_noise,
+from omnistage.diffusion.pipelines.base import (JOINT_QKV, ImageFamily, assign_conds, cfg_prompts, pad_stack, seeded_noise,
                                                  to_pil, vae_stats)
 from omnistage.diffusion.step_cache import BlockCacheSpec
 from omnistage.diffusion.task import Conditioning, DiffusionTask
@@ -47,6 +47,7 @@ class QwenImageFamily(ImageFamily):
                                  batched=("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask",
                                           "temb", "modulate_index"),
                                  outputs=("encoder_hidden_states", "hidden_states"), modulated="temb")
+    merged_projections = {"transformer_blocks": JOINT_QKV}
 
     def vae_scale_factor(self) -> int:
         return 2 ** len(self.vae.temperal_downsample)
@@ -105,7 +106,7 @@ class QwenImageFamily(ImageFamily):
         guidance = None
         if self.transformer.config.guidance_embeds:
             g = [task.params.guidance_scale or 1.0 for task in row_tasks for _ in range(task.num_images)]
-            guidance = torch.tensor(g, dtype=torch.float32, device=self.device)
+            guidance = torch.tensor(g, dtype=torch.float32).to(self.device, non_blocking=True)   # no host sync
         return self.transformer(hidden_states=x, timestep=t, guidance=guidance, encoder_hidden_states=text,
                                 encoder_hidden_states_mask=mask, img_shapes=img_shapes, return_dict=False)[0]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from omnistage.diffusion.pipelines.base import ImageFamily, assign_conds, cfg_prompts, seeded_noise
+from omnistage.diffusion.pipelines.base import JOINT_QKV, ImageFamily, assign_conds, cfg_prompts, seeded_noise
 from omnistage.diffusion.solvers import calculate_shift, make_schedule
 from omnistage.diffusion.step_cache import BlockCacheSpec
 from omnistage.diffusion.task import Conditioning, DiffusionTask
@@ -26,6 +26,8 @@ class SD3Family(ImageFamily):
     default_guidance = 7.0
     block_cache = BlockCacheSpec(lists=("transformer_blocks",), batched=("hidden_states", "encoder_hidden_states", "temb"),
                                  outputs=("encoder_hidden_states", "hidden_states"), modulated_norm="norm1")
+    # joint attention; SD3.5's second (image-only) attention of the dual-attention blocks
+    merged_projections = {"transformer_blocks": JOINT_QKV + (("attn2.to_q", "attn2.to_k", "attn2.to_v"),)}
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

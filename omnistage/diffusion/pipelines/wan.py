@@ -52,6 +52,10 @@ class WanFamily(DiffusionFamily):
     block_cache = BlockCacheSpec(lists=("blocks",), batched=("hidden_states", "encoder_hidden_states", "temb"),
                                  outputs=("hidden_states",), modulated="temb")
     repeated_blocks = ("blocks",)
+    step_constant_modules = ("rope",)          # rotary from the latent shape alone
+    # self-attention q|k|v; cross-attention k|v of the text (and of the image features, I2V)
+    merged_projections = {"blocks": (("attn1.to_q", "attn1.to_k", "attn1.to_v"), ("attn2.to_k", "attn2.to_v"),
+                                     ("attn2.add_k_proj", "attn2.add_v_proj"))}
     # video tokens are split; the text (cross-attention keys) stays whole on every rank
     parallel_plan = DiTParallelPlan(
         modes=("ulysses", "ring", "cfg", "tensor"), lists=("blocks",), seq_args=("hidden_states",),

@@ -28,6 +28,9 @@ class ZImageFamily(ImageFamily):
                                                              "adaln_noisy", "adaln_clean"),
                                  outputs=("x",), modulated="adaln_input")
     repeated_blocks = ("noise_refiner", "context_refiner", "layers")
+    # attention q|k|v and the SwiGLU's gate|up (w1|w3) of every block
+    merged_projections = dict.fromkeys(repeated_blocks, (("attention.to_q", "attention.to_k", "attention.to_v"),
+                                                         ("feed_forward.w1", "feed_forward.w3")))
 
     def default_size(self) -> tuple[int, int]:
         return 1024, 1024

@@ -2,18 +2,22 @@
 
 A tiny random Llama (hidden 32, one layer: its forward costs little) runs 256 requests of 16 prompt
 tokens and 96 new tokens through `AREngine.step()`. For every decode-only step the bench times the
-engine step (wall) and the device-side work inside it (model forward, lm_head, sampling: on the CPU
-these run synchronously, so the difference is the host's Python: scheduling, step inputs, stop
-checks, detokenizing, outputs). Prints host microseconds per row-step for a few request mixes, and
+engine step and the device-side work inside it (model forward, lm_head, sampling: on the CPU these
+run synchronously, so the difference is the host's Python: scheduling, step inputs, stop checks,
+detokenizing, outputs), in process CPU time (`time.process_time`, one torch thread), so that other
+work on a shared machine counts less. Prints host microseconds per row-step for a few request mixes, and
 the top cProfile entries of the plain mix.
 
     PYTHONPATH=$PWD python benchmarks/ar_host_bench.py [--rows 256] [--new 96] [--profile 15]
+
+"Before": the same script with PYTHONPATH set to an older checkout (`git archive <commit> | tar -x -C DIR`).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import pstats
 import tempfile
 import time
@@ -21,11 +25,15 @@ import time
 import torch
 
 MIXES = {
-    # every row greedy, no stop strings, nobody reads the text before the end (the benchmark workload)
-    "greedy": lambda i: dict(temperature=0.0, ignore_eos=True),
-    "sampled (T 0.8, top-p 0.95)": lambda i: dict(temperature=0.8, top_p=0.95, ignore_eos=True),
+    # every row greedy, no stop strings, only the finished output read (what `Omni.generate` asks for)
+    "greedy": lambda i: dict(temperature=0.0, ignore_eos=True, output_kind="final_only"),
+    "sampled (T 0.8, top-p 0.95)": lambda i: dict(temperature=0.8, top_p=0.95, ignore_eos=True,
+                                                  output_kind="final_only"),
     # text needed every step: a stop string that never matches
-    "greedy + stop string": lambda i: dict(temperature=0.0, ignore_eos=True, stop=["\u2603\u2603"]),
+    "greedy + stop string": lambda i: dict(temperature=0.0, ignore_eos=True, stop=["\u2603\u2603"],
+                                           output_kind="final_only"),
+    # an output (text, ids) every step, as a streaming server request reads it
+    "greedy, streamed": lambda i: dict(temperature=0.0, ignore_eos=True),
 }
 
 
@@ -40,11 +48,11 @@ class Timer:
         def timed(*args, **kwargs):
             if not self.on:
                 return fn(*args, **kwargs)
-            t = time.perf_counter()
+            t = time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - t
+                self.seconds += time.process_time() - t
         return timed
 
 
@@ -67,11 +75,13 @@ def build(path: str, rows: int):
 def run_mix(engine, device: Timer, rows: int, new: int, mix, profile: int = 0) -> dict:
     from omnistage.params import SamplingParams
 
+    known = {f.name for f in dataclasses.fields(SamplingParams)}   # an older tree (the "before" run) may lack some
     g = torch.Generator().manual_seed(0)
     vocab = engine.hf_config.vocab_size
     for i in range(rows):
         ids = torch.randint(10, vocab - 10, (16,), generator=g).tolist()
-        engine.add_request(f"r{i}", {"prompt_token_ids": ids}, SamplingParams(max_tokens=new, **mix(i)))
+        kw = {k: v for k, v in mix(i).items() if k in known}
+        engine.add_request(f"r{i}", {"prompt_token_ids": ids}, SamplingParams(max_tokens=new, **kw))
     host: list[float] = []                      # per full decode step: host seconds per row
     wall, dev, steps = 0.0, 0.0, 0
     prof = cProfile.Profile() if profile else None
@@ -82,9 +92,9 @@ def run_mix(engine, device: Timer, rows: int, new: int, mix, profile: int = 0) -
         device.seconds, device.on = 0.0, True
         if prof is not None and not prefilling:
             prof.enable()
-        t = time.perf_counter()
+        t = time.process_time()
         engine.step()
-        dt = time.perf_counter() - t
+        dt = time.process_time() - t
         if prof is not None:
             prof.disable()
         device.on = False
@@ -100,6 +110,8 @@ def run_mix(engine, device: Timer, rows: int, new: int, mix, profile: int = 0) -
            "host_us_per_row_step": 1e6 * sorted(host)[len(host) // 2] if host else float("nan")}
     if prof is not None:
         out["profile"] = prof
+        # deterministic, whatever else loads the machine: Python calls per row-step in the decode steps
+        out["calls_per_row_step"] = pstats.Stats(prof).total_calls / max(steps * rows, 1)
     return out
 
 
@@ -118,8 +130,9 @@ def main() -> None:
         run_mix(engine, device, 8, 4, MIXES["greedy"])                  # warm-up
         results = {name: run_mix(engine, device, args.rows, args.new, mix) for name, mix in MIXES.items()}
         if args.profile:                        # a run of its own: the profiler slows what it watches
-            prof = run_mix(engine, device, args.rows, args.new, MIXES["greedy"], profile=True)["profile"]
-    print(f"\n| {args.rows} rows x {args.new} new tokens, tiny Llama, CPU | decode steps | wall ms / step "
+            r = run_mix(engine, device, args.rows, args.new, MIXES["greedy"], profile=True)
+            prof, prof_calls = r["profile"], r["calls_per_row_step"]
+    print(f"\n| {args.rows} rows x {args.new} new tokens, tiny Llama, CPU | decode steps | CPU ms / step "
           "| device ms / step | host us / row-step (median) |")
     print("|---|---|---|---|---|")
     for name, r in results.items():
@@ -127,6 +140,7 @@ def main() -> None:
               f"| {r['host_us_per_row_step']:.1f} |")
     if args.profile:
         print(f"\ncProfile of the greedy mix's decode steps, top {args.profile} by own time:")
+        print(f"Python function calls per row-step: {prof_calls:.1f}")
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
 
 

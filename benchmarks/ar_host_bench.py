@@ -2,7 +2,7 @@
 
 A tiny random Llama (hidden 32, one layer: its forward costs little) runs 256 requests of 16 prompt
 tokens and 96 new tokens through `AREngine.step()`. For every decode-only step the bench times the
-engine step and the device-side work inside it (model forward, lm_head, sampling: on the CPU these
+engine step and the device-side work inside it (model forward, lm_head, sampling or argmax: on the CPU these
 run synchronously, so the difference is the host's Python: scheduling, step inputs, stop checks,
 detokenizing, outputs), in process CPU time (`time.process_time`, one torch thread), so that other
 work on a shared machine counts less. Prints host microseconds per row-step for a few request mixes, and
@@ -69,6 +69,7 @@ def build(path: str, rows: int):
     engine.runner.forward = device.wrap(engine.runner.forward)
     engine.model.compute_logits = device.wrap(engine.model.compute_logits)
     runner_mod.sample = device.wrap(runner_mod.sample)
+    runner_mod.greedy_ids = device.wrap(runner_mod.greedy_ids)
     return engine, device
 
 

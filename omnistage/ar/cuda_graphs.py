@@ -1,16 +1,33 @@
 """CUDA-graph capture and replay of decode steps (stage process, CUDA only).
 
 Decode-only steps have static shapes once the batch is padded to a captured size, so the model
-forward from the input rows on (every layer, the paged attention included) replays as one graph: the per-kernel
-launch cost that dominates small-batch decoding disappears. The embedding lookup (and any conditioning added to its rows) runs before the graph; inputs are copied into static buffers;
-padded rows write their KV to the scratch slot past the pool and attend to one token.
+forward from the input rows on (every layer, the paged attention included), the lm_head and the
+greedy argmax replay as one graph: the per-kernel launch cost that dominates small-batch decoding
+disappears. Out: a `GraphOutput` (hidden states, logits, argmax ids of every padded row); a step
+whose rows sample greedily with nothing else (`sampler.plain_greedy`) takes the ids as they are,
+any other step samples from the graph's logits (`sampler.sample`, as eager steps do). The embedding
+lookup (and any conditioning added to its rows) runs before the graph; inputs are copied into
+static buffers; padded rows write their KV to the scratch slot past the pool and attend to one token.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
+from omnistage.ar.sampler import greedy_ids
 from omnistage.layers.attention import AttentionMetadata
+
+
+@dataclass
+class GraphOutput:
+    """A captured decode step's outputs for its padded batch (static buffers of the graph)."""
+
+    model: Any                                  # the model's forward output: hidden [b, H], or (it, reported rows)
+    logits: torch.Tensor                        # [b, V] float32: the lm_head over every row
+    greedy: torch.Tensor                        # [b] long: each row's argmax (rows that need nothing else use it)
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -38,19 +55,25 @@ class CudaGraphs:
         embed = model.embed_tokens.weight
         self.x = torch.zeros(n, embed.shape[1], dtype=embed.dtype, device=device)   # the graphs' input rows
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, GraphOutput] = {}
         pool = None
         for b in reversed(self.sizes):                         # largest first so smaller ones share its pool
             meta = self._meta(b)
             with torch.inference_mode():
                 for _ in range(2):
-                    self.model(self.ids[:b], self.pos[:b], meta, inputs_embeds=self.x[:b])
+                    self._step(b, meta)
                 torch.cuda.synchronize(device)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool):
-                    self.outputs[b] = self.model(self.ids[:b], self.pos[:b], meta, inputs_embeds=self.x[:b])
+                    self.outputs[b] = self._step(b, meta)
             pool = g.pool()
             self.graphs[b] = g
+
+    def _step(self, b: int, meta: AttentionMetadata) -> "GraphOutput":
+        """What a graph holds: the decoder over the input rows, the lm_head over every row, the argmax."""
+        out = self.model(self.ids[:b], self.pos[:b], meta, inputs_embeds=self.x[:b])
+        logits = self.model.compute_logits(out[0] if isinstance(out, tuple) else out)
+        return GraphOutput(out, logits, greedy_ids(logits))
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(slot_mapping=self.slots[:b], num_decodes=b, decode_block_tables=self.tables[:b],
@@ -77,8 +100,9 @@ class CudaGraphs:
         self.tables[:b, :w].copy_(table, non_blocking=True)
         return self.ids[:b], self.pos[:b], self._meta(b)
 
-    def replay(self, meta: AttentionMetadata, x: torch.Tensor) -> torch.Tensor:
-        """x: the batch's input rows (embeddings plus any conditioning), [graph batch, H]."""
+    def replay(self, meta: AttentionMetadata, x: torch.Tensor) -> "GraphOutput":
+        """x: the batch's input rows (embeddings plus any conditioning), [graph batch, H]. The outputs
+        are the graph's own buffers: valid until the next replay of any size (they share one pool)."""
         self.x[:meta.graph_batch].copy_(x)
         self.graphs[meta.graph_batch].replay()
         return self.outputs[meta.graph_batch]

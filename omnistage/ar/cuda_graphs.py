@@ -12,9 +12,11 @@ static buffers; padded rows write their KV to the scratch slot past the pool and
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from omnistage.ar.sampler import greedy_ids
@@ -84,20 +86,19 @@ class CudaGraphs:
 
     def load(self, ids: list[int], pos: list[int], slots: list[int], tables: list[list[int]]):
         """Fill the static buffers for n real rows; returns (ids, pos, meta) of the padded batch."""
-        n = len(ids)
-        b = next(s for s in self.sizes if s >= n)
-        pad = b - n
-        host = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots + [self.scratch_slot] * pad,
-                             [p + 1 for p in pos] + [1] * pad], dtype=torch.long, pin_memory=True)
-        # Table entries past a row's context are never read, so only the used width is refreshed.
-        w = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (w - len(t)) for t in tables] + [[0] * w] * pad, dtype=torch.long,
-                             pin_memory=True)          # pinned: the copies below do not wait for queued steps
-        self.ids[:b].copy_(host[0], non_blocking=True)
-        self.pos[:b].copy_(host[1], non_blocking=True)
-        self.slots[:b].copy_(host[2], non_blocking=True)
-        self.ctx[:b].copy_(host[3], non_blocking=True)
-        self.tables[:b, :w].copy_(table, non_blocking=True)
+        b = next(s for s in self.sizes if s >= len(ids))
+        # pinned: the copies below do not wait for queued steps (a fresh block per step from torch's
+        # pinned-memory cache, which keeps it until the copies that read it have run)
+        w = max(map(len, tables))
+        host = torch.empty(b * (4 + w), dtype=torch.long, pin_memory=True)
+        graph_inputs(host.numpy(), b, self.scratch_slot, ids, pos, slots, tables)
+        # torch views (not numpy's): the copies must hold the pinned block itself
+        rows, table = host[:4 * b].view(4, b), host[4 * b:].view(b, w)
+        self.ids[:b].copy_(rows[0], non_blocking=True)
+        self.pos[:b].copy_(rows[1], non_blocking=True)
+        self.slots[:b].copy_(rows[2], non_blocking=True)
+        self.ctx[:b].copy_(rows[3], non_blocking=True)
+        self.tables[:b, :table.shape[1]].copy_(table, non_blocking=True)
         return self.ids[:b], self.pos[:b], self._meta(b)
 
     def replay(self, meta: AttentionMetadata, x: torch.Tensor) -> "GraphOutput":
@@ -106,3 +107,22 @@ class CudaGraphs:
         self.x[:meta.graph_batch].copy_(x)
         self.graphs[meta.graph_batch].replay()
         return self.outputs[meta.graph_batch]
+
+
+def graph_inputs(buf: np.ndarray, b: int, scratch_slot: int, ids: list[int], pos: list[int], slots: list[int],
+                 tables: list[list[int]]) -> None:
+    """Fills `buf` (int64, b * (4 + w) long, w = the widest of `tables`) with a decode batch padded
+    to b rows: first [4, b] rows (ids, positions, slots, context lengths), then the [b, w] block
+    tables. Padded rows: id 0, the scratch slot, context 1; table entries past a row's blocks are 0
+    (never read). Numpy fills, no per-token Python."""
+    n = len(ids)
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
+    w = int(lens.max())
+    rows = buf[:4 * b].reshape(4, b)
+    rows[0, :n], rows[1, :n], rows[2, :n] = ids, pos, slots
+    rows[3, :n] = rows[1, :n] + 1
+    rows[:, n:] = np.array([[0], [0], [scratch_slot], [1]])
+    table = buf[4 * b:4 * b + b * w].reshape(b, w)
+    table[:] = 0
+    table[:n][np.arange(w) < lens[:, None]] = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64,
+                                                          count=int(lens.sum()))

@@ -115,3 +115,17 @@ def test_final_only_outputs_equal_the_last_streamed_one(tiny_models):
 def test_output_kind_is_checked():
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind="delta")
+
+
+def test_graph_inputs_pad_a_decode_batch():
+    """The host rows a decode graph's static buffers get (`cuda_graphs.graph_inputs`, numpy, runs on
+    any machine), against the same batch padded by hand."""
+    import numpy as np
+
+    from omnistage.ar.cuda_graphs import graph_inputs
+
+    ids, pos, slots, tables = [5, 6, 7], [10, 3, 40], [81, 19, 320], [[2, 9], [1], [4, 8, 12]]
+    buf = np.full(4 * (4 + 3), -7, dtype=np.int64)
+    graph_inputs(buf, 4, 999, ids, pos, slots, tables)
+    assert buf[:16].reshape(4, 4).tolist() == [[5, 6, 7, 0], [10, 3, 40, 0], [81, 19, 320, 999], [11, 4, 41, 1]]
+    assert buf[16:].reshape(4, 3).tolist() == [[2, 9, 0], [1, 0, 0], [4, 8, 12], [0, 0, 0]]

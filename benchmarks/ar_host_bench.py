@@ -68,8 +68,9 @@ def build(path: str, rows: int):
     device = Timer()
     engine.runner.forward = device.wrap(engine.runner.forward)
     engine.model.compute_logits = device.wrap(engine.model.compute_logits)
-    runner_mod.sample = device.wrap(runner_mod.sample)
-    runner_mod.greedy_ids = device.wrap(runner_mod.greedy_ids)
+    for name in ("sample", "greedy_ids"):       # (an older tree has no greedy_ids)
+        if hasattr(runner_mod, name):
+            setattr(runner_mod, name, device.wrap(getattr(runner_mod, name)))
     return engine, device
 
 

@@ -193,8 +193,6 @@ class ServingChat(OpenAIServing):
             prompt = audio.prompt(prompt)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        if not req.stream:                      # only the finished output is read
-            params = self.final_only(params)
         gens = [self.generate(prompt, params, rid, req.field_names(), default_param="messages")]
         if req.stream:
             firsts = await self.until_disconnected(raw, self.first_outputs(gens))

@@ -73,8 +73,6 @@ class ServingCompletion(OpenAIServing):
         prompts = await asyncio.to_thread(lambda: [self.with_token_ids(p) for p in prompts])
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        if not req.stream:                      # only the finished output is read
-            params = self.final_only(params)
         gens = [self.generate(p, params, f"{rid}-{i}", req.field_names(), default_param="prompt")
                 for i, p in enumerate(prompts)]
         if req.stream:

@@ -33,7 +33,6 @@ from omnistage.entrypoints.openai.errors import ClientDisconnected, OpenAIError,
 from omnistage.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from omnistage.metrics import EngineMetrics
 from omnistage.outputs import RequestOutput, TokenLogprobs
-from omnistage.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -142,15 +141,6 @@ class OpenAIServing:
         self.metrics = metrics
 
     # ---- checks -------------------------------------------------------------------------------
-    def final_only(self, params: Any) -> Any:
-        """`params` asking only for the finished output (`SamplingParams.output_kind`), for a caller that
-        reads nothing before it, when the pipeline has one stage (no stage downstream reads partial
-        outputs); else `params` as they are."""
-        orch = getattr(self.engine, "orchestrator", None)
-        if isinstance(params, SamplingParams) and orch is not None and len(orch.spec.stages) == 1:
-            return params.clone(output_kind="final_only")
-        return params
-
     def check_request(self, model: Optional[str], output: str = "text") -> None:
         """What every route checks first: `model` is the served one (404), the engine runs (503), and
         it makes the route's `output`, one of "text", "media" (images or videos), "speech" (400)."""

@@ -142,8 +142,9 @@ class AREngine:
     def _profile_cuda_budget(self) -> int:
         """Bytes for KV: this stage's own share of the GPU (`gpu_memory_utilization`; stages sharing a
         GPU get planned shares, pipeline/memory.py) minus what it holds at the peak of a largest step
-        (weights + activations, measured) and its CUDA context (estimated); at most what the device
-        has free once the step's activations are released, less their room again and a margin."""
+        (weights + activations, measured), its CUDA context (estimated) and the decode graphs' logits
+        buffers (computed); at most what the device has free once the step's activations are
+        released, less their room again, those buffers and a margin."""
         cfg = self.config
         torch.cuda.empty_cache()
         # the peak restarts at what is allocated now: `_mem_base` + this engine's weights
@@ -159,8 +160,11 @@ class AREngine:
         torch.cuda.empty_cache()
         activations = peak - torch.cuda.memory_allocated(self.device)   # room a largest step needs again
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = int(total * cfg.gpu_memory_utilization - (peak - self._mem_base) - CUDA_CONTEXT_BYTES)
-        free_for_kv = free - activations - FREE_MARGIN_BYTES
+        # the decode graphs' pool keeps the lm_head's logits of the largest batch (bf16 / fp16 and float32)
+        graphs = (cfg.max_num_seqs * self.hf_config.vocab_size * (4 + torch.empty((), dtype=self.dtype).element_size())
+                  if cfg.cuda_graphs and cfg.tensor_parallel_size == 1 else 0)
+        budget = int(total * cfg.gpu_memory_utilization - (peak - self._mem_base) - CUDA_CONTEXT_BYTES - graphs)
+        free_for_kv = free - activations - graphs - FREE_MARGIN_BYTES
         if budget > free_for_kv:
             logger.warning("KV cache capped at the %.2f GiB free on %s; gpu_memory_utilization %.3f would give "
                            "%.2f GiB: the device holds more than the memory plan estimated (other stages or "

@@ -9,8 +9,9 @@ off is the unfused path as it was, an A/B in the same run) and for transformers 
   - TTFT of one 2048-token prompt
   - the floor of each: max(weight bytes per decode step / measured copy bandwidth, FLOPs / measured
     bf16 matmul rate)
-  - the GPU time of one decode step alone (CUDA-graph replay at batch 1 / 64 / 256, context 192),
-    which the host work around each step (scheduling, inputs, sampling) does not enter
+  - the GPU time of one decode step alone (CUDA-graph replay at batch 1 / 64 / 256, context 192: the
+    decoder, lm_head and argmax), which the host work around each step (scheduling, inputs, outputs)
+    does not enter, beside the engine's wall ms per step in each decode run
   - host time per launch: a Triton kernel vs a PyTorch elementwise op (eager steps are launch-bound)
 With --fp8, the same workloads with `quantization="fp8"` (decoder linears FP8: W8A16 Triton GEMV
 for steps of <= 16 rows, W8A8 `torch._scaled_mm` above) as one more column, and its floor (decoder
@@ -120,9 +121,17 @@ def bench_ours(path: str, fused_on: bool, cuda_graphs: bool = True, batches=(1, 
         for n, new in ((4, 128), (64, 2), (1, 2)):                     # warm-up: compiles, autotuning
             _timed_generate(omni, n, 128, new, 1)
         res["decode"] = []
+        engine = omni.orchestrator.main
         for i, b in enumerate(batches):
+            before = engine.stats()
             dt, n_out = _timed_generate(omni, b, 128, 128, 10 + i)
-            res["decode"].append({"batch": b, "seconds": dt, "output_tokens": n_out, "tok_s": n_out / dt})
+            after = engine.stats()
+            steps = after["steps_total"] - before["steps_total"]
+            # the engine's wall time per model step (prefill steps included; schedule excluded): beside
+            # the graph replay's GPU time it shows how much of a step is host work
+            step_ms = 1e3 * (after["step_seconds_total"] - before["step_seconds_total"]) / max(steps, 1)
+            res["decode"].append({"batch": b, "seconds": dt, "output_tokens": n_out, "tok_s": n_out / dt,
+                                  "steps": steps, "engine_step_ms": step_ms})
         if len(batches) > 1:
             dt, n_out = _timed_generate(omni, 64, 128, 128, 40, temperature=0.8)
             res["sampled_64_tok_s"] = n_out / dt
@@ -271,6 +280,7 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
         print(json.dumps(res, indent=1))
+        print_step_ms(res)
         if args.fp8:
             print_fp8_table(res)
         return
@@ -282,6 +292,18 @@ def main() -> None:
             json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1))
     print_table(res)
+
+
+def print_step_ms(res: dict) -> None:
+    """Engine wall ms per step of each decode run beside its graph replay's GPU ms (the rest is host)."""
+    on = res["ours"]
+    print("\n| decode run | engine steps | engine ms / step (wall) | graph GPU ms / step | host share |")
+    print("|---|---|---|---|---|")
+    for r in on["decode"]:
+        gpu = on.get("graph_step_ms", {}).get(r["batch"])
+        share = f"{1 - gpu / r['engine_step_ms']:.0%}" if gpu else "-"
+        print(f"| {r['batch']} x (128 in, 128 out) | {r['steps']} | {r['engine_step_ms']:.2f} "
+              f"| {'-' if gpu is None else f'{gpu:.2f}'} | {share} |")
 
 
 def print_table(res: dict) -> None:
@@ -306,8 +328,9 @@ def print_table(res: dict) -> None:
           f"| - | {hf_dec[1]:.0f} | - |")
     for b, ms in on["graph_step_ms"].items():
         floor = fl["weight_bytes"] / (res["copy_bw_GBs"] * 1e9) * 1e3
-        print(f"| one decode step's GPU time (graph replay), batch {b}, context 192, ms | {ms:.2f} | - "
-              f"| {off['graph_step_ms'][b]:.2f} | - | {floor:.2f} (weights / bw) |")
+        print(f"| one decode step's GPU time (graph replay: decoder, lm_head, argmax), batch {b}, context 192, "
+              f"ms | {ms:.2f} | - | {off['graph_step_ms'][b]:.2f} | - | {floor:.2f} (weights / bw) |")
+    print_step_ms(res)
     print("\nhost us per call: " + ", ".join(f"{k} {v:.1f}" for k, v in res["launch_us"].items()))
     if "ours_fp8" in res:
         print_fp8_table(res)

@@ -107,6 +107,9 @@ def generation_defaults(generation_config: dict, source: str = "generation confi
     return out
 
 
+OUTPUT_KINDS = ("cumulative", "final_only")   # SamplingParams.output_kind
+
+
 @dataclass
 class SamplingParams:
     n: int = 1                                  # completions per prompt
@@ -128,6 +131,9 @@ class SamplingParams:
     skip_special_tokens: bool = True            # drop special tokens from the text
     logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit, [-100, 100]
     structured_outputs: Optional[StructuredOutputsParams] = None  # the grammar the answer follows, or None
+    # "cumulative": an output after every step; "final_only": only the finished one (the engine then
+    # detokenizes once at the end unless stop strings need the text each step). `Omni.generate` sets it.
+    output_kind: str = "cumulative"
 
     MAX_LOGPROBS = 20
 
@@ -161,6 +167,7 @@ class SamplingParams:
         check_param(self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS, "logprobs",
                f"in [0, {self.MAX_LOGPROBS}]", self.logprobs)
         check_param(self.seed is None or isinstance(self.seed, int), "seed", "an integer", self.seed)
+        check_param(self.output_kind in OUTPUT_KINDS, "output_kind", f"one of {list(OUTPUT_KINDS)}", self.output_kind)
         self.logit_bias = _logit_bias(self.logit_bias)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)

@@ -58,6 +58,12 @@ class _Request:
         self.params = params
         self.seqs = seqs
         self.metrics = RequestMetrics(arrival_time=arrival_time)
+        # Only the finished output is wanted (`output_kind`), and no step needs hidden states reported:
+        # no output is built before the end.
+        self.final_only = params.output_kind == "final_only" and not any(
+            s.cond is not None and s.cond.return_hidden for s in seqs)
+        # its text is decoded once at the end (nothing reads it before, and no stop string needs it)
+        self.lazy_text = self.final_only and not params.stop
 
 
 class AREngine:
@@ -100,6 +106,7 @@ class AREngine:
             self.close()                        # the ranks started above stop with it
             raise
         self.max_model_len = min(max_len, num_blocks * config.block_size)
+        self._eos = np.array(sorted(self.eos_ids), dtype=np.int64)    # for one `np.isin` per step
         if self.device.type == "cuda" and config.cuda_graphs and tp == 1:   # TP steps run eager
             self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -138,8 +145,9 @@ class AREngine:
     def _profile_cuda_budget(self) -> int:
         """Bytes for KV: this stage's own share of the GPU (`gpu_memory_utilization`; stages sharing a
         GPU get planned shares, pipeline/memory.py) minus what it holds at the peak of a largest step
-        (weights + activations, measured) and its CUDA context (estimated); at most what the device
-        has free once the step's activations are released, less their room again and a margin."""
+        (weights + activations, measured), its CUDA context (estimated) and the decode graphs' logits
+        buffers (computed); at most what the device has free once the step's activations are
+        released, less their room again, those buffers and a margin."""
         cfg = self.config
         torch.cuda.empty_cache()
         # the peak restarts at what is allocated now: `_mem_base` + this engine's weights
@@ -155,8 +163,11 @@ class AREngine:
         torch.cuda.empty_cache()
         activations = peak - torch.cuda.memory_allocated(self.device)   # room a largest step needs again
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = int(total * cfg.gpu_memory_utilization - (peak - self._mem_base) - CUDA_CONTEXT_BYTES)
-        free_for_kv = free - activations - FREE_MARGIN_BYTES
+        # the decode graphs' pool keeps the lm_head's logits of the largest batch (bf16 / fp16 and float32)
+        graphs = (cfg.max_num_seqs * self.hf_config.vocab_size * (4 + torch.empty((), dtype=self.dtype).element_size())
+                  if cfg.cuda_graphs and cfg.tensor_parallel_size == 1 else 0)
+        budget = int(total * cfg.gpu_memory_utilization - (peak - self._mem_base) - CUDA_CONTEXT_BYTES - graphs)
+        free_for_kv = free - activations - graphs - FREE_MARGIN_BYTES
         if budget > free_for_kv:
             logger.warning("KV cache capped at the %.2f GiB free on %s; gpu_memory_utilization %.3f would give "
                            "%.2f GiB: the device holds more than the memory plan estimated (other stages or "
@@ -370,27 +381,34 @@ class AREngine:
                                         if s.seq.seq_id in result.hidden and s.seq.request_id in self.requests}
         by_id = {s.seq.seq_id: s.seq for s in sched.scheduled}
         failed: dict[str, Exception] = {}       # request id -> what its host work raised
-        for seq_id, token in result.sampled.items():
+        sampled = result.sampled
+        # one vectorized EOS check over the step's ids (a dict keeps its rows in insertion order)
+        eos = np.isin(np.fromiter(sampled.values(), dtype=np.int64, count=len(sampled)), self._eos).tolist()
+        for (seq_id, token), is_eos in zip(sampled.items(), eos):
             seq = by_id[seq_id]
             req = self.requests.get(seq.request_id)
             if req is None or req.request_id in failed:     # aborted while its step was queued
                 continue
-            req.metrics.first_token_time = req.metrics.first_token_time or now
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
             if seq_id in result.codes:
                 seq.codes.append(result.codes[seq_id])
             try:
                 if seq_id in result.logprobs:
                     seq.logprobs.append(self._logprobs(token, *result.logprobs[seq_id]))
-                self._check_stop(seq, token)
+                self._check_stop(seq, token, is_eos, req.lazy_text)
             except Exception as e:
                 failed[req.request_id] = e
                 continue
-            changed[req.request_id] = req
+            if not req.final_only or seq.is_finished:
+                changed[req.request_id] = req
         outputs = []
         for req in changed.values():
             if req.request_id in failed:
                 continue
             finished = all(s.is_finished for s in req.seqs)
+            if req.final_only and not finished:        # a caller reads it only once it is done
+                continue
             try:
                 out = StageOutput(req.request_id, self._make_output(req, finished), finished,
                                   hidden=result.hidden.get(req.seqs[0].seq_id))
@@ -416,21 +434,27 @@ class AREngine:
         dec = (lambda ids: tok.decode(ids)) if tok is not None else (lambda ids: "")
         return TokenLogprobs(Logprob(token, chosen, dec([token])), [Logprob(t, lp, dec([t])) for t, lp in top])
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
+    def _check_stop(self, seq: Sequence, token: int, is_eos: bool, lazy_text: bool = False) -> None:
+        """Finish `seq` if `token` (its last, `is_eos`: one of the model's EOS ids) ends it. Its text
+        advances with it, unless `lazy_text`: then it is decoded once when the sequence finishes."""
         p = seq.params
-        out_ids = seq.output_token_ids
+        num_out = len(seq.token_ids) - seq.prompt_len
         reason, stop_reason = None, None
-        if seq.num_output_tokens >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_ids:
+        if num_out >= p.min_tokens:
+            if is_eos and not p.ignore_eos:
                 reason = "stop"
-            elif token in p.stop_token_ids:
+            elif p.stop_token_ids and token in p.stop_token_ids:
                 reason, stop_reason = "stop", token
         if seq.grammar is not None:
             seq.grammar.accept(token)
             if reason is None and seq.grammar.terminated:
                 reason = "stop"
+        at_length = num_out >= p.max_tokens or len(seq.token_ids) >= self.max_model_len
+        if reason is None and lazy_text and not at_length:   # the common case: nothing to decode or copy
+            return
+        out_ids = seq.output_token_ids
         text_ids = out_ids[:-1] if reason else out_ids        # the stopping token is not text
-        delta = seq.detok.update(text_ids)
+        delta = "" if lazy_text else seq.detok.update(text_ids)
         if reason is None and p.stop and delta:
             text = seq.detok.text
             start = max(0, len(text) - len(delta) - p.stop_hold)
@@ -440,7 +464,7 @@ class AREngine:
                 i, s = min(hits)
                 seq.detok.text = text[:i]
                 reason, stop_reason = "stop", s
-        if reason is None and (seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len):
+        if reason is None and at_length:
             reason = "length"
         if reason is not None:
             if stop_reason is None or isinstance(stop_reason, int):

@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from omnistage.ar.sampler import SamplerOutput, SamplingBatch, sample, to_device
+from omnistage.ar.sampler import SamplerOutput, SamplingBatch, greedy_ids, plain_greedy, sample, to_device
 from omnistage.ar.scheduler import ScheduledSeq, SchedulerOutput
 from omnistage.ar.sequence import PLACEHOLDER, Sequence
 from omnistage.ar.step_inputs import StepInputs, step_inputs, step_order
@@ -153,14 +153,16 @@ class ModelRunner:
             ids[self._to_device(dst)] = prev.tokens[self._to_device(src)]
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
-                x: Optional[torch.Tensor], layer_adds: Optional[torch.Tensor] = None):
-        """The model's output: last hidden states, or (them, the reported rows) for a model with a
-        `report_layer`. `layer_adds` [L, T, H]: rows added after decoder layers 0..L-1 (prefills only)."""
+                x: Optional[torch.Tensor], layer_adds: Optional[torch.Tensor] = None) -> tuple[Any, Any]:
+        """(the model's output, the replayed graph's `GraphOutput` or None when the step ran eager). The
+        output: last hidden states, or (them, the reported rows) for a model with a `report_layer`.
+        `layer_adds` [L, T, H]: rows added after decoder layers 0..L-1 (prefills only)."""
         if self.graphs is not None and meta.graph_batch:
-            return self.graphs.replay(meta, x)
+            graph = self.graphs.replay(meta, x)
+            return graph.model, graph
         if layer_adds is not None:
-            return self.model(ids, pos, meta, inputs_embeds=x, layer_adds=layer_adds)
-        return self.model(ids, pos, meta, inputs_embeds=x)
+            return self.model(ids, pos, meta, inputs_embeds=x, layer_adds=layer_adds), None
+        return self.model(ids, pos, meta, inputs_embeds=x), None
 
     @staticmethod
     def _layer_adds(order: list[ScheduledSeq], x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -217,12 +219,19 @@ class ModelRunner:
                 row += s.num_new_tokens
             if self.ranks is not None:
                 self.ranks.send_embeds(x)
-        hidden, reported = split_outputs(self.forward(ids, pos, meta, x, self._layer_adds(order, x)))
+        sampling = [s.seq for s in order if s.samples]
+        params = [q.params for q in sampling]
+        banned = [_banned(q, eos_ids) for q in sampling]
+        penalized = any(p.needs_penalties for p in params)      # only penalties read earlier ids
+        # read before the forward: `prev.tokens` may be a graph's buffer, which a replay rewrites
+        pending = self._pending_ids(sampling, prev) if penalized else None
+        output, graph = self.forward(ids, pos, meta, x, self._layer_adds(order, x))
+        hidden, reported = split_outputs(output)
         # Grammar masks are filled on the host while the device runs the forward (kernels are queued).
         bitmask = None
         if self.grammars is not None:
-            bitmask = self.grammars.bitmask([s.seq for s in order if s.samples])
-        rows, sampling = list(inputs.logit_rows), [s.seq for s in order if s.samples]
+            bitmask = self.grammars.bitmask(sampling)
+        rows = list(inputs.logit_rows)
         reports: dict[str, HiddenStates] = {}
         row = 0
         for s in order:
@@ -233,20 +242,26 @@ class ModelRunner:
         if not sampling:
             return Launched([], result=RunnerOutput({}, {}), hidden=reports)
         picked = logit_rows(hidden, rows)
-        logits = self.model.compute_logits(picked)
-        params = [q.params for q in sampling]
-        penalized = any(p.needs_penalties for p in params)      # only penalties read earlier ids
-        batch = SamplingBatch(
-            params=params,
-            generators=[self._generator_for(q) for q in sampling],
-            prompt_ids=[q.token_ids[:q.prompt_len] if penalized else [] for q in sampling],
-            output_ids=[q.output_token_ids if penalized else [] for q in sampling],
-            banned=[_banned(q, eos_ids) for q in sampling],
-            token_bitmask=None if bitmask is None else bitmask.to(self.device, non_blocking=True),
-            pending_ids=self._pending_ids(sampling, prev) if penalized else None)
-        num_logprobs = max((q.params.logprobs for q in sampling if q.params.logprobs is not None), default=-1)
-        out = sample(logits, batch, self.generator, num_logprobs)
-        codes = self._frames(sampling, picked, out.token_ids, batch)
+        codes, num_logprobs = None, -1
+        if (bitmask is None and getattr(self.model, "frame_head", None) is None
+                and all(map(plain_greedy, params, banned))):
+            # every row takes the argmax of its raw logits: the graph's own (nothing more runs), or one
+            # over the eager logits
+            out = SamplerOutput(logit_rows(graph.greedy, rows) if graph is not None
+                                else greedy_ids(self.model.compute_logits(picked)))
+        else:
+            logits = self.model.compute_logits(picked) if graph is None else logit_rows(graph.logits, rows)
+            batch = SamplingBatch(
+                params=params,
+                generators=[self._generator_for(q) for q in sampling],
+                prompt_ids=[q.token_ids[:q.prompt_len] if penalized else [] for q in sampling],
+                output_ids=[q.output_token_ids if penalized else [] for q in sampling],
+                banned=banned,
+                token_bitmask=None if bitmask is None else bitmask.to(self.device, non_blocking=True),
+                pending_ids=pending)
+            num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
+            out = sample(logits, batch, self.generator, num_logprobs)
+            codes = self._frames(sampling, picked, out.token_ids, batch)
         done = Launched(sampling, tokens=out.token_ids, hidden=reports)
         if num_logprobs >= 0 or codes is not None:      # frame heads: conditioned rows, never queued ahead
             done.result = self._to_host(sampling, out, num_logprobs)

@@ -58,6 +58,18 @@ def to_device(values: list, device: torch.device, dtype=None) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """[S] long: each row's most likely token (the greedy choice, in `sample` and inside decode graphs)."""
+    return logits.argmax(-1)
+
+
+def plain_greedy(p: SamplingParams, banned: list[int]) -> bool:
+    """A row whose token is `greedy_ids` of its raw logits: greedy, and no banned ids (`banned`: the
+    row's this step), bias or penalties change its logits, no logprobs are read. (A grammar's mask
+    is the caller's to rule out.)"""
+    return p.greedy and not banned and not p.logit_bias and not p.needs_penalties and p.logprobs is None
+
+
 def _history(b: SamplingBatch, i: int, ids: list[int], dev: torch.device) -> torch.Tensor:
     """Row i's `ids` (its prompt and / or output ids) on the device; a PLACEHOLDER ending them (a
     queued step's sample the host has not read) is taken from `pending_ids`, device to device."""
@@ -167,9 +179,9 @@ def sample(logits: torch.Tensor, b: SamplingBatch, default_generator: Optional[t
         logits = _apply_penalties(logits, b)
     if b.token_bitmask is not None:
         logits = apply_token_bitmask(logits, b.token_bitmask)
-    greedy_ids = logits.argmax(-1)
+    greedy = greedy_ids(logits)
     if b.all_greedy:
-        out.token_ids = greedy_ids
+        out.token_ids = greedy
     else:
         probs = _filter(logits, b).softmax(-1)
         noise = torch.empty_like(probs)
@@ -183,8 +195,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch, default_generator: Optional[t
             if g is not None:
                 noise[i].exponential_(generator=g)
         sampled = (probs / noise).argmax(-1)
-        greedy = to_device([p.greedy for p in b.params], logits.device)
-        out.token_ids = torch.where(greedy, greedy_ids, sampled)
+        greedy_rows = to_device([p.greedy for p in b.params], logits.device)
+        out.token_ids = torch.where(greedy_rows, greedy, sampled)
     if num_logprobs >= 0:
         out.chosen_logprobs = raw.gather(-1, out.token_ids[:, None])[:, 0]
     return out

@@ -78,7 +78,8 @@ class Scheduler:
             if n == 0:                                   # waiting for streamed inputs: keep its blocks
                 i += 1
                 continue
-            while not self.bm.can_allocate(self.bm.blocks_needed(seq, n)):
+            need = self.bm.blocks_needed(seq, n)
+            while not self.bm.can_allocate(need):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -86,7 +87,8 @@ class Scheduler:
                     break
             if seq.status != SeqStatus.RUNNING:
                 break
-            self.bm.allocate(seq, n)
+            if need:                                     # most decode steps fit in the last block
+                self.bm.allocate(seq, n)
             out.scheduled.append(ScheduledSeq(seq, n, seq.num_computed_tokens))
             budget -= n
             i += 1
@@ -114,12 +116,14 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
         """Advance computed counts and append the token sampled for each sequence that sampled."""
+        bs = self.bm.block_size
         for s in out.scheduled:
             seq = s.seq
             if seq.status != SeqStatus.RUNNING:      # aborted while the step ran
                 continue
-            seq.num_computed_tokens = s.start + s.num_new_tokens
-            self.bm.commit_full_blocks(seq)
+            seq.num_computed_tokens = done = s.start + s.num_new_tokens
+            if done // bs > len(seq.block_hashes):   # a block filled up this step
+                self.bm.commit_full_blocks(seq)
             token = sampled.get(seq.seq_id)
             if token is not None:
                 seq.token_ids.append(token)

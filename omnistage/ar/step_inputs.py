@@ -65,9 +65,23 @@ def step_inputs(decodes: list[ScheduledSeq], prefills: list[ScheduledSeq], block
     """The rows of a step. `prev_rows`: seq_id -> row of the queued step's sampled ids (placeholders)."""
     order = decodes + prefills
     bs = block_size
-    ids, slots, fill = [], [], []
-    for s in order:
+    ids, slots, fill, rows = [], [], [], []
+    conditioned = False
+    for i, s in enumerate(decodes):             # one row each: one pass, no per-token loop
+        seq, p = s.seq, s.start
+        t = seq.token_ids[p]
+        if t == PLACEHOLDER:
+            fill.append((i, prev_rows[seq.seq_id]))
+            t = 0
+        ids.append(t)
+        slots.append(seq.block_table[p // bs] * bs + p % bs)
+        if p + 1 == len(seq.token_ids):         # `ScheduledSeq.samples`
+            rows.append(i)
+        conditioned = conditioned or seq.cond is not None
+    chunks = []
+    for s in prefills:
         seq = s.seq
+        chunks.append((len(ids), s.num_new_tokens, s.start + s.num_new_tokens))
         for p in range(s.start, s.start + s.num_new_tokens):
             t = seq.token_ids[p]
             if t == PLACEHOLDER:
@@ -75,17 +89,15 @@ def step_inputs(decodes: list[ScheduledSeq], prefills: list[ScheduledSeq], block
                 t = 0
             ids.append(t)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
-    pos, mrope_rows = _positions(order)
-    chunks, row = [], len(decodes)
-    for s in prefills:
-        chunks.append((row, s.num_new_tokens, s.start + s.num_new_tokens))
-        row += s.num_new_tokens
-    rows, row = [], 0
-    for s in order:
-        row += s.num_new_tokens
         if s.samples:
-            rows.append(row - 1)
-    embeds = any(s.seq.cond is not None and s.seq.cond.needs_embeds for s in order)
+            rows.append(len(ids) - 1)
+        conditioned = conditioned or seq.cond is not None
+    if conditioned:
+        pos, mrope_rows = _positions(order)
+    else:
+        pos = [s.start for s in decodes] + [p for s in prefills for p in range(s.start, s.start + s.num_new_tokens)]
+        mrope_rows = None
+    embeds = conditioned and any(s.seq.cond is not None and s.seq.cond.needs_embeds for s in order)
     return StepInputs(ids, mrope_rows if mrope_rows else pos, slots, len(decodes), [s.seq.seq_id for s in order],
                       [s.seq.block_table for s in order], [s.start + 1 for s in decodes], chunks, bs, fill,
                       embeds, tuple(rows))

@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from omnistage.entrypoints.common import ChatRenderer, Speech, build_orchestrator, default_params_for, per_prompt
 from omnistage.outputs import RequestOutput
+from omnistage.params import SamplingParams
 
 
 class Omni:
@@ -36,6 +37,9 @@ class Omni:
                                                         and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
         params_list = per_prompt(params, len(prompts), default_params_for(self.orchestrator, entry_stage))
+        if len(self.orchestrator.spec.stages) == 1:     # its outputs come straight here; only the last is read
+            params_list = [p.clone(output_kind="final_only") if isinstance(p, SamplingParams) else p
+                           for p in params_list]
         ids = []
         try:
             for prompt, p in zip(prompts, params_list):

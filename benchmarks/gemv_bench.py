@@ -10,7 +10,7 @@ cost is out, as in the engine's decode graphs):
   - floors: weight bytes / measured copy bandwidth, FP8 and bf16
 and the kernels' max error against their PyTorch references (relative to the largest output).
 
-    PYTHONPATH=$PWD python benchmarks/gemv_bench.py
+    PYTHONPATH=$PWD python benchmarks/gemv_bench.py [--sweep]   # --sweep: FP8 tile sweep at M = 1, 1.5B shapes
 """
 
 from __future__ import annotations
@@ -95,5 +95,42 @@ def main() -> None:
           "included.")
 
 
+def sweep() -> None:
+    """Tile sweep of the FP8 GEMV at M = 1 (bs1 decode) on the first shape set: per layer the fastest (BLOCK_N, BLOCK_K,
+    num_warps, num_stages) and its time beside the default tiles' and the floor."""
+    import itertools
+
+    from omnistage.layers import triton_gemv
+    from omnistage.layers.fp8_linear import Fp8Linear
+
+    bw = copy_bandwidth()
+    print("| shape | layer | M | default us | best us | best (BLOCK_N, BLOCK_K, warps, stages) | floor us |")
+    print("|---|---|---|---|---|---|---|")
+    torch.manual_seed(0)
+    for model, layers in list(SHAPES.items())[:1]:        # the ar_bench model's shapes
+        for name, (n, k) in layers.items():
+            fp8 = Fp8Linear.from_linear(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
+            for m in (1,):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                ref = triton_gemv.reference(x, fp8.weight_fp8, fp8.weight_scale)
+                default = graph_us(lambda: triton_gemv.gemv(x, fp8.weight_fp8, fp8.weight_scale))
+                best = (float("inf"), None)
+                grid = itertools.product((4, 8, 16, 32) if m == 1 else (16, 32, 64), (256, 512, 1024) if m == 1
+                                         else (128, 256), (4, 8), (2, 4))
+                for cfg in grid:
+                    try:
+                        out = triton_gemv.gemv(x, fp8.weight_fp8, fp8.weight_scale, config=cfg)
+                        if rel_err(out, ref) > 1e-2:
+                            continue
+                        t = graph_us(lambda: triton_gemv.gemv(x, fp8.weight_fp8, fp8.weight_scale, config=cfg))
+                    except Exception:                   # a tile the compiler refuses (registers, shared memory)
+                        continue
+                    best = min(best, (t, cfg))
+                print(f"| {model} | {name} ({n} x {k}) | {m} | {default:.1f} | {best[0]:.1f} | {best[1]} | "
+                      f"{n * k / bw * 1e6:.1f} |", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    sweep() if "--sweep" in sys.argv else main()

@@ -139,9 +139,10 @@ def tiles(m: int, n: int, k: int, weight_bytes: int, sms: int) -> tuple[int, int
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None,
-         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+         bias: Optional[torch.Tensor] = None, config: Optional[tuple[int, int, int, int]] = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_M, last dim contiguous), w [N, K] contiguous (fp8 with `scale` [N, 1] float32,
-    or x's dtype with scale None), bias [N] or None -> [M, N] in x's dtype."""
+    or x's dtype with scale None), bias [N] or None -> [M, N] in x's dtype. `config` (BLOCK_N, BLOCK_K,
+    num_warps, num_stages) overrides the tile choice (benchmarks/gemv_bench.py --sweep)."""
     m, k = x.shape
     n = w.shape[0]
     if m > MAX_M or w.shape[1] != k:
@@ -150,9 +151,12 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None,
         x = x.contiguous()
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     block_m, block_n, block_k, use_dot = tiles(m, n, k, w.element_size(), _num_sms(x.device))
+    warps, stages = 4, 4
+    if config is not None:
+        block_n, block_k, warps, stages = config
     grid = (triton.cdiv(n, block_n),)
     _gemv_kernel[grid](x, w, scale if scale is not None else w, bias if bias is not None else w, out,
                        m, n, k, x.stride(0), w.stride(0), out.stride(0),
                        HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, USE_DOT=use_dot,
-                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4)
+                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out

@@ -52,22 +52,17 @@ def config_folder(path: str, shape: dict) -> str:
 
 def random_loader(model_dir, device, dtype, max_positions):
     """`ar.engine.ModelLoader`: the native Qwen2 decoder with weights drawn on the device from seed 0
-    (matrices and biases N(0, 0.02), norm weights 1)."""
+    (`models/dummy.init_dummy_`: matrices N(0, 0.02), biases 0, norm weights 1)."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from omnistage.models.dummy import init_dummy_
     from omnistage.models.llama import Qwen2ForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = Qwen2ForCausalLM(config, min(max_positions or 4096, 4096))
     model = model.to_empty(device=device).to(dtype=dtype)
-    g = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=g)
+    init_dummy_(model)                          # load_format="dummy"'s draws: N(0, 0.02), norms 1
     model.rotary.build(device)
     return model.eval(), config, AutoTokenizer.from_pretrained(model_dir), frozenset()
 

@@ -63,22 +63,18 @@ def check_kernels() -> bool:
 
 
 def random_native_lm(shape: dict, max_positions: int):
-    """omnistage's Qwen2 with random bf16 weights (N(0, 0.02), norms 1) built on the GPU, no checkpoint."""
+    """omnistage's Qwen2 with random bf16 weights (`models/dummy.init_dummy_`: N(0, 0.02), biases 0, norms 1)
+    built on the GPU, no checkpoint."""
     from transformers import Qwen2Config
 
+    from omnistage.models.dummy import init_dummy_
     from omnistage.models.llama import Qwen2ForCausalLM
 
     cfg = Qwen2Config(**shape)
     with torch.device("meta"):
         model = Qwen2ForCausalLM(cfg, max_positions).to(torch.bfloat16)
     model = model.to_empty(device="cuda")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=g)
+    init_dummy_(model)
     model.rotary.build(torch.device("cuda"))
     return model.eval(), cfg
 

@@ -19,23 +19,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tts_check_cuda import _time  # noqa: E402  (ms per call, synchronized)
 
 SHAPES = ((1, 4), (1, 49), (8, 49), (16, 49))   # (windows in the batch, frames per window)
-
-
-def _time(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return 1e3 * (time.perf_counter() - t) / reps
 
 
 def main() -> None:

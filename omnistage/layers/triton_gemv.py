@@ -121,21 +121,22 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def tiles(m: int, n: int, k: int, weight_bytes: int, sms: int) -> tuple[int, int, int, bool]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, use_dot) for an [m, k] x [n, k]^T product. M == 1: a [BLOCK_N, BLOCK_K]
-    weight tile of at most 8192 elements in registers (256 bytes of each fp8 row per K step);
-    M > 1: a 16-row `tl.dot` tile and 128-byte rows of weight per K step. Then the widest N tile that
+def tiles(m: int, n: int, k: int, weight_bytes: int, sms: int) -> tuple[int, int, int, bool, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, use_dot, num_warps, num_stages) for an [m, k] x [n, k]^T product.
+    M == 1: 1 KiB of each weight row per K step and narrow N tiles (4 rows; 8 once that still gives
+    ~4 programs per SM), the fastest of `benchmarks/gemv_bench.py --sweep` on an H200 for every
+    Qwen2.5-1.5B decoder shape (e.g. down_proj 25.3 -> 9.3 us against the first tiles' choice);
+    M > 1: a 16-row `tl.dot` tile, 128-byte rows of weight per K step and the widest N tile that
     still gives `_TARGET_PROGRAMS_PER_SM` programs per SM."""
-    use_dot = m > 1
-    if use_dot:
-        block_k, widest, smallest = 128 // weight_bytes, 128, 16       # tl.dot needs 16 x 16 tiles at least
-    else:
-        block_k, widest, smallest = 256 // weight_bytes, 32, 8
-    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
-    block_n = widest
-    while block_n > smallest and triton.cdiv(n, block_n) < _TARGET_PROGRAMS_PER_SM * sms:
+    if m == 1:
+        block_k = max(16, min(1024 // weight_bytes, triton.next_power_of_2(k)))
+        block_n = 8 if triton.cdiv(n, 8) >= 4 * sms else 4
+        return 1, block_n, block_k, False, 4, (4 if block_n == 8 else 2)
+    block_k = max(16, min(128 // weight_bytes, triton.next_power_of_2(k)))
+    block_n = 128
+    while block_n > 16 and triton.cdiv(n, block_n) < _TARGET_PROGRAMS_PER_SM * sms:
         block_n //= 2
-    return (16 if use_dot else 1), block_n, block_k, use_dot
+    return 16, block_n, block_k, True, 4, 4
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None,
@@ -150,8 +151,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None,
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    block_m, block_n, block_k, use_dot = tiles(m, n, k, w.element_size(), _num_sms(x.device))
-    warps, stages = 4, 4
+    block_m, block_n, block_k, use_dot, warps, stages = tiles(m, n, k, w.element_size(), _num_sms(x.device))
     if config is not None:
         block_n, block_k, warps, stages = config
     grid = (triton.cdiv(n, block_n),)

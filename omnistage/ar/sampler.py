@@ -16,9 +16,12 @@ next step already).
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from omnistage.ar.sequence import PLACEHOLDER
@@ -70,25 +73,37 @@ def plain_greedy(p: SamplingParams, banned: list[int]) -> bool:
     return p.greedy and not banned and not p.logit_bias and not p.needs_penalties and p.logprobs is None
 
 
-def _history(b: SamplingBatch, i: int, ids: list[int], dev: torch.device) -> torch.Tensor:
-    """Row i's `ids` (its prompt and / or output ids) on the device; a PLACEHOLDER ending them (a
-    queued step's sample the host has not read) is taken from `pending_ids`, device to device."""
-    if not ids or ids[-1] != PLACEHOLDER:
-        return to_device(ids, dev, torch.long)
-    out = to_device(ids[:-1] + [0], dev, torch.long)
-    out[-1:] = b.pending_ids[i:i + 1]
+def _histories(b: SamplingBatch, rows: list[int], ids: list[list[int]], dev: torch.device, vocab: int
+               ) -> torch.Tensor:
+    """The given rows' ids (prompt and / or output ids, `ids[k]` for row `rows[k]`) as flat indices
+    row * vocab + id into an [S, vocab] table, on the device in one copy. A PLACEHOLDER ending a row's
+    ids (a queued step's sample the host has not read) is taken from `pending_ids`, device to device."""
+    lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lens.sum()))
+    owner = np.repeat(np.asarray(rows, dtype=np.int64), lens)
+    ends = np.cumsum(lens) - 1
+    held = [k for k, n in enumerate(lens) if n and flat[ends[k]] == PLACEHOLDER]
+    flat[ends[held]] = 0
+    out = to_device(owner * vocab + flat, dev, torch.long)
+    if held:
+        at = to_device(ends[held], dev, torch.long)
+        out[at] = b.pending_ids[to_device([rows[k] for k in held], dev, torch.long)] + at.new_tensor(
+            [rows[k] * vocab for k in held])
     return out
 
 
 def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Repetition penalty over each row's prompt and output ids, presence / frequency penalties over its
+    output ids: the rows' histories go to the device in one copy and land in one scatter (no per-row
+    launches)."""
     s, v = logits.shape
     dev = logits.device
     if any(p.repetition_penalty != 1 for p in b.params):
         rep = to_device([p.repetition_penalty for p in b.params], dev)
-        seen = torch.zeros(s, v, dtype=torch.bool, device=dev)
-        for i, p in enumerate(b.params):
-            if p.repetition_penalty != 1:
-                seen[i, _history(b, i, b.prompt_ids[i] + b.output_ids[i], dev)] = True
+        rows = [i for i, p in enumerate(b.params) if p.repetition_penalty != 1]
+        seen = torch.zeros(s * v, dtype=torch.bool, device=dev)
+        seen[_histories(b, rows, [b.prompt_ids[i] + b.output_ids[i] for i in rows], dev, v)] = True
+        seen = seen.view(s, v)
         r = rep[:, None]
         # a tiny penalty would push a logit to +inf, and softmax to NaN (a masked token could win)
         boosted = (logits / r).clamp(max=torch.finfo(logits.dtype).max)
@@ -96,11 +111,12 @@ def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     if any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in b.params):
         pres = to_device([p.presence_penalty for p in b.params], dev)
         freq = to_device([p.frequency_penalty for p in b.params], dev)
-        counts = torch.zeros(s, v, device=dev)
-        for i, out in enumerate(b.output_ids):
-            if out:
-                ids = _history(b, i, out, dev)
-                counts[i].scatter_add_(0, ids, torch.ones_like(ids, dtype=counts.dtype))
+        rows = [i for i, out in enumerate(b.output_ids) if out]
+        counts = torch.zeros(s * v, device=dev)
+        if rows:
+            at = _histories(b, rows, [b.output_ids[i] for i in rows], dev, v)
+            counts.index_add_(0, at, torch.ones(at.shape[0], dtype=counts.dtype, device=dev))
+        counts = counts.view(s, v)
         logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).float()
     return logits
 

@@ -5,21 +5,16 @@ engine's own greedy ids (which may differ from fp32's); `ignored_layers` keeps t
 layers in the model dtype; bad options fail at start-up naming the option; the small-M Triton GEMV
 equals its reference through Triton's interpreter."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from interpreted import run_in_interpreter
 from omnistage.config import EngineConfig
 from omnistage.layers.fp8_linear import Fp8Linear, quantize_rows
 from omnistage.params import SamplingParams
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = ["Hello there", "The quick brown fox jumps over the lazy dog and then runs far away.",
            "The quick brown fox jumps over the lazy dog and then sleeps."]   # shares a prefix block
 MAX_TOKENS = 8
@@ -166,12 +161,7 @@ print(json.dumps(errs))
 
 
 def test_triton_gemv_equals_reference_in_the_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    run = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    errs = json.loads(run.stdout.strip().splitlines()[-1])
+    errs = run_in_interpreter("-c", CHECK)
     assert len(errs) == 8
     for err, peak in errs:
         assert err <= 8e-3 * peak, (err, peak)      # one 16-bit rounding of the output, float32 sums

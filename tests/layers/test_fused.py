@@ -2,23 +2,20 @@
 references (Triton's interpreter on CPU), and the native model (stacked QKV / gate-up GEMMs, fused
 residual norms) against transformers' logits on the same checkpoint."""
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from interpreted import run_in_interpreter
 from omnistage.layers import fused, kernel_check
 from omnistage.layers.attention import AttentionMetadata, PrefillChunk
 from omnistage.layers.rotary import RotaryEmbedding, rope_inv_freq
 from omnistage.models.loader import load_causal_lm
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_cpu_runs_the_references():
@@ -80,12 +77,7 @@ def test_rotary_turns_each_pair_by_position_times_frequency(mrope):
 
 
 def test_triton_kernels_match_references_in_the_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    run = subprocess.run([sys.executable, "-m", "omnistage.layers.kernel_check"], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    errs = json.loads(run.stdout.strip().splitlines()[-1])
+    errs = run_in_interpreter("-m", "omnistage.layers.kernel_check")
     assert len(errs) == 21                      # every check ran (the last: 8-bit attention, float16)
     for name, (err, peak) in errs.items():
         assert err <= kernel_check.limit(name) * peak, (name, err, peak)

@@ -3,17 +3,12 @@ transformers' Qwen3-Omni sparse MoE blocks (thinker: no shared expert; talker: s
 expert, no top-k renormalisation) on the same weights, loading from per-expert checkpoint names, and
 the Triton fused MoE equal to the reference through Triton's interpreter (CPU)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from interpreted import run_in_interpreter
 from omnistage.layers import moe
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _hf_block(kind: str):
@@ -111,12 +106,7 @@ print(json.dumps({"grouped": grouped, "small": small, "routes": routes}))
 @pytest.fixture(scope="module")
 def interpreted():
     """CHECK's results, run once through Triton's interpreter (CPU)."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    run = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_in_interpreter("-c", CHECK)
 
 
 def test_triton_fused_moe_equals_reference_in_the_interpreter(interpreted):

@@ -72,20 +72,11 @@ def test_fused_kernels_path_equals_reference_in_the_triton_interpreter(tts_folde
     """The frame function on `layers/fused.py`'s Triton kernels (the interpreter runs them on CPU
     tensors: the cache layout, strided q/k views and per-head norms reach the kernels as on CUDA)
     gives the codes of its PyTorch reference path (float32, sampled on the same draws)."""
-    import json
     import os
-    import subprocess
-    import sys
 
-    import pytest
+    from interpreted import run_in_interpreter
 
-    pytest.importorskip("triton")
-    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root, HF_HUB_OFFLINE="1")
     script = os.path.join(os.path.dirname(__file__), "predictor_triton.py")
-    run = subprocess.run([sys.executable, script, tts_folders["custom_voice"]], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out = run_in_interpreter(script, tts_folders["custom_voice"], HF_HUB_OFFLINE="1")
     for mode, (equal, calls) in out.items():
         assert calls > 0 and equal, (mode, out)

@@ -83,12 +83,11 @@ def _histories(b: SamplingBatch, rows: list[int], ids: list[list[int]], dev: tor
     owner = np.repeat(np.asarray(rows, dtype=np.int64), lens)
     ends = np.cumsum(lens) - 1
     held = [k for k, n in enumerate(lens) if n and flat[ends[k]] == PLACEHOLDER]
-    flat[ends[held]] = 0
+    flat[ends[held]] = 0                        # such an entry is row * vocab until its id is added
     out = to_device(owner * vocab + flat, dev, torch.long)
     if held:
-        at = to_device(ends[held], dev, torch.long)
-        out[at] = b.pending_ids[to_device([rows[k] for k in held], dev, torch.long)] + at.new_tensor(
-            [rows[k] * vocab for k in held])
+        out[to_device(ends[held], dev, torch.long)] += b.pending_ids[to_device([rows[k] for k in held], dev,
+                                                                               torch.long)]
     return out
 
 

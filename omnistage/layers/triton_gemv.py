@@ -8,8 +8,8 @@ Why: at M = 1..16 a linear layer is a weight read. `torch._scaled_mm` (W8A8) wan
 quantizes the activations first (extra kernels per layer), and cuBLAS' bf16 GEMV leaves the small
 matrices (qkv, o at 5-6 MB) far from copy bandwidth. This kernel reads every weight byte once:
 each program owns BLOCK_N whole output columns and walks all of K (no split-K, so no atomics, no
-second reduce launch, and a deterministic sum); BLOCK_N is chosen per shape so that there are at
-least ~2 programs per SM. FP8 weights are W8A16: the weight is converted to the activations' dtype
+second reduce launch, and a deterministic sum); `tiles` picks BLOCK_N and the K step per shape
+(M = 1: the fastest of an H200 tile sweep; M > 1: enough programs per SM). FP8 weights are W8A16: the weight is converted to the activations' dtype
 in registers and scaled per output row after the K loop; the activations stay bf16 (no activation
 quantization: at small M the bytes are all in the weight, so W8A16 halves them like W8A8 would,
 with less error). M == 1 multiplies and reduces on CUDA cores; 2 <= M <= 16 uses `tl.dot` on one

@@ -74,8 +74,9 @@ def omni_7b_config(ids: dict[str, int]):
         talker_config=talker, token2wav_config={"dit_config": {"num_embeds": 8447}, "bigvgan_config": {}})
 
 
-def build_checkpoint(path: str) -> str:
-    """The random 7B-shape folder (kept across runs)."""
+def build_checkpoint(path: str, weights: bool = True) -> str:
+    """The random 7B-shape folder (kept across runs); without `weights`, config + tokenizer + voices only,
+    for `load_format="dummy"` (no 16 GB write: transformers' reference needs the weights)."""
     from transformers import GenerationConfig, Qwen2_5OmniForConditionalGeneration
 
     from omnistage.testing import qwen2_5_omni as tiny
@@ -85,11 +86,19 @@ def build_checkpoint(path: str) -> str:
     tokenizer = tiny.make_omni_tokenizer()
     ids = tiny._token_ids(tokenizer)
     config = omni_7b_config(ids)
+    eos = [ids["im_end"], ids["endoftext"]]
+    generation = GenerationConfig(eos_token_id=eos, pad_token_id=ids["endoftext"])
+    if not weights:
+        os.makedirs(path, exist_ok=True)
+        config.save_pretrained(path)
+        generation.save_pretrained(path)
+        torch.save(tiny.make_speakers(config, torch.Generator().manual_seed(1)), os.path.join(path, "spk_dict.pt"))
+        tiny.make_processor(tokenizer).save_pretrained(path)
+        return path
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Qwen2_5OmniForConditionalGeneration._from_config(config, dtype=torch.bfloat16).eval()
-    eos = [ids["im_end"], ids["endoftext"]]
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=ids["endoftext"])
+    model.generation_config = generation
     model.save_pretrained(path)
     torch.save(tiny.make_speakers(config, torch.Generator().manual_seed(1)), os.path.join(path, "spk_dict.pt"))
     tiny.make_processor(tokenizer).save_pretrained(path)
@@ -312,8 +321,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
         device, dtype, shape = "cpu", "float32", "tiny Qwen2.5-Omni, fp32"
         levels, tokens, codes = [1, 2], 8, 30
     else:
-        path = build_checkpoint(os.path.join(args.work, "qwen2_5_omni_7b_shape"))
-        device, dtype, shape = "cuda", "bfloat16", "Qwen2.5-Omni-7B shape, bf16"
+        if args.skip_hf:                        # nothing reads the weights: draw them on the GPU
+            path = build_checkpoint(os.path.join(args.work, "qwen2_5_omni_7b_config"), weights=False)
+            device, dtype, shape = "cuda", "bfloat16", "Qwen2.5-Omni-7B shape, bf16, load_format=dummy"
+            load_format = "dummy"
+        else:
+            path = build_checkpoint(os.path.join(args.work, "qwen2_5_omni_7b_shape"))
+            device, dtype, shape = "cuda", "bfloat16", "Qwen2.5-Omni-7B shape, bf16"
         levels, tokens, codes = [1, 8, 16, 32], 64, 500
     levels = [int(x) for x in args.levels.split(",")] if args.levels else levels
     tokens, codes = args.thinker_tokens or tokens, args.talker_codes or codes

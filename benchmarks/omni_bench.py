@@ -90,6 +90,7 @@ def build_checkpoint(path: str, weights: bool = True) -> str:
     generation = GenerationConfig(eos_token_id=eos, pad_token_id=ids["endoftext"])
     if not weights:
         os.makedirs(path, exist_ok=True)
+        config.architectures = ["Qwen2_5OmniForConditionalGeneration"]   # what save_pretrained of the model writes
         config.save_pretrained(path)
         generation.save_pretrained(path)
         torch.save(tiny.make_speakers(config, torch.Generator().manual_seed(1)), os.path.join(path, "spk_dict.pt"))

@@ -12,12 +12,16 @@ windows are padded on the right (the decoder is causal, so padding never reaches
 samples). A decoder that looks ahead (`SpeechDecoder.look_ahead`: Qwen3-Omni's code2wav, whose stage
 subclasses this stage) also needs that many frames after the chunk, decoded and cut off too, until
 the input is done; the last chunk then ends where the whole decode ends (`tail_loss`).
-Out (through the engine): float32 mono at 24 kHz, chunk by chunk; `prompt_token_ids`
+On CUDA (`cuda_graphs`, the engine's setting) each batch replays a CUDA graph captured at start-up for
+its (batch bucket, window length): the decoder is hundreds of small convolutions and norms, launch-bound
+at a first chunk's few frames. Out (through the engine): float32 mono at 24 kHz, chunk by chunk; `prompt_token_ids`
 are the group-0 codes decoded so far.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -26,7 +30,10 @@ import torch
 
 from omnistage.codec.engine import CodecEngine
 from omnistage.codec.speech import TTSParams
+from omnistage.layers.graph_cache import GraphCache
 from omnistage.models.qwen3_tts.decoder import SpeechDecoder, load_decoder
+
+logger = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24000
 # the `decoder_dtype` option -> what the decoder's convolutions and matmuls compute in (`SpeechDecoder.to_dtype`)
@@ -85,7 +92,8 @@ class Qwen3TTSDecoderStage:
     params_type = TTSParams
 
     def __init__(self, model_dir: str, device: Any = "cpu", first_chunk_frames: int = 4, chunk_frames: int = 24,
-                 left_context_frames: int = 25, max_batch: int = 16, decoder_dtype: str = "float32"):
+                 left_context_frames: int = 25, max_batch: int = 16, decoder_dtype: str = "float32",
+                 cuda_graphs: bool = True):
         for name, value, low in (("first_chunk_frames", first_chunk_frames, 1), ("chunk_frames", chunk_frames, 1),
                                  ("left_context_frames", left_context_frames, 0), ("max_batch", max_batch, 1)):
             if not isinstance(value, int) or value < low:
@@ -96,6 +104,28 @@ class Qwen3TTSDecoderStage:
         self.first_chunk, self.chunk, self.context = first_chunk_frames, chunk_frames, left_context_frames
         self.max_batch = max_batch
         self._batches = 0
+        self._graphed = 0
+        # Every window a step decodes is at most one of two lengths (a first chunk's, a later chunk's with its
+        # left context; plus the look-ahead): on CUDA each (batch bucket, length) replays as a CUDA graph,
+        # captured here. A batch is padded up to the next bucket with empty rows and its frames on the right
+        # to the next length (causal: the real samples do not change). `graph_shapes` None: eager, unpadded.
+        ahead = self.decoder.look_ahead
+        self.graph_shapes: Optional[tuple[list[int], list[int]]] = None
+        self.graphs: Optional[GraphCache] = None
+        self.capture_seconds = 0.0
+        if cuda_graphs and self.decoder.device.type == "cuda":
+            buckets = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch] + [max_batch]
+            lengths = sorted({first_chunk_frames + ahead, chunk_frames + left_context_frames + ahead,
+                              max(first_chunk_frames, chunk_frames) + left_context_frames + ahead})
+            self.graph_shapes = (buckets, lengths)
+            self.graphs = GraphCache(max_graphs=len(buckets) * len(lengths))
+            start = time.perf_counter()
+            for b in buckets:
+                for t in lengths:
+                    self._run(torch.zeros(b, self.decoder.groups, t, dtype=torch.long))
+            self.capture_seconds = time.perf_counter() - start
+            logger.info("decoder: captured %d graphs (batches %s x frames %s) in %.1f s",
+                        self.graphs.captures, buckets, lengths, self.capture_seconds)
 
     @staticmethod
     def load_decoder(model_dir: str, device: torch.device) -> SpeechDecoder:
@@ -104,8 +134,9 @@ class Qwen3TTSDecoderStage:
     @classmethod
     def from_stage_spec(cls, spec) -> CodecEngine:
         """Options: `first_chunk_frames`, `chunk_frames`, `left_context_frames`, `max_batch`,
-        `decoder_dtype` ("float32", the default, or "bfloat16")."""
-        return CodecEngine(cls(spec.model_dir, device=spec.engine.torch_device(), **spec.options))
+        `decoder_dtype` ("float32", the default, or "bfloat16"), `cuda_graphs` (the engine's setting)."""
+        options = {"cuda_graphs": spec.engine.cuda_graphs, **spec.options}
+        return CodecEngine(cls(spec.model_dir, device=spec.engine.torch_device(), **options))
 
     def voices(self) -> list[dict[str, Any]]:
         return []                               # the talker stage knows the voices
@@ -155,7 +186,7 @@ class Qwen3TTSDecoderStage:
         codes = torch.zeros(len(windows), self.decoder.groups, longest, dtype=torch.long)
         for i, w in enumerate(windows):
             codes[i, :, :len(w)] = torch.tensor(w, dtype=torch.long).T
-        wav = self.decoder(codes).float().cpu().numpy()
+        wav = self._run(codes).float().cpu().numpy()
         self._batches += 1
         audio = []
         for i in range(len(states)):
@@ -164,6 +195,26 @@ class Qwen3TTSDecoderStage:
             state.done = end
         return audio
 
+    def _run(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [B, G, T] -> samples [B, T * upsample]: padded to a captured shape and replayed when one
+        fits (`graph_shapes`), else the decoder's eager call."""
+        b, t = codes.shape[0], codes.shape[-1]
+        shape = None
+        if self.graph_shapes is not None:
+            buckets, lengths = self.graph_shapes
+            shape = next(((pb, pt) for pb in buckets if pb >= b for pt in lengths if pt >= t), None)
+        if shape is None:
+            return self.decoder(codes)
+        padded = torch.zeros(shape[0], codes.shape[1], shape[1], dtype=torch.long)
+        padded[:b, :, :t] = codes
+        padded = padded.to(self.decoder.device)
+        if self.graphs is None:                 # padded but eager: what tests check the padding with on the CPU
+            wav = self.decoder(padded)
+        else:
+            wav = self.graphs.run(shape, [padded], self.decoder)
+            self._graphed += 1
+        return wav[:b, :t * self.decoder.upsample]
+
     def sample_rate(self, state: DecoderState) -> int:
         return SAMPLE_RATE
 
@@ -171,4 +222,5 @@ class Qwen3TTSDecoderStage:
         return None, [f[0] for f in state.frames[state.start or 0:state.done]]
 
     def stats(self) -> dict[str, float]:
-        return {"decoder_batches_total": float(self._batches)}
+        return {"decoder_batches_total": float(self._batches), "decoder_graphed_batches_total": float(self._graphed),
+                "decoder_capture_seconds": self.capture_seconds}

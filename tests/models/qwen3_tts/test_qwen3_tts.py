@@ -97,12 +97,15 @@ def test_omni_waveform_equals_reference(tts_folders, cases):
     np.testing.assert_allclose(out.audio.samples, ref, atol=WAV_ATOL)
 
 
-def _decode(folder: str, items: dict[str, np.ndarray], **options) -> dict[str, np.ndarray]:
-    """Frames per request -> audio, through a decoder CodecEngine fed all frames at once."""
+def _decode(folder: str, items: dict[str, np.ndarray], pad_shapes=None, **options) -> dict[str, np.ndarray]:
+    """Frames per request -> audio, through a decoder CodecEngine fed all frames at once. `pad_shapes`:
+    (batch buckets, frame lengths) every batch is padded to, as for the CUDA graphs (run eagerly here)."""
     from omnistage.codec.engine import CodecEngine
     from omnistage.models.qwen3_tts.codec import FramesInput, Qwen3TTSDecoderStage
 
-    engine = CodecEngine(Qwen3TTSDecoderStage(folder, **options))
+    stage = Qwen3TTSDecoderStage(folder, **options)
+    stage.graph_shapes = pad_shapes
+    engine = CodecEngine(stage)
     for rid, frames in items.items():
         engine.add_request(rid, FramesInput(frames.tolist(), finished=True))
     audio = {}
@@ -120,9 +123,13 @@ def test_decoder_streamed_batched_equals_whole(tts_folders):
     whole = _decode(folder, {"a": a}, first_chunk_frames=64) | _decode(folder, {"b": b}, first_chunk_frames=64)
     np.testing.assert_allclose(whole["a"], reference("voice_design_greedy")["wav"], atol=WAV_ATOL)
     streamed = _decode(folder, {"a": a, "b": b}, first_chunk_frames=1, chunk_frames=3, left_context_frames=25)
+    # padded to graph shapes (2 rows -> 4; windows of 1..28 frames -> 2 or 30): the real samples do not change
+    padded = _decode(folder, {"a": a, "b": b}, pad_shapes=([1, 4], [2, 30]),
+                     first_chunk_frames=1, chunk_frames=3, left_context_frames=25)
     for k in ("a", "b"):
-        assert streamed[k].shape == whole[k].shape
+        assert streamed[k].shape == whole[k].shape == padded[k].shape
         np.testing.assert_allclose(streamed[k], whole[k], atol=WAV_ATOL)
+        np.testing.assert_allclose(padded[k], streamed[k], atol=1e-5)
 
 
 def test_bf16_decoder_option_stays_near_the_float32_decode(tts_folders):

@@ -54,8 +54,10 @@ How a request is decoded (the DiT's ODE is `code2wav_ode.py`; the vocoder is tra
     (`code2wav_ode.tf32_matmuls`: set around each ODE run and graph capture, restored after), so in
     the shared layout, where every stage runs in one process, no other stage's float32 matmul
     changes; that is safe because the process steps its engines from one thread, one at a time
-    (`pipeline/shared.py`). Stage option `dit_dtype: bfloat16` runs the DiT's attention and MLP
-    linears in bf16 (residual stream, norms, modulation and ODE state stay float32): on the tiny
+    (`pipeline/shared.py`). Stage option `fused_dit` (default null: on CUDA only) runs each DiT
+    evaluation through `dit_fused.py` (one q|k|v GEMM, block-local attention, fused AdaLN steps;
+    float32 rounding off the reference path on a CPU). Stage option `dit_dtype: bfloat16` runs the
+    DiT's attention and MLP linears in bf16 (residual stream, norms, modulation and ODE state stay float32): on the tiny
     checkpoint the whole decode moves by 3e-4 of the waveform's peak (mel 5.6e-3 of std 2.1; tested
     < 2e-3); benchmarks/code2wav_bench.py measures its speed and error at the 7B shape.
 """
@@ -167,7 +169,7 @@ class Code2Wav:
                  chunk_codes: Optional[int] = None, first_chunk_codes: Optional[int] = None,
                  past_blocks: int = 2, future_blocks: int = 1, vocoder_context_frames: Optional[int] = None,
                  max_batch_requests: int = 8, cuda_graphs: bool = True, dynamic_first_chunk: bool = True,
-                 dit_dtype: str = "float32", tf32: bool = True):
+                 dit_dtype: str = "float32", tf32: bool = True, fused_dit: Optional[bool] = None):
         for name, value in (("chunk_codes", chunk_codes), ("first_chunk_codes", first_chunk_codes)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -183,6 +185,8 @@ class Code2Wav:
             raise ValueError(f"dit_dtype must be one of {sorted(DIT_DTYPES)}, got {dit_dtype!r}")
         if not isinstance(tf32, bool):
             raise ValueError(f"tf32 must be true or false, got {tf32!r}")
+        if fused_dit is not None and not isinstance(fused_dit, bool):
+            raise ValueError(f"fused_dit must be true, false or null (on CUDA only), got {fused_dit!r}")
         self.device = torch.device(device)
         self.model, self.speakers = load_token2wav(model_dir, self.device)
         self.dit = self.model.code2wav_dit_model
@@ -213,7 +217,7 @@ class Code2Wav:
         self.graph_frames: list[int] = sorted(self._steady_windows()) if self.cuda_graphs else []
         self.batch_sizes = [b for b in (1, 2, 4, 8, 16, 32) if b < max_batch_requests] + [max_batch_requests]
         self.ode = Code2WavODE(self.dit, self.speakers, self.device, dit_dtype=dit_dtype, tf32=tf32,
-                               max_graphs=4 * len(self.batch_sizes) * len(self.graph_frames))
+                               fused=fused_dit, max_graphs=4 * len(self.batch_sizes) * len(self.graph_frames))
         self._totals = {"dit_seconds_total": 0.0, "vocoder_seconds_total": 0.0,
                         "dit_batches_total": 0, "dit_rows_total": 0, "dit_graphed_batches_total": 0}
         self.capture_seconds = 0.0              # start-up time spent capturing the ODE's graphs

@@ -19,7 +19,7 @@ What differs from transformers' `DiTDecoderLayer` (same arithmetic, other kernel
     keeps only itself, so every valid frame gets the reference's softmax over the same keys.
   * Each gated residual and the LayerNorm + modulation after it are one `layers/ada_norm.py` step
     (one Triton kernel per step on CUDA; its PyTorch reference on a CPU).
-On a CPU the same code runs with PyTorch's kernels; tests/models/qwen2_5_omni/test_dit_fused.py
+On a CPU the same code runs with PyTorch's kernels; tests/models/qwen2_5_omni/test_code2wav.py
 checks it against the reference path within float32 rounding.
 """
 

@@ -7,6 +7,7 @@ Measured on the tiny checkpoint (seed 7, 60 codes = 1.2 s; mel std 2.1, waveform
       4 / 2:           mel 8.4e-6, waveform 4.4e-6
       0 / 0:           mel 0.19,   waveform 0.75 (clicks at each joint: no vocoder right context)
   * batched vs alone: max |diff| ~1e-6 (float rounding of different GEMM shapes).
+  * `fused_dit=True` (the CUDA default) vs the reference path on the CPU: max |diff| ~1e-6.
   * `dit_dtype="bfloat16"` (attention / MLP linears in bf16), whole mode vs float32: waveform 3.0e-4,
     mel 5.6e-3 (chunked 12 / 24: waveform 1.1e-3, as the float32 chunked decode).
 """
@@ -130,6 +131,22 @@ def test_windows_padded_to_a_captured_length_decode_as_unpadded(omni_dir):
     assert padded.stats()["dit_graphed_batches_total"] == padded.stats()["dit_batches_total"]
 
 
+def test_fused_dit_decodes_as_the_reference_path(omni_dir, reference):
+    """`fused_dit` (dit_fused.py: merged q|k|v, block-local attention, fused AdaLN steps) on the CPU,
+    through PyTorch's kernels: whole mode, and batches of chunks padded to a longer window."""
+    engine = CodecEngine(Code2Wav(omni_dir, fused_dit=True))
+    assert engine.model.ode.fused is not None
+    wav, mel, _ = run(engine, [("f", codes(60), Code2WavParams(voice="Ethan", seed=SEED))])["f"]
+    np.testing.assert_allclose(wav, reference[0], rtol=0, atol=1e-5)
+    options = {"chunk_codes": 24, "first_chunk_codes": 12}
+    requests = [(f"q{i}", codes(n, seed=i), Code2WavParams(voice="Ethan", seed=i)) for i, n in enumerate([31, 17])]
+    plain = run(CodecEngine(Code2Wav(omni_dir, **options)), requests)
+    fused = CodecEngine(Code2Wav(omni_dir, fused_dit=True, **options))
+    fused.model.graph_frames = [170]            # padded to 170 frames: a partial last DiT block, masked keys
+    for rid, (wav, _, _) in run(fused, requests).items():
+        np.testing.assert_allclose(wav, plain[rid][0], rtol=0, atol=1e-5)
+
+
 def test_tf32_is_set_for_the_block_only():
     before = torch.backends.cuda.matmul.allow_tf32
     with pytest.raises(RuntimeError):
@@ -143,6 +160,7 @@ def test_tf32_is_set_for_the_block_only():
 
 @pytest.mark.parametrize("options, message", [
     ({"dit_dtype": "float16"}, "dit_dtype must be one of"),
+    ({"fused_dit": "yes"}, "fused_dit must be true, false or null"),
     ({"max_batch_requests": 0}, r"max_batch_requests must be an integer in \[1, 64\]"),
     ({"tf32": "yes"}, "tf32 must be true or false")])
 def test_bad_stage_options_name_the_option(omni_dir, options, message):

@@ -101,11 +101,12 @@ class FusedDiT:
     def _attention(self, i: int, block, y: torch.Tensor, rope, bias: torch.Tensor) -> torch.Tensor:
         rows, frames, _ = y.shape
         heads, d, size = self.heads, self.head_dim, self.block
-        q, k, v = F.linear(y, *self.qkv[i]).view(rows, frames, 3, heads, d).unbind(2)
-        # only the first head is rotated, in the de-interleaved layout (as the checkpoint was trained)
+        qkv = F.linear(y, *self.qkv[i]).view(rows, frames, 3, heads, d)
+        # only q's and k's first head is rotated, in the de-interleaved layout (as the checkpoint was
+        # trained), in place in the GEMM's output
         cos, sin = rope
-        q = torch.cat([_rotate(_deinterleave(q[:, :, :1]), cos[:, :, None], sin[:, :, None]), q[:, :, 1:]], 2)
-        k = torch.cat([_rotate(_deinterleave(k[:, :, :1]), cos[:, :, None], sin[:, :, None]), k[:, :, 1:]], 2)
+        qkv[:, :, :2, 0] = _rotate(_deinterleave(qkv[:, :, :2, 0]), cos[:, :, None], sin[:, :, None])
+        q, k, v = qkv.unbind(2)
         nb = -(-frames // size)
         pad = nb * size - frames
         if pad:

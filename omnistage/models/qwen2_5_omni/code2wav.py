@@ -44,8 +44,10 @@ How a request is decoded (the DiT's ODE is `code2wav_ode.py`; the vocoder is tra
     window length (`_steady_windows`: each first-chunk size the load rule can pick -- 12 / 24 / 48 /
     96 codes by default -- and the commonest later windows); a batch is padded to the next captured
     size with empty rows and its rows to the next captured window with masked frames, so only a
-    window longer than every captured one (a request's own large first chunk) runs eagerly. The
-    capture time is logged (`capture_seconds`; ~6 windows x 6 sizes for the omni pipeline).
+    window longer than every captured one (a request's own large first chunk) runs eagerly. BigVGAN
+    replays from graphs too (`DeviceVocoder.capture`, token2wav.py), for the same batch sizes and the
+    input lengths of a request's first chunks and steady ones (`_vocoder_lengths`). The capture
+    time is logged (`capture_seconds`; ~6 windows x 6 sizes of ODE graphs for the omni pipeline).
   * Precision: token2wav runs in float32 (as transformers runs it). On a GPU its float32 matmuls use
     TF32 tensor cores (inputs rounded to 10-bit mantissas; stage option `tf32`, default true; false:
     plain fp32): measured on an H200 (7B shape), the CUDA-graph ODE of 8 steady chunks takes 546 ms
@@ -226,8 +228,11 @@ class Code2Wav:
             logger.info("code2wav: capturing %d ODE graphs (batch sizes %s x windows %s mel frames)",
                         len(self.batch_sizes) * len(self.graph_frames), self.batch_sizes, self.graph_frames)
             self.ode.capture(self.batch_sizes, self.graph_frames, Code2WavParams().ode_key(), self.default_voice)
+            self.vocode.capture(self.batch_sizes, sorted(self._vocoder_lengths()), self.mel_dim)
             self.capture_seconds = time.perf_counter() - start
-            logger.info("code2wav: captured %d ODE graphs in %.1f s", self.ode.graphs.captures, self.capture_seconds)
+            logger.info("code2wav: captured %d ODE graphs and %d BigVGAN graphs (inputs of %s mel frames) in %.1f s",
+                        self.ode.graphs.captures, self.vocode.graphs.captures, self.vocode.frames,
+                        self.capture_seconds)
 
     @classmethod
     def from_stage_spec(cls, spec) -> CodecEngine:
@@ -396,6 +401,22 @@ class Code2Wav:
                 out = torch.empty(count * self.hop, dtype=torch.float32, pin_memory=pinned)
                 audio[i] = out.copy_(wav[offset * self.hop: (offset + count) * self.hop], non_blocking=pinned)
         return _Pending(moves, audio)
+
+    def _vocoder_lengths(self, chunks: int = 8) -> set[int]:
+        """Mel frames of the vocoder inputs of a request's first `chunks` chunks and its steady ones
+        (context before s, [s, e), the look-ahead), for each first-chunk size the stage may pick."""
+        first, chunk = self.first_chunk_frames // self.repeats, self.chunk_frames // self.repeats
+        firsts = {self.first_chunk_frames}
+        if self.dynamic_first_chunk:
+            firsts |= {first_chunk_for_load(4 ** k + 1, first, chunk) * self.repeats for k in range(8)}
+        lengths = set()
+        for size in firsts:
+            s = 0
+            for _ in range(chunks):
+                e = s + (size if s == 0 else self.chunk_frames)
+                lengths.add(e - max(0, s - self.voc_ctx) + min(self.future, self.voc_ctx))
+                s = e
+        return lengths
 
 
 @dataclass

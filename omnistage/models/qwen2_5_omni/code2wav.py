@@ -221,7 +221,9 @@ class Code2Wav:
         self.ode = Code2WavODE(self.dit, self.speakers, self.device, dit_dtype=dit_dtype, tf32=tf32,
                                fused=fused_dit, max_graphs=4 * len(self.batch_sizes) * len(self.graph_frames))
         self._totals = {"dit_seconds_total": 0.0, "vocoder_seconds_total": 0.0,
-                        "dit_batches_total": 0, "dit_rows_total": 0, "dit_graphed_batches_total": 0}
+                        "dit_batches_total": 0, "dit_rows_total": 0, "dit_graphed_batches_total": 0,
+                        # row-frames the ODE ran, and of those the padding to a captured size (rows, window)
+                        "dit_frames_total": 0, "dit_padding_frames_total": 0}
         self.capture_seconds = 0.0              # start-up time spent capturing the ODE's graphs
         if self.cuda_graphs:
             start = time.perf_counter()
@@ -347,6 +349,8 @@ class Code2Wav:
         frames = captured[0] if graphed else frames
         size = next(b for b in self.batch_sizes if b >= n) if graphed else n
         self._totals["dit_graphed_batches_total"] += graphed
+        self._totals["dit_frames_total"] += size * frames
+        self._totals["dit_padding_frames_total"] += size * frames - sum(lengths)
         noise = torch.zeros(size, frames, self.mel_dim)
         codes = torch.zeros(size, frames // self.repeats + 1, dtype=torch.long)
         for i, (state, (_, _, ws, we)) in enumerate(zip(states, chunks)):

@@ -145,6 +145,8 @@ def test_fused_dit_decodes_as_the_reference_path(omni_dir, reference):
     fused.model.graph_frames = [170]            # padded to 170 frames: a partial last DiT block, masked keys
     for rid, (wav, _, _) in run(fused, requests).items():
         np.testing.assert_allclose(wav, plain[rid][0], rtol=0, atol=1e-5)
+    stats = fused.stats()
+    assert 0 < stats["dit_padding_frames_total"] < stats["dit_frames_total"]
 
 
 def test_tf32_is_set_for_the_block_only():

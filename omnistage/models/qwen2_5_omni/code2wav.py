@@ -40,14 +40,15 @@ How a request is decoded (the DiT's ODE is `code2wav_ode.py`; the vocoder is tra
     would change a convolution's tail).
   * CUDA graphs (on a GPU, chunked mode, `cuda_graphs`): the ODE of a batch (36 DiT evaluations,
     launch-bound when small) replays as one graph. Graphs are captured at start-up, for the default
-    ODE settings, for every batch size 1, 2, 4, ... up to `max_batch_requests` and every steady
-    window length (`_steady_windows`: each first-chunk size the load rule can pick -- 12 / 24 / 48 /
-    96 codes by default -- and the commonest later windows); a batch is padded to the next captured
+    ODE settings, for every batch size of `GRAPH_BATCH_SIZES` (1, 2, 4, 8, 12, 16, 24, ...) up to
+    `max_batch_requests` and every steady window length (`_steady_windows`: each first-chunk size
+    the load rule can pick -- 12 / 24 / 48 / 96 codes by default -- and the commonest later
+    windows); a batch is padded to the next captured
     size with empty rows and its rows to the next captured window with masked frames, so only a
     window longer than every captured one (a request's own large first chunk) runs eagerly. BigVGAN
     replays from graphs too (`DeviceVocoder.capture`, token2wav.py), for the same batch sizes and the
     input lengths of a request's first chunks and steady ones (`_vocoder_lengths`). The capture
-    time is logged (`capture_seconds`; ~6 windows x 6 sizes of ODE graphs for the omni pipeline).
+    time is logged (`capture_seconds`; ~6 windows x 8 sizes of ODE graphs for the omni pipeline).
   * Precision: token2wav runs in float32 (as transformers runs it). On a GPU its float32 matmuls use
     TF32 tensor cores (inputs rounded to 10-bit mantissas; stage option `tf32`, default true; false:
     plain fp32): measured on an H200 (7B shape), the CUDA-graph ODE of 8 steady chunks takes 546 ms
@@ -86,6 +87,7 @@ logger = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24000
 MAX_BATCH_REQUESTS = 64                         # `max_batch_requests` bound: one graph per size up to it
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48)   # ODE / BigVGAN graph rows below `max_batch_requests`
 
 
 @dataclass
@@ -217,7 +219,8 @@ class Code2Wav:
         # first chunk's, a later chunk's); other windows (a request's tail, whole mode) run eagerly.
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and self.chunk_frames is not None
         self.graph_frames: list[int] = sorted(self._steady_windows()) if self.cuda_graphs else []
-        self.batch_sizes = [b for b in (1, 2, 4, 8, 16, 32) if b < max_batch_requests] + [max_batch_requests]
+        # captured batch sizes: a batch pads to the next one, so 12 and 24 cap the padded rows at a third
+        self.batch_sizes = [b for b in GRAPH_BATCH_SIZES if b < max_batch_requests] + [max_batch_requests]
         self.ode = Code2WavODE(self.dit, self.speakers, self.device, dit_dtype=dit_dtype, tf32=tf32,
                                fused=fused_dit, max_graphs=4 * len(self.batch_sizes) * len(self.graph_frames))
         self._totals = {"dit_seconds_total": 0.0, "vocoder_seconds_total": 0.0,

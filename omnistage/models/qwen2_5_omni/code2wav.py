@@ -79,7 +79,7 @@ import torch
 
 from omnistage.codec.engine import CodecEngine
 from omnistage.codec.speech import MAX_CHUNK_FRAMES, check_voice
-from omnistage.models.qwen2_5_omni.code2wav_ode import DIT_DTYPES, Code2WavODE
+from omnistage.models.qwen2_5_omni.code2wav_ode import DIT_DTYPES, Code2WavODE, tf32_matmuls
 from omnistage.models.qwen2_5_omni.token2wav import DeviceTimer, DeviceVocoder, load_token2wav, vocoder_context
 from omnistage.params import check_param
 
@@ -228,6 +228,10 @@ class Code2Wav:
                         # row-frames the ODE ran, and of those the padding to a captured size (rows, window)
                         "dit_frames_total": 0, "dit_padding_frames_total": 0}
         self.capture_seconds = 0.0              # start-up time spent capturing the ODE's graphs
+        if self.device.type == "cuda":          # each voice's speaker encoding now: at run time its copy of
+            with tf32_matmuls(self.ode.tf32):   # the voice's reference mel would wait for the queued ODE
+                for voice in self.speakers:
+                    self.ode.voice(voice)
         if self.cuda_graphs:
             start = time.perf_counter()
             logger.info("code2wav: capturing %d ODE graphs (batch sizes %s x windows %s mel frames)",

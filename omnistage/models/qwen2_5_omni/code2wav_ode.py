@@ -15,7 +15,7 @@ syncs, so that a chunk's 36 DiT evaluations can replay as one graph (`layers/gra
 are right-padded to the longest window and padded keys are masked out of the DiT's block mask
 (`block_diff`), so a batched row decodes as if alone. Work that transformers repeats in every DiT
 evaluation but that does not depend on the ODE state is done once:
-  * per voice: the speaker encoder (`_voice`);
+  * per voice: the speaker encoder (`voice`; code2wav encodes every voice at start-up on a GPU);
   * per ODE settings (`_time_tables`): the time embedding and every layer's AdaLN modulation (shift,
     scale, gate: a [6 x hidden] linear of the time embedding per layer, ~40% of the DiT's weights)
     at each of the ODE's time points -- they depend on t alone;
@@ -131,7 +131,7 @@ class Code2WavODE:
 
             self.graphs = GraphCache(max_graphs=max_graphs)
 
-    def _voice(self, voice: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def voice(self, voice: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(cond [enc_emb_dim], spk-encoder(ref_mel) [enc_dim], spk-encoder(zeros) [enc_dim]) for a voice.
 
         The DiT's speaker encoder depends only on the voice, so it runs once per voice instead of
@@ -173,7 +173,7 @@ class Code2WavODE:
     def _run(self, noise, codes, voice_names, lengths, settings, graphed) -> torch.Tensor:
         num_steps, guidance_scale, sway_coefficient = settings
         dev, frames = self.device, noise.shape[1]
-        voices = [self._voice(v) for v in voice_names]
+        voices = [self.voice(v) for v in voice_names]
         cond = torch.stack([v[0] for v in voices])
         spk = torch.stack([v[1] for v in voices])
         spk_null = torch.stack([v[2] for v in voices])

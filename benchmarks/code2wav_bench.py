@@ -15,7 +15,8 @@ Variants (`Code2WavODE` options; the stage's are `fused_dit`, `dit_dtype`, `tf32
   fused-bf16 `dit_fused.py`, bf16 linears and attention
 Rows: steady chunks (96 codes: the 264-frame window) at 1 / 8 / 32 rows, first chunks (12 codes: 48 frames)
 at 1 / 8. Floor = the DiT's linear FLOPs (x2 rows: CFG) at the H200's dense bf16 peak (989 TFLOP/s).
-Error = max |mel - plain fp32 reference mel| / its std, 8 steady rows, same noise and codes.
+Error = max |mel - plain fp32 reference mel| / its std, 8 steady rows, same noise and codes. BigVGAN:
+float32 eager and from graphs, and bf16 autocast (`vocoder_dtype`) with its waveform error.
 `--capture` adds the start-up capture of the omni pipeline's code2wav stage (a config-only folder served
 with load_format="dummy").
 """
@@ -157,9 +158,18 @@ def main(argv=None) -> dict:
         + ", ".join(f"{k} {v:.2e}" for k, v in res["error_vs_fp32"].items()))
     vocode = DeviceVocoder(vocoder)
     voc_frames = 256 if device.type == "cuda" else 64   # a later chunk's 192 frames + BigVGAN context
-    res["vocoder_ms"] = {r: time_vocoder(vocode.forward, r, voc_frames, args.reps, device) for r in (1, 8, 32)}
+    voc_rows = (1, 8, 32) if device.type == "cuda" else (1, 2)
+    res["vocoder_ms"] = {r: time_vocoder(vocode.forward, r, voc_frames, args.reps, device) for r in voc_rows}
     say(f"BigVGAN ({voc_frames} mel frames per row, float32, cuDNN defaults), eager: "
         + ", ".join(f"{r} rows {ms:.1f} ms" for r, ms in res["vocoder_ms"].items()))
+    vocode_bf16 = DeviceVocoder(vocoder, torch.bfloat16)   # `vocoder_dtype: bfloat16`
+    res["vocoder_bf16_ms"] = {r: time_vocoder(vocode_bf16, r, voc_frames, args.reps, device) for r in voc_rows}
+    mel = torch.randn(2, 80, voc_frames, generator=torch.Generator().manual_seed(3)).to(device) - 5
+    wav, wav_bf16 = vocode.forward(mel), vocode_bf16(mel)
+    res["vocoder_bf16_error"] = [float((wav - wav_bf16).abs().max()), float((wav - wav_bf16).pow(2).mean().sqrt()),
+                                 float(wav.pow(2).mean().sqrt())]
+    say("BigVGAN bf16 autocast, eager: "
+        + ", ".join(f"{r} rows {ms:.1f} ms" for r, ms in res["vocoder_bf16_ms"].items()) + " -- waveform max |diff| %.2e, rms diff %.2e (rms %.2e)" % tuple(res["vocoder_bf16_error"]))
     if device.type == "cuda":                   # as served: graphs (code2wav captures them at start-up)
         start = time.perf_counter()
         vocode.capture([1, 8, 32], [voc_frames], 80)
@@ -178,7 +188,7 @@ def main(argv=None) -> dict:
         sync(device)
         res["transformers_sample_ms_1_row"] = (time.perf_counter() - start) * 1000
     say(f"transformers `sample`, 1 row, {steady[2]} frames, eager fp32: {res['transformers_sample_ms_1_row']:.1f} ms")
-    del dit, dit_bf16, model, ref, vocode
+    del dit, dit_bf16, model, ref, vocode, vocode_bf16
     if args.capture:                            # the omni pipeline's code2wav as it starts
         from omni_bench import build_checkpoint
         from omnistage.models import dummy

@@ -57,7 +57,8 @@ How a request is decoded (the DiT's ODE is `code2wav_ode.py`; the vocoder is tra
     (`code2wav_ode.tf32_matmuls`: set around each ODE run and graph capture, restored after), so in
     the shared layout, where every stage runs in one process, no other stage's float32 matmul
     changes; that is safe because the process steps its engines from one thread, one at a time
-    (`pipeline/shared.py`). Stage option `fused_dit` (default null: on CUDA only) runs each DiT
+    (`pipeline/shared.py`). Stage option `vocoder_dtype: bfloat16` runs BigVGAN's convolutions under
+    bf16 autocast (float32 default). Stage option `fused_dit` (default null: on CUDA only) runs each DiT
     evaluation through `dit_fused.py` (one q|k|v GEMM, block-local attention, fused AdaLN steps;
     float32 rounding off the reference path on a CPU). Stage option `dit_dtype: bfloat16` runs the
     DiT's attention and MLP linears in bf16 (residual stream, norms, modulation and ODE state stay float32): on the tiny
@@ -173,7 +174,8 @@ class Code2Wav:
                  chunk_codes: Optional[int] = None, first_chunk_codes: Optional[int] = None,
                  past_blocks: int = 2, future_blocks: int = 1, vocoder_context_frames: Optional[int] = None,
                  max_batch_requests: int = 8, cuda_graphs: bool = True, dynamic_first_chunk: bool = True,
-                 dit_dtype: str = "float32", tf32: bool = True, fused_dit: Optional[bool] = None):
+                 dit_dtype: str = "float32", tf32: bool = True, fused_dit: Optional[bool] = None,
+                 vocoder_dtype: str = "float32"):
         for name, value in (("chunk_codes", chunk_codes), ("first_chunk_codes", first_chunk_codes)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -185,8 +187,9 @@ class Code2Wav:
         if not isinstance(max_batch_requests, int) or not 1 <= max_batch_requests <= MAX_BATCH_REQUESTS:
             raise ValueError(f"max_batch_requests must be an integer in [1, {MAX_BATCH_REQUESTS}], "
                              f"got {max_batch_requests!r}")
-        if dit_dtype not in DIT_DTYPES:
-            raise ValueError(f"dit_dtype must be one of {sorted(DIT_DTYPES)}, got {dit_dtype!r}")
+        for name, value in (("dit_dtype", dit_dtype), ("vocoder_dtype", vocoder_dtype)):
+            if value not in DIT_DTYPES:
+                raise ValueError(f"{name} must be one of {sorted(DIT_DTYPES)}, got {value!r}")
         if not isinstance(tf32, bool):
             raise ValueError(f"tf32 must be true or false, got {tf32!r}")
         if fused_dit is not None and not isinstance(fused_dit, bool):
@@ -195,7 +198,7 @@ class Code2Wav:
         self.model, self.speakers = load_token2wav(model_dir, self.device)
         self.dit = self.model.code2wav_dit_model
         self.vocoder = self.model.code2wav_bigvgan_model
-        self.vocode = DeviceVocoder(self.vocoder)   # its forward without host syncs
+        self.vocode = DeviceVocoder(self.vocoder, DIT_DTYPES[vocoder_dtype])   # its forward without host syncs
         self.default_voice = default_voice or next(iter(self.speakers))
         if self.default_voice not in self.speakers:
             raise ValueError(f"default_voice must be one of {sorted(self.speakers)}, got {default_voice!r}")

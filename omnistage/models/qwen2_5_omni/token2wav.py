@@ -98,8 +98,9 @@ class DeviceVocoder:
     layout -- would block in a launch until the ODE is done, and the talker's steps with it. A graph's
     result is a view of its buffer: copy it out (stream-ordered) before the next call."""
 
-    def __init__(self, bigvgan):
+    def __init__(self, bigvgan, dtype: torch.dtype = torch.float32):
         self.model = bigvgan
+        self.dtype = dtype                      # bfloat16: the convolutions under autocast (the rest float32)
         device = next(bigvgan.parameters()).device
         # `amplitude_to_db`'s floor, made once as transformers makes it (float32 exp of float32 input)
         self.min_level = torch.exp(torch.tensor(-115 / 20.0 * math.log(10), device=device, dtype=torch.float32))
@@ -130,6 +131,12 @@ class DeviceVocoder:
 
     @torch.no_grad()
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        if self.dtype == torch.float32:
+            return self._forward(mel)
+        with torch.autocast(mel.device.type, dtype=self.dtype):
+            return self._forward(mel).float()
+
+    def _forward(self, mel: torch.Tensor) -> torch.Tensor:
         m = self.model
         decibels = 20 * torch.log10(torch.clamp(torch.exp(mel), min=self.min_level)) - 20
         hidden = m.conv_pre(m.normalize_spectrogram(decibels, 1, -115))

@@ -8,6 +8,8 @@ Measured on the tiny checkpoint (seed 7, 60 codes = 1.2 s; mel std 2.1, waveform
       0 / 0:           mel 0.19,   waveform 0.75 (clicks at each joint: no vocoder right context)
   * batched vs alone: max |diff| ~1e-6 (float rounding of different GEMM shapes).
   * `fused_dit=True` (the CUDA default) vs the reference path on the CPU: max |diff| ~1e-6.
+  * `vocoder_dtype="bfloat16"` (BigVGAN under bf16 autocast), whole mode: waveform max |diff| 2.1e-2
+    of peak 1.0, rms 3.8e-3 (rms of the waveform 0.34).
   * `dit_dtype="bfloat16"` (attention / MLP linears in bf16), whole mode vs float32: waveform 3.0e-4,
     mel 5.6e-3 (chunked 12 / 24: waveform 1.1e-3, as the float32 chunked decode).
 """
@@ -118,6 +120,15 @@ def test_bf16_dit_stays_close_to_the_float32_whole_decode(omni_dir, reference):
     assert 0 < np.abs(wav - ref_wav).max() < 2e-3
 
 
+def test_bf16_vocoder_stays_close_to_the_float32_whole_decode(omni_dir, reference):
+    engine = CodecEngine(Code2Wav(omni_dir, vocoder_dtype="bfloat16"))
+    wav, mel, _ = run(engine, [("v", codes(60), Code2WavParams(voice="Ethan", seed=SEED))])["v"]
+    ref_wav, ref_mel, _ = reference
+    torch.testing.assert_close(mel, ref_mel, rtol=0, atol=0)   # the DiT is untouched
+    assert wav.dtype == np.float32 and 0 < np.abs(wav - ref_wav).max() < 5e-2
+    assert np.sqrt(np.mean((wav - ref_wav) ** 2)) < 1e-2
+
+
 def test_windows_padded_to_a_captured_length_decode_as_unpadded(omni_dir):
     """The rule that lets a short window (a request's tail, a first chunk beside later ones) replay a
     longer window's graph: frames padded after a window are masked, so its frames decode as without."""
@@ -163,6 +174,7 @@ def test_tf32_is_set_for_the_block_only():
 @pytest.mark.parametrize("options, message", [
     ({"dit_dtype": "float16"}, "dit_dtype must be one of"),
     ({"fused_dit": "yes"}, "fused_dit must be true, false or null"),
+    ({"vocoder_dtype": "float16"}, "vocoder_dtype must be one of"),
     ({"max_batch_requests": 0}, r"max_batch_requests must be an integer in \[1, 64\]"),
     ({"tf32": "yes"}, "tf32 must be true or false")])
 def test_bad_stage_options_name_the_option(omni_dir, options, message):

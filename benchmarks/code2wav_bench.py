@@ -169,7 +169,8 @@ def main(argv=None) -> dict:
     res["vocoder_bf16_error"] = [float((wav - wav_bf16).abs().max()), float((wav - wav_bf16).pow(2).mean().sqrt()),
                                  float(wav.pow(2).mean().sqrt())]
     say("BigVGAN bf16 autocast, eager: "
-        + ", ".join(f"{r} rows {ms:.1f} ms" for r, ms in res["vocoder_bf16_ms"].items()) + " -- waveform max |diff| %.2e, rms diff %.2e (rms %.2e)" % tuple(res["vocoder_bf16_error"]))
+        + ", ".join(f"{r} rows {ms:.1f} ms" for r, ms in res["vocoder_bf16_ms"].items())
+        + " -- waveform max |diff| %.2e, rms diff %.2e (rms %.2e)" % tuple(res["vocoder_bf16_error"]))
     if device.type == "cuda":                   # as served: graphs (code2wav captures them at start-up)
         start = time.perf_counter()
         vocode.capture([1, 8, 32], [voc_frames], 80)

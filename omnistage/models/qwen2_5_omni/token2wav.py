@@ -133,7 +133,7 @@ class DeviceVocoder:
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
         if self.dtype == torch.float32:
             return self._forward(mel)
-        with torch.autocast(mel.device.type, dtype=self.dtype):
+        with torch.autocast(mel.device.type, dtype=self.dtype, cache_enabled=False):   # graph-capturable
             return self._forward(mel).float()
 
     def _forward(self, mel: torch.Tensor) -> torch.Tensor:

@@ -143,7 +143,12 @@ def main(argv=None) -> dict:
     for name, opts in VARIANTS.items():
         ode = Code2WavODE(dit_bf16 if opts.get("dit_dtype") else dit, speakers, device, max_graphs=graphs, **opts)
         for case, r, f in cases:
-            ms, mel = time_ode(ode, r, f, args.reps)
+            try:
+                ms, mel = time_ode(ode, r, f, args.reps)
+            except Exception as e:              # a variant that fails on this machine is reported, not hidden
+                res.setdefault("failed", {})[name] = f"{type(e).__name__}: {e}"
+                say(f"| {name} | FAILED: {type(e).__name__}: {str(e)[:300]} |")
+                break
             floor = EVALS * flops * 2 * r * f / BF16_PEAK * 1000
             row = {"variant": name, "case": case, "rows": r, "frames": f, "ms": ms, "floor_ms": floor}
             res["cases"].append(row)

@@ -40,12 +40,15 @@ How a request is decoded (the DiT's ODE is `code2wav_ode.py`; the vocoder is tra
     would change a convolution's tail).
   * CUDA graphs (on a GPU, chunked mode, `cuda_graphs`): the ODE of a batch (36 DiT evaluations,
     launch-bound when small) replays as one graph. Graphs are captured at start-up, for the default
-    ODE settings, for every batch size 1, 2, 4, ... up to `max_batch_requests` and every steady
-    window length (`_steady_windows`: each first-chunk size the load rule can pick -- 12 / 24 / 48 /
-    96 codes by default -- and the commonest later windows); a batch is padded to the next captured
+    ODE settings, for every batch size of `GRAPH_BATCH_SIZES` (1, 2, 4, 8, 12, 16, 24, ...) up to
+    `max_batch_requests` and every steady window length (`_steady_windows`: each first-chunk size
+    the load rule can pick -- 12 / 24 / 48 / 96 codes by default -- and the commonest later
+    windows); a batch is padded to the next captured
     size with empty rows and its rows to the next captured window with masked frames, so only a
-    window longer than every captured one (a request's own large first chunk) runs eagerly. The
-    capture time is logged (`capture_seconds`; ~6 windows x 6 sizes for the omni pipeline).
+    window longer than every captured one (a request's own large first chunk) runs eagerly. BigVGAN
+    replays from graphs too (`DeviceVocoder.capture`, token2wav.py), for the same batch sizes and the
+    input lengths of a request's first chunks and steady ones (`_vocoder_lengths`). The capture
+    time is logged (`capture_seconds`; ~6 windows x 8 sizes of ODE graphs for the omni pipeline).
   * Precision: token2wav runs in float32 (as transformers runs it). On a GPU its float32 matmuls use
     TF32 tensor cores (inputs rounded to 10-bit mantissas; stage option `tf32`, default true; false:
     plain fp32): measured on an H200 (7B shape), the CUDA-graph ODE of 8 steady chunks takes 546 ms
@@ -54,8 +57,11 @@ How a request is decoded (the DiT's ODE is `code2wav_ode.py`; the vocoder is tra
     (`code2wav_ode.tf32_matmuls`: set around each ODE run and graph capture, restored after), so in
     the shared layout, where every stage runs in one process, no other stage's float32 matmul
     changes; that is safe because the process steps its engines from one thread, one at a time
-    (`pipeline/shared.py`). Stage option `dit_dtype: bfloat16` runs the DiT's attention and MLP
-    linears in bf16 (residual stream, norms, modulation and ODE state stay float32): on the tiny
+    (`pipeline/shared.py`). Stage option `vocoder_dtype: bfloat16` runs BigVGAN's convolutions under
+    bf16 autocast (float32 default). Stage option `fused_dit` (default null: on CUDA only) runs each DiT
+    evaluation through `dit_fused.py` (one q|k|v GEMM, block-local attention, fused AdaLN steps;
+    float32 rounding off the reference path on a CPU). Stage option `dit_dtype: bfloat16` runs the
+    DiT's attention and MLP linears in bf16 (residual stream, norms, modulation and ODE state stay float32): on the tiny
     checkpoint the whole decode moves by 3e-4 of the waveform's peak (mel 5.6e-3 of std 2.1; tested
     < 2e-3); benchmarks/code2wav_bench.py measures its speed and error at the 7B shape.
 """
@@ -74,7 +80,7 @@ import torch
 
 from omnistage.codec.engine import CodecEngine
 from omnistage.codec.speech import MAX_CHUNK_FRAMES, check_voice
-from omnistage.models.qwen2_5_omni.code2wav_ode import DIT_DTYPES, Code2WavODE
+from omnistage.models.qwen2_5_omni.code2wav_ode import DIT_DTYPES, Code2WavODE, tf32_matmuls
 from omnistage.models.qwen2_5_omni.token2wav import DeviceTimer, DeviceVocoder, load_token2wav, vocoder_context
 from omnistage.params import check_param
 
@@ -82,6 +88,7 @@ logger = logging.getLogger(__name__)
 
 SAMPLE_RATE = 24000
 MAX_BATCH_REQUESTS = 64                         # `max_batch_requests` bound: one graph per size up to it
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48)   # ODE / BigVGAN graph rows below `max_batch_requests`
 
 
 @dataclass
@@ -167,7 +174,8 @@ class Code2Wav:
                  chunk_codes: Optional[int] = None, first_chunk_codes: Optional[int] = None,
                  past_blocks: int = 2, future_blocks: int = 1, vocoder_context_frames: Optional[int] = None,
                  max_batch_requests: int = 8, cuda_graphs: bool = True, dynamic_first_chunk: bool = True,
-                 dit_dtype: str = "float32", tf32: bool = True):
+                 dit_dtype: str = "float32", tf32: bool = True, fused_dit: Optional[bool] = None,
+                 vocoder_dtype: str = "float32"):
         for name, value in (("chunk_codes", chunk_codes), ("first_chunk_codes", first_chunk_codes)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -179,15 +187,18 @@ class Code2Wav:
         if not isinstance(max_batch_requests, int) or not 1 <= max_batch_requests <= MAX_BATCH_REQUESTS:
             raise ValueError(f"max_batch_requests must be an integer in [1, {MAX_BATCH_REQUESTS}], "
                              f"got {max_batch_requests!r}")
-        if dit_dtype not in DIT_DTYPES:
-            raise ValueError(f"dit_dtype must be one of {sorted(DIT_DTYPES)}, got {dit_dtype!r}")
+        for name, value in (("dit_dtype", dit_dtype), ("vocoder_dtype", vocoder_dtype)):
+            if value not in DIT_DTYPES:
+                raise ValueError(f"{name} must be one of {sorted(DIT_DTYPES)}, got {value!r}")
         if not isinstance(tf32, bool):
             raise ValueError(f"tf32 must be true or false, got {tf32!r}")
+        if fused_dit is not None and not isinstance(fused_dit, bool):
+            raise ValueError(f"fused_dit must be true, false or null (on CUDA only), got {fused_dit!r}")
         self.device = torch.device(device)
         self.model, self.speakers = load_token2wav(model_dir, self.device)
         self.dit = self.model.code2wav_dit_model
         self.vocoder = self.model.code2wav_bigvgan_model
-        self.vocode = DeviceVocoder(self.vocoder)   # its forward without host syncs
+        self.vocode = DeviceVocoder(self.vocoder, DIT_DTYPES[vocoder_dtype])   # its forward without host syncs
         self.default_voice = default_voice or next(iter(self.speakers))
         if self.default_voice not in self.speakers:
             raise ValueError(f"default_voice must be one of {sorted(self.speakers)}, got {default_voice!r}")
@@ -211,19 +222,29 @@ class Code2Wav:
         # first chunk's, a later chunk's); other windows (a request's tail, whole mode) run eagerly.
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda" and self.chunk_frames is not None
         self.graph_frames: list[int] = sorted(self._steady_windows()) if self.cuda_graphs else []
-        self.batch_sizes = [b for b in (1, 2, 4, 8, 16, 32) if b < max_batch_requests] + [max_batch_requests]
+        # captured batch sizes: a batch pads to the next one, so 12 and 24 cap the padded rows at a third
+        self.batch_sizes = [b for b in GRAPH_BATCH_SIZES if b < max_batch_requests] + [max_batch_requests]
         self.ode = Code2WavODE(self.dit, self.speakers, self.device, dit_dtype=dit_dtype, tf32=tf32,
-                               max_graphs=4 * len(self.batch_sizes) * len(self.graph_frames))
+                               fused=fused_dit, max_graphs=4 * len(self.batch_sizes) * len(self.graph_frames))
         self._totals = {"dit_seconds_total": 0.0, "vocoder_seconds_total": 0.0,
-                        "dit_batches_total": 0, "dit_rows_total": 0, "dit_graphed_batches_total": 0}
+                        "dit_batches_total": 0, "dit_rows_total": 0, "dit_graphed_batches_total": 0,
+                        # row-frames the ODE ran, and of those the padding to a captured size (rows, window)
+                        "dit_frames_total": 0, "dit_padding_frames_total": 0}
         self.capture_seconds = 0.0              # start-up time spent capturing the ODE's graphs
+        if self.device.type == "cuda":          # each voice's speaker encoding now: at run time its copy of
+            with tf32_matmuls(self.ode.tf32):   # the voice's reference mel would wait for the queued ODE
+                for voice in self.speakers:
+                    self.ode.voice(voice)
         if self.cuda_graphs:
             start = time.perf_counter()
             logger.info("code2wav: capturing %d ODE graphs (batch sizes %s x windows %s mel frames)",
                         len(self.batch_sizes) * len(self.graph_frames), self.batch_sizes, self.graph_frames)
             self.ode.capture(self.batch_sizes, self.graph_frames, Code2WavParams().ode_key(), self.default_voice)
+            self.vocode.capture(self.batch_sizes, sorted(self._vocoder_lengths()), self.mel_dim)
             self.capture_seconds = time.perf_counter() - start
-            logger.info("code2wav: captured %d ODE graphs in %.1f s", self.ode.graphs.captures, self.capture_seconds)
+            logger.info("code2wav: captured %d ODE graphs and %d BigVGAN graphs (inputs of %s mel frames) in %.1f s",
+                        self.ode.graphs.captures, self.vocode.graphs.captures, self.vocode.frames,
+                        self.capture_seconds)
 
     @classmethod
     def from_stage_spec(cls, spec) -> CodecEngine:
@@ -338,6 +359,8 @@ class Code2Wav:
         frames = captured[0] if graphed else frames
         size = next(b for b in self.batch_sizes if b >= n) if graphed else n
         self._totals["dit_graphed_batches_total"] += graphed
+        self._totals["dit_frames_total"] += size * frames
+        self._totals["dit_padding_frames_total"] += size * frames - sum(lengths)
         noise = torch.zeros(size, frames, self.mel_dim)
         codes = torch.zeros(size, frames // self.repeats + 1, dtype=torch.long)
         for i, (state, (_, _, ws, we)) in enumerate(zip(states, chunks)):
@@ -392,6 +415,22 @@ class Code2Wav:
                 out = torch.empty(count * self.hop, dtype=torch.float32, pin_memory=pinned)
                 audio[i] = out.copy_(wav[offset * self.hop: (offset + count) * self.hop], non_blocking=pinned)
         return _Pending(moves, audio)
+
+    def _vocoder_lengths(self, chunks: int = 8) -> set[int]:
+        """Mel frames of the vocoder inputs of a request's first `chunks` chunks and its steady ones
+        (context before s, [s, e), the look-ahead), for each first-chunk size the stage may pick."""
+        first, chunk = self.first_chunk_frames // self.repeats, self.chunk_frames // self.repeats
+        firsts = {self.first_chunk_frames}
+        if self.dynamic_first_chunk:
+            firsts |= {first_chunk_for_load(4 ** k + 1, first, chunk) * self.repeats for k in range(8)}
+        lengths = set()
+        for size in firsts:
+            s = 0
+            for _ in range(chunks):
+                e = s + (size if s == 0 else self.chunk_frames)
+                lengths.add(e - max(0, s - self.voc_ctx) + min(self.future, self.voc_ctx))
+                s = e
+        return lengths
 
 
 @dataclass

@@ -15,7 +15,7 @@ syncs, so that a chunk's 36 DiT evaluations can replay as one graph (`layers/gra
 are right-padded to the longest window and padded keys are masked out of the DiT's block mask
 (`block_diff`), so a batched row decodes as if alone. Work that transformers repeats in every DiT
 evaluation but that does not depend on the ODE state is done once:
-  * per voice: the speaker encoder (`_voice`);
+  * per voice: the speaker encoder (`voice`; code2wav encodes every voice at start-up on a GPU);
   * per ODE settings (`_time_tables`): the time embedding and every layer's AdaLN modulation (shift,
     scale, gate: a [6 x hidden] linear of the time embedding per layer, ~40% of the DiT's weights)
     at each of the ODE's time points -- they depend on t alone;
@@ -34,6 +34,8 @@ import time
 from typing import Optional, Sequence
 
 import torch
+
+from omnistage.models.qwen2_5_omni.dit_fused import FusedDiT
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,14 @@ def tf32_matmuls(on: Optional[bool]):
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
+def valid_frames(lengths: Sequence[int], frames: int, device=None) -> torch.Tensor:
+    """[rows, frames] bool on `device`: True for each row's first `lengths[row]` frames."""
+    sizes = torch.tensor(lengths)
+    if torch.device(device or "cpu").type == "cuda":   # from pinned memory: no wait for the device's queued work
+        sizes = sizes.pin_memory().to(device, non_blocking=True)
+    return torch.arange(frames, device=device)[None, :] < sizes[:, None]
+
+
 def block_diff(lengths: Sequence[int], frames: int, block: int, device=None) -> torch.Tensor:
     """Per-row DiT block offsets [rows, 1, frames, frames] on `device`; padded keys get a huge offset
     (masked). Every DiT layer keeps keys whose block offset lies in [-look_back, look_ahead]. A padded
@@ -68,10 +78,7 @@ def block_diff(lengths: Sequence[int], frames: int, block: int, device=None) -> 
     """
     blocks = torch.arange(frames, device=device) // block
     diff = (blocks[None, :] - blocks[:, None]).expand(len(lengths), frames, frames).clone()
-    sizes = torch.tensor(lengths)
-    if torch.device(device or "cpu").type == "cuda":   # from pinned memory: no wait for the device's queued work
-        sizes = sizes.pin_memory().to(device, non_blocking=True)
-    valid = torch.arange(frames, device=device)[None, :] < sizes[:, None]
+    valid = valid_frames(lengths, frames, device)
     diff.masked_fill_(~valid[:, None, :], 10**6)
     eye = torch.eye(frames, dtype=torch.bool, device=device)[None] & ~valid[:, :, None]
     diff.masked_fill_(eye, 0)
@@ -99,7 +106,7 @@ def eval_times(t: torch.Tensor) -> list[torch.Tensor]:
 
 class Code2WavODE:
     def __init__(self, dit, speakers: dict, device: torch.device, max_graphs: int = 0,
-                 dit_dtype: str = "float32", tf32: Optional[bool] = None):
+                 dit_dtype: str = "float32", tf32: Optional[bool] = None, fused: Optional[bool] = None):
         if dit_dtype not in DIT_DTYPES:
             raise ValueError(f"dit_dtype must be one of {sorted(DIT_DTYPES)}, got {dit_dtype!r}")
         self.dit = dit                          # Qwen2_5OmniToken2WavDiTModel (float32, eval)
@@ -112,6 +119,8 @@ class Code2WavODE:
             for block in dit.transformer_blocks:
                 block.attn.to(self.dtype)
                 block.ff.to(self.dtype)
+        # the fused evaluation (`dit_fused.py`): on CUDA unless `fused` says otherwise
+        self.fused = FusedDiT(dit, self.dtype) if (device.type == "cuda" if fused is None else fused) else None
         # each layer's (look-back, look-ahead) in blocks: at most a few distinct masks per batch
         self.windows = [(float(b.look_backward_block), float(b.look_ahead_block)) for b in dit.transformer_blocks]
         self._voice_cache: dict[str, tuple[torch.Tensor, ...]] = {}
@@ -122,7 +131,7 @@ class Code2WavODE:
 
             self.graphs = GraphCache(max_graphs=max_graphs)
 
-    def _voice(self, voice: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def voice(self, voice: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(cond [enc_emb_dim], spk-encoder(ref_mel) [enc_dim], spk-encoder(zeros) [enc_dim]) for a voice.
 
         The DiT's speaker encoder depends only on the voice, so it runs once per voice instead of
@@ -164,7 +173,7 @@ class Code2WavODE:
     def _run(self, noise, codes, voice_names, lengths, settings, graphed) -> torch.Tensor:
         num_steps, guidance_scale, sway_coefficient = settings
         dev, frames = self.device, noise.shape[1]
-        voices = [self._voice(v) for v in voice_names]
+        voices = [self.voice(v) for v in voice_names]
         cond = torch.stack([v[0] for v in voices])
         spk = torch.stack([v[1] for v in voices])
         spk_null = torch.stack([v[2] for v in voices])
@@ -175,7 +184,9 @@ class Code2WavODE:
             code_emb = torch.cat([code_emb, self.dit.text_embed(torch.zeros_like(codes))[:, :frames]])
             cond, spk = torch.cat([cond, torch.zeros_like(cond)]), torch.cat([spk, spk_null])
         static = torch.cat([spk[:, None].expand(-1, frames, -1), code_emb, cond[:, None].expand(-1, frames, -1)], -1)
-        diff = block_diff(lengths * (2 if cfg else 1), frames, self.block, dev)
+        rows = lengths * (2 if cfg else 1)
+        # the key masks' source: each row's valid frames (fused) or the block offsets (reference)
+        diff = valid_frames(rows, frames, dev) if self.fused is not None else block_diff(rows, frames, self.block, dev)
         t, layer_mods, final_mod = self._time_tables(num_steps, sway_coefficient)
         # a graph reads the tables it was captured with: only kept ones (`_time_tables`)
         graphed = graphed and self.graphs is not None and (num_steps, sway_coefficient) in self._tables
@@ -224,17 +235,20 @@ class Code2WavODE:
         positions = torch.arange(frames, device=x.device)[None].expand(rows, -1)
         cos, sin = self.dit.rotary_embed(static, positions)
         rope = (cos.to(self.dtype), sin.to(self.dtype)) if self.dtype != torch.float32 else (cos, sin)
-        masks = {w: (block_diff >= -w[0]) & (block_diff <= w[1]) for w in set(self.windows)}
+        if self.fused is not None:              # `block_diff` holds each row's valid frames here
+            masks = self.fused.masks(block_diff)
+        else:
+            masks = {w: (block_diff >= -w[0]) & (block_diff <= w[1]) for w in set(self.windows)}
         step = iter(range(len(final_mod)))
 
         def velocity(x: torch.Tensor) -> torch.Tensor:
             e = next(step)                      # this evaluation's row of the time tables
             x_rows = torch.cat([x, x]) if guidance is not None else x
             h = self.dit.input_embed.proj(torch.cat([x_rows, static], -1))
-            for block, mods, w in zip(self.dit.transformer_blocks, layer_mods, self.windows):
-                h = self._layer(block, h, mods[e], rope, masks[w])
-            scale, shift = final_mod[e].chunk(2)
-            v = self.dit.proj_out(self.dit.norm_out.norm(h) * (1 + scale) + shift)
+            if self.fused is not None:
+                v = self.fused.velocity(h, e, layer_mods, final_mod, rope, masks)
+            else:
+                v = self._reference(h, e, layer_mods, final_mod, rope, masks)
             if guidance is None:
                 return v
             v_cond, v_null = v.chunk(2)
@@ -249,3 +263,10 @@ class Code2WavODE:
             k4 = velocity(x + dt * (k1 - k2 + k3))
             x = x + (k1 + 3 * (k2 + k3) + k4) * dt / 8
         return x
+
+    def _reference(self, h, e, layer_mods, final_mod, rope, masks) -> torch.Tensor:
+        """The DiT after its input projection, transformers' layers op by op (the reference path)."""
+        for block, mods, w in zip(self.dit.transformer_blocks, layer_mods, self.windows):
+            h = self._layer(block, h, mods[e], rope, masks[w])
+        scale, shift = final_mod[e].chunk(2)
+        return self.dit.proj_out(self.dit.norm_out.norm(h) * (1 + scale) + shift)

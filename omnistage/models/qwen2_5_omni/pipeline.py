@@ -53,9 +53,10 @@ RENDERER_WEIGHTS = ("thinker.audio_tower.", "thinker.visual.", "thinker.model.em
 # 32 requests per ODE batch: at 32 streams every ready chunk decodes in one batch (graphs for 1..32 rows).
 CODE2WAV_OPTIONS = {"first_chunk_codes": 12, "chunk_codes": 96, "past_blocks": 2, "future_blocks": 1,
                     "max_batch_requests": 32}
-# code2wav's device memory besides its weights: its CUDA graphs' static inputs (~1.5 GiB for 1..32 rows)
-# and their shared pool (a 32-row ODE's activations); an estimate for the memory plan
-CODE2WAV_WORKSPACE_BYTES = 4 * 2**30
+# code2wav's device memory besides its weights: its ODE graphs' static inputs (~1.5 GiB for 1..32 rows)
+# and their shared pool (a 32-row ODE's activations), and BigVGAN's graphs' pool (a 32-row chunk's
+# activations: ~80 MB per row of 256 mel frames at the 7B shape); an estimate for the memory plan
+CODE2WAV_WORKSPACE_BYTES = 8 * 2**30
 # Where the stages run on a GPU: "process" (one process each) or "shared" (all in the serving process, each
 # on a CUDA stream of its own); benchmarks/omni_bench.py measures both. Shared, measured on one H200
 # (benchmarks/RESULTS.md, session 5): TTFA 0.50 / 0.87 s at 1 / 8 streams against 0.90 / 2.28 s for

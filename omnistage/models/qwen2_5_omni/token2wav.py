@@ -89,16 +89,54 @@ class DeviceVocoder:
     """transformers' `Qwen2_5OmniToken2WavBigVGANModel.forward` with the same operations in the same
     order, less its two host syncs (the clamp floor made on the device in every call, the copy of the
     waveform to the CPU), so a launch can queue it behind the ODE: mel [n, 80, frames] -> waveform
-    [n, 1, samples] in [-1, 1] on the device."""
+    [n, 1, samples] in [-1, 1] on the device.
 
-    def __init__(self, bigvgan):
+    After `capture(batch_sizes, frames)` (CUDA) an input of a captured length replays a CUDA graph, its
+    rows padded with zero mel to the next captured batch size (rows are independent); others run
+    eagerly. Why graphs: eagerly BigVGAN is ~1500 small kernels per call, which fill the stream's launch
+    queue behind a queued ODE graph, so the host thread -- the one that steps every stage of the shared
+    layout -- would block in a launch until the ODE is done, and the talker's steps with it. A graph's
+    result is a view of its buffer: copy it out (stream-ordered) before the next call."""
+
+    def __init__(self, bigvgan, dtype: torch.dtype = torch.float32):
         self.model = bigvgan
+        self.dtype = dtype                      # bfloat16: the convolutions under autocast (the rest float32)
         device = next(bigvgan.parameters()).device
         # `amplitude_to_db`'s floor, made once as transformers makes it (float32 exp of float32 input)
         self.min_level = torch.exp(torch.tensor(-115 / 20.0 * math.log(10), device=device, dtype=torch.float32))
+        self.graphs = None                      # GraphCache after `capture`
+        self.sizes: list[int] = []              # captured batch sizes, ascending
+        self.frames: list[int] = []             # captured input lengths in mel frames
+
+    def capture(self, batch_sizes: list[int], frames: list[int], mel_dim: int) -> None:
+        from omnistage.layers.graph_cache import GraphCache
+
+        device = self.min_level.device
+        self.graphs = GraphCache(max_graphs=len(batch_sizes) * len(frames))
+        self.sizes, self.frames = sorted(batch_sizes), sorted(frames)
+        for size in self.sizes:
+            for length in self.frames:
+                self(torch.zeros(size, mel_dim, length, device=device))
+        torch.cuda.synchronize(device)
 
     @torch.no_grad()
     def __call__(self, mel: torch.Tensor) -> torch.Tensor:
+        n, _, frames = mel.shape
+        if self.graphs is None or frames not in self.frames or n > self.sizes[-1]:
+            return self.forward(mel)
+        size = next(b for b in self.sizes if b >= n)
+        if size > n:
+            mel = torch.cat([mel, mel.new_zeros(size - n, *mel.shape[1:])])
+        return self.graphs.run((size, frames), (mel,), self.forward)[:n]
+
+    @torch.no_grad()
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        if self.dtype == torch.float32:
+            return self._forward(mel)
+        with torch.autocast(mel.device.type, dtype=self.dtype, cache_enabled=False):   # graph-capturable
+            return self._forward(mel).float()
+
+    def _forward(self, mel: torch.Tensor) -> torch.Tensor:
         m = self.model
         decibels = 20 * torch.log10(torch.clamp(torch.exp(mel), min=self.min_level)) - 20
         hidden = m.conv_pre(m.normalize_spectrogram(decibels, 1, -115))

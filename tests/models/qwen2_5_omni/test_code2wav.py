@@ -7,6 +7,9 @@ Measured on the tiny checkpoint (seed 7, 60 codes = 1.2 s; mel std 2.1, waveform
       4 / 2:           mel 8.4e-6, waveform 4.4e-6
       0 / 0:           mel 0.19,   waveform 0.75 (clicks at each joint: no vocoder right context)
   * batched vs alone: max |diff| ~1e-6 (float rounding of different GEMM shapes).
+  * `fused_dit=True` (the CUDA default) vs the reference path on the CPU: max |diff| ~1e-6.
+  * `vocoder_dtype="bfloat16"` (BigVGAN under bf16 autocast), whole mode: waveform max |diff| 2.1e-2
+    of peak 1.0, rms 3.8e-3 (rms of the waveform 0.34).
   * `dit_dtype="bfloat16"` (attention / MLP linears in bf16), whole mode vs float32: waveform 3.0e-4,
     mel 5.6e-3 (chunked 12 / 24: waveform 1.1e-3, as the float32 chunked decode).
 """
@@ -117,6 +120,15 @@ def test_bf16_dit_stays_close_to_the_float32_whole_decode(omni_dir, reference):
     assert 0 < np.abs(wav - ref_wav).max() < 2e-3
 
 
+def test_bf16_vocoder_stays_close_to_the_float32_whole_decode(omni_dir, reference):
+    engine = CodecEngine(Code2Wav(omni_dir, vocoder_dtype="bfloat16"))
+    wav, mel, _ = run(engine, [("v", codes(60), Code2WavParams(voice="Ethan", seed=SEED))])["v"]
+    ref_wav, ref_mel, _ = reference
+    torch.testing.assert_close(mel, ref_mel, rtol=0, atol=0)   # the DiT is untouched
+    assert wav.dtype == np.float32 and 0 < np.abs(wav - ref_wav).max() < 5e-2
+    assert np.sqrt(np.mean((wav - ref_wav) ** 2)) < 1e-2
+
+
 def test_windows_padded_to_a_captured_length_decode_as_unpadded(omni_dir):
     """The rule that lets a short window (a request's tail, a first chunk beside later ones) replay a
     longer window's graph: frames padded after a window are masked, so its frames decode as without."""
@@ -128,6 +140,24 @@ def test_windows_padded_to_a_captured_length_decode_as_unpadded(omni_dir):
     for rid, (wav, mel, _) in run(padded, requests).items():
         np.testing.assert_allclose(wav, plain[rid][0], rtol=0, atol=1e-5)
     assert padded.stats()["dit_graphed_batches_total"] == padded.stats()["dit_batches_total"]
+
+
+def test_fused_dit_decodes_as_the_reference_path(omni_dir, reference):
+    """`fused_dit` (dit_fused.py: merged q|k|v, block-local attention, fused AdaLN steps) on the CPU,
+    through PyTorch's kernels: whole mode, and batches of chunks padded to a longer window."""
+    engine = CodecEngine(Code2Wav(omni_dir, fused_dit=True))
+    assert engine.model.ode.fused is not None
+    wav, mel, _ = run(engine, [("f", codes(60), Code2WavParams(voice="Ethan", seed=SEED))])["f"]
+    np.testing.assert_allclose(wav, reference[0], rtol=0, atol=1e-5)
+    options = {"chunk_codes": 24, "first_chunk_codes": 12}
+    requests = [(f"q{i}", codes(n, seed=i), Code2WavParams(voice="Ethan", seed=i)) for i, n in enumerate([31, 17])]
+    plain = run(CodecEngine(Code2Wav(omni_dir, **options)), requests)
+    fused = CodecEngine(Code2Wav(omni_dir, fused_dit=True, **options))
+    fused.model.graph_frames = [170]            # padded to 170 frames: a partial last DiT block, masked keys
+    for rid, (wav, _, _) in run(fused, requests).items():
+        np.testing.assert_allclose(wav, plain[rid][0], rtol=0, atol=1e-5)
+    stats = fused.stats()
+    assert 0 < stats["dit_padding_frames_total"] < stats["dit_frames_total"]
 
 
 def test_tf32_is_set_for_the_block_only():
@@ -143,6 +173,8 @@ def test_tf32_is_set_for_the_block_only():
 
 @pytest.mark.parametrize("options, message", [
     ({"dit_dtype": "float16"}, "dit_dtype must be one of"),
+    ({"fused_dit": "yes"}, "fused_dit must be true, false or null"),
+    ({"vocoder_dtype": "float16"}, "vocoder_dtype must be one of"),
     ({"max_batch_requests": 0}, r"max_batch_requests must be an integer in \[1, 64\]"),
     ({"tf32": "yes"}, "tf32 must be true or false")])
 def test_bad_stage_options_name_the_option(omni_dir, options, message):

@@ -1,0 +1,131 @@
+"""`FusedDiT`: one evaluation of Qwen2.5-Omni's code2wav DiT with fewer, larger kernels -- the fast
+path of `code2wav_ode.Code2WavODE` (the code2wav stage's engine, in whatever process runs it; the
+default on CUDA, stage option `fused_dit`).
+
+In: the ODE's input rows (x and the static conditioning already projected: `h` [rows, frames,
+hidden] float32), this evaluation's AdaLN modulation rows (from `Code2WavODE._time_tables`), the
+rotary table, and per batch the key masks `masks(valid)` built once from each row's valid frames
+[rows, frames] bool. Out: the velocity [rows, frames, mel] float32.
+
+What differs from transformers' `DiTDecoderLayer` (same arithmetic, other kernels):
+  * q | k | v is one GEMM: the three weights are concatenated once and the modules' own weights
+    become views of the merged one (no second copy; the reference path reads the same numbers).
+  * Attention is block-local: a layer with look-back `lb` and look-ahead `la` DiT blocks (24 frames)
+    lets a query block see only the keys of blocks [j - lb, j + la], so the frames are cut into
+    blocks and each query block attends to its (lb + 1 + la) x 24 keys -- a batch of small dense
+    problems for SDPA's fused kernels (efficient / cuDNN on CUDA) instead of the full frames x frames
+    score matrix under a boolean mask, which SDPA serves with its slow path. Keys outside a row's
+    valid frames are masked as in the reference (`code2wav_ode.block_diff`), and a padded query
+    keeps only itself, so every valid frame gets the reference's softmax over the same keys.
+  * Each gated residual and the LayerNorm + modulation after it are one `layers/ada_norm.py` step
+    (one Triton kernel per step on CUDA; its PyTorch reference on a CPU).
+On a CPU the same code runs with PyTorch's kernels; tests/models/qwen2_5_omni/test_code2wav.py
+checks it against the reference path within float32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from omnistage.layers.ada_norm import ada_norm
+
+
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _neighbours(x: torch.Tensor, back: int, ahead: int, fill) -> torch.Tensor:
+    """x [rows, blocks, B, ...] -> [rows, blocks, (back + 1 + ahead) * B, ...]: per block, the blocks
+    j - back .. j + ahead side by side along dim 2 (`fill` past either end)."""
+    if back == ahead == 0:
+        return x
+    pad = x.new_full((x.shape[0], 1, *x.shape[2:]), fill)
+    padded = torch.cat([pad] * back + [x] + [pad] * ahead, dim=1)
+    blocks = x.shape[1]
+    return torch.cat([padded[:, o: o + blocks] for o in range(back + 1 + ahead)], dim=2)
+
+
+class FusedDiT:
+    def __init__(self, dit, dtype: torch.dtype):
+        cfg = dit.config
+        self.dit = dit                          # Qwen2_5OmniToken2WavDiTModel; attn / ff already in `dtype`
+        self.dtype = dtype                      # the attention / MLP linears' dtype
+        self.heads, self.head_dim, self.block = cfg.num_attention_heads, cfg.head_dim, cfg.block_size
+        self.eps = dit.transformer_blocks[0].ff_norm.eps   # every DiT LayerNorm has transformers' 1e-6
+        self.windows = [(int(b.look_backward_block), int(b.look_ahead_block)) for b in dit.transformer_blocks]
+        self.qkv = [_merge_qkv(b.attn) for b in dit.transformer_blocks]   # per layer (weight, bias)
+
+    def masks(self, valid: torch.Tensor) -> dict[tuple[int, int], torch.Tensor]:
+        """Per distinct (look-back, look-ahead): the additive key mask [rows * blocks, 1, B, keys] of the
+        block-local attention, from each row's valid frames `valid` [rows, frames] (once per batch)."""
+        rows, frames = valid.shape
+        nb = -(-frames // self.block)
+        valid = F.pad(valid, (0, nb * self.block - frames)).view(rows, nb, self.block)
+        out = {}
+        for back, ahead in set(self.windows):
+            keys = _neighbours(valid, back, ahead, False)                  # [rows, nb, K]
+            eye = torch.zeros(self.block, keys.shape[-1], dtype=torch.bool, device=valid.device)
+            eye[:, back * self.block: (back + 1) * self.block] = torch.eye(self.block, dtype=torch.bool,
+                                                                           device=valid.device)
+            keep = torch.where(valid[..., None], keys[:, :, None, :], eye)  # padded query: only itself
+            bias = torch.zeros(keep.shape, dtype=self.dtype, device=valid.device).masked_fill_(~keep, float("-inf"))
+            out[(back, ahead)] = bias.view(rows * nb, 1, self.block, keys.shape[-1])
+        return out
+
+    def velocity(self, h: torch.Tensor, e: int, layer_mods: list[torch.Tensor], final_mod: torch.Tensor,
+                 rope: tuple[torch.Tensor, torch.Tensor], masks: dict) -> torch.Tensor:
+        """The DiT after its input projection `h`, at evaluation `e` of the time tables."""
+        blocks = self.dit.transformer_blocks
+        shift, scale = layer_mods[0][e].chunk(6)[:2]
+        _, y = ada_norm(h, shift, scale, self.eps, out_dtype=self.dtype)
+        for i, block in enumerate(blocks):
+            _, _, gate_msa, shift_mlp, scale_mlp, gate_mlp = layer_mods[i][e].chunk(6)
+            attn = self._attention(i, block, y, rope, masks[self.windows[i]])
+            h, y = ada_norm(attn, shift_mlp, scale_mlp, self.eps, residual=h, gate=gate_msa, out_dtype=self.dtype)
+            ff = block.ff.ff
+            f = ff[3](F.gelu(ff[0](y), approximate="tanh"))
+            if i + 1 < len(blocks):
+                shift, scale = layer_mods[i + 1][e].chunk(6)[:2]
+                h, y = ada_norm(f, shift, scale, self.eps, residual=h, gate=gate_mlp, out_dtype=self.dtype)
+            else:
+                scale, shift = final_mod[e].chunk(2)
+                h, y = ada_norm(f, shift, scale, self.eps, residual=h, gate=gate_mlp, out_dtype=torch.float32)
+        return self.dit.proj_out(y)
+
+    def _attention(self, i: int, block, y: torch.Tensor, rope, bias: torch.Tensor) -> torch.Tensor:
+        rows, frames, _ = y.shape
+        heads, d, size = self.heads, self.head_dim, self.block
+        qkv = F.linear(y, *self.qkv[i]).view(rows, frames, 3, heads, d)
+        # only q's and k's first head is rotated, in the de-interleaved layout (as the checkpoint was
+        # trained), in place in the GEMM's output
+        cos, sin = rope
+        qkv[:, :, :2, 0] = _rotate(_deinterleave(qkv[:, :, :2, 0]), cos[:, :, None], sin[:, :, None])
+        q, k, v = qkv.unbind(2)
+        nb = -(-frames // size)
+        pad = nb * size - frames
+        if pad:
+            q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
+        back, ahead = self.windows[i]
+        q = q.reshape(rows * nb, size, heads, d).transpose(1, 2)
+        k, v = (_neighbours(t.reshape(rows, nb, size, heads, d), back, ahead, 0.0)
+                .reshape(rows * nb, -1, heads, d).transpose(1, 2) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        out = out.transpose(1, 2).reshape(rows, nb * size, heads * d)[:, :frames]
+        return block.attn.to_out[0](out)
+
+
+def _merge_qkv(attn) -> tuple[torch.Tensor, torch.Tensor]:
+    """One [3 x inner, hidden] weight (and bias) for q | k | v; the modules' parameters become views of it."""
+    weight = torch.cat([attn.to_q.weight, attn.to_k.weight, attn.to_v.weight]).detach()
+    bias = torch.cat([attn.to_q.bias, attn.to_k.bias, attn.to_v.bias]).detach()
+    inner = attn.to_q.weight.shape[0]
+    for j, lin in enumerate((attn.to_q, attn.to_k, attn.to_v)):
+        lin.weight = torch.nn.Parameter(weight[j * inner: (j + 1) * inner], requires_grad=False)
+        lin.bias = torch.nn.Parameter(bias[j * inner: (j + 1) * inner], requires_grad=False)
+    return weight, bias

@@ -15,22 +15,29 @@ in for the text encoders. One run measures:
   - throughput of 8 concurrent 512x512 FLUX requests (20 steps, decode included) on a FLUX family of
     its own: diffusers' `FluxPipeline.__call__` one request at a time (the same random prompt
     embeddings passed as `prompt_embeds`), and our `DiffusionEngine` with step batching
-    (max_num_seqs=8) and one at a time (max_num_seqs=1), each eager (no speed feature) and with the
-    CUDA default (`DiffusionSpeed.from_config`: merged projections + regional compile), so both
-    ratios (ours batched vs ours one at a time, vs diffusers one at a time) are printed.
+    (max_num_seqs=8) and one at a time (max_num_seqs=1) with the CUDA default
+    (`DiffusionSpeed.from_config`: merged projections + regional compile + probed attention), so both
+    ratios (ours batched vs ours one at a time, vs diffusers one at a time) are printed, beside the
+    floor (the denoiser FLOPs of all 160 row-steps at the measured rate); --extended adds both eager;
   - the speed features (benchmarks/dit_speed.py): per workload diffusers + regional compile, ours
-    eager with the flash / cuDNN SDPA kernels (the data behind DEFAULT_ATTENTION), ours default
-    (compile + default attention), + 8-bit attention, + FP8, each with first-call (compile) seconds
-    and its error vs the eager bf16 forward; fast-path kernels vs references; CUDA kernels of a FLUX
-    block eager vs compiled (fusion); offload modes on Wan-14B-shaped blocks.
+    eager with each lossless attention backend (cuDNN / flash / efficient SDPA, FlexAttention) and
+    with "auto" (the load-time probe's choice), ours default (compile + probed attention), + 8-bit
+    attention, + FP8, + both, each with first-call (compile) seconds and its error vs the eager bf16
+    forward; fast-path kernels vs references (`kernels`); eager vs each compile mode on a FLUX DiT with
+    fewer blocks (`modes`); CUDA kernels of a FLUX block eager vs compiled (`fusion`); offload modes
+    on Wan-14B-shaped blocks (`offload`).
+Every row is printed as it is measured ("[seconds] name: ...").
 Also checks that our batched forward equals diffusers' separate calls and (in --smoke) that the
 analytic FLOP count equals torch's FlopCounterMode. Prints a markdown table last; --out writes JSON
 after every section (a run cut short keeps what finished). --no-speed skips the speed rows;
---only picks sections (wan, flux, throughput, offload; `kernels` = the fast-path check; default on
-the GPU: all but offload, whose targets are met).
+--only picks sections (wan, flux, throughput, offload, kernels, modes, fusion; default on the GPU:
+wan, flux, throughput, kernels). Each of `--only flux,throughput` and `--only wan` is meant to fit one
+device call (< 200 s and < 150 s on an H200).
 
     PYTHONPATH=<dir with diffusers 0.42.1 + importlib_metadata + zipp>:. python benchmarks/dit_bench.py --out dit.json
-    PYTHONPATH=...:. python benchmarks/dit_bench.py --only flux,throughput --out dit.json   # some sections
+    PYTHONPATH=...:. python benchmarks/dit_bench.py --only flux,throughput --out dit_flux.json   # < 200 s
+    PYTHONPATH=...:. python benchmarks/dit_bench.py --only wan --out dit_wan.json               # < 150 s
+    PYTHONPATH=...:. python benchmarks/dit_bench.py --only modes,fusion,kernels --out dit_modes.json
     python benchmarks/dit_bench.py --smoke      # tiny shapes on CPU (what CI runs; compile rows skipped)
 """
 
@@ -77,7 +84,8 @@ FLUX_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_
                   "max_image_seq_len": 4096, "max_shift": 1.15, "num_train_timesteps": 1000, "shift": 3.0,
                   "use_dynamic_shifting": True}
 FULL = dict(wan=dict(height=480, width=832, frames=81, text=512), flux=dict(size=1024, text=512),
-            thr=dict(size=512, n=8, steps=20), matmul=8192, iters=3, warmup=1)
+            thr=dict(size=512, n=8, steps=20), matmul=8192, iters=3, warmup=1,
+            wan_iters=2)                # Wan steps take ~1 s: fewer timed calls keep `--only wan` in its time
 SMOKE = dict(wan=dict(height=32, width=32, frames=5, text=16), flux=dict(size=64, text=16),
              thr=dict(size=64, n=4, steps=2), matmul=256, iters=1, warmup=1,
              wan_cfg=dict(num_attention_heads=2, attention_head_dim=16, text_dim=32, ffn_dim=64, num_layers=2,
@@ -289,9 +297,12 @@ def diffusers_throughput(family, n: int, size: int, steps: int) -> dict:
     return {"seconds": seconds, "requests_per_s": n / seconds, "max_batch_tasks": 1}
 
 
-def throughput_rows(flux_cfg: dict, flux_vae, t: dict, device, dtype, smoke: bool) -> dict:
+def throughput_rows(flux_cfg: dict, flux_vae, t: dict, device, dtype, smoke: bool, rate: float = 0.0,
+                    extended: bool = False) -> dict:
     """The throughput section on a FLUX family of its own (the speed rows change theirs): diffusers
-    first (plain modules), ours eager, then ours with the default speed features (merges + compiles)."""
+    first (plain modules), ours eager (`extended` only), then ours with the default speed features
+    (merges + compile + probed attention). `floor_s`: the denoiser FLOPs of every request's steps at
+    `rate` (decode not counted): what batching can approach at best."""
     from diffusers import FluxTransformer2DModel
 
     family = build(BenchFlux, FluxTransformer2DModel, flux_cfg, flux_vae, FLUX_SCHEDULER, 16 if smoke else 512,
@@ -299,19 +310,26 @@ def throughput_rows(flux_cfg: dict, flux_vae, t: dict, device, dtype, smoke: boo
     rows = {"shape": f"FLUX.1-dev ({flux_cfg['num_layers']}+{flux_cfg['num_single_layers']} blocks), "
                      f"{t['size']}x{t['size']}, {t['steps']} steps, {t['n']} requests"}
     args = (family, t["n"], t["size"], t["steps"])
-    rows["diffusers_one_at_a_time"] = diffusers_throughput(*args)
-    rows["batched"] = throughput(*args, batched=True)
-    rows["one_at_a_time"] = throughput(*args, batched=False)
+    tokens = (t["size"] // family.multiple) ** 2
+    rows["requests"] = t["n"]
+    rows["floor_s"] = t["n"] * t["steps"] * flux_flops(flux_cfg, tokens, family.text_len) / rate if rate else None
+    measure = [("diffusers_one_at_a_time", lambda: diffusers_throughput(*args))]
+    if extended:
+        measure += [("batched", lambda: throughput(*args, batched=True)),
+                    ("one_at_a_time", lambda: throughput(*args, batched=False))]
     default = DiffusionSpeed.from_config(EngineConfig(device=str(device)))
     rows["default"] = {"merge_projections": default.merge_projections, "compile": default.compile}
-    rows["default_one_at_a_time"] = throughput(*args, batched=False, speed=default)
-    rows["default_batched"] = throughput(*args, batched=True, speed=default)
+    measure += [("default_one_at_a_time", lambda: throughput(*args, batched=False, speed=default)),
+                ("default_batched", lambda: throughput(*args, batched=True, speed=default))]
+    for name, fn in measure:
+        dit_speed.guarded(rows, name, fn)
     return rows
 
 
 # ---- main --------------------------------------------------------------------------------------------------
-SECTIONS = ("wan", "flux", "throughput", "offload", "kernels")
-GPU_DEFAULT = ("wan", "flux", "throughput", "kernels")    # offload met its targets: run it with --only offload
+SECTIONS = ("wan", "flux", "throughput", "offload", "kernels", "modes", "fusion")
+# offload met its targets: --only offload; compile modes and the fusion count: --only modes / fusion
+GPU_DEFAULT = ("wan", "flux", "throughput", "kernels")
 
 
 def flux_vae_for(s: dict, smoke: bool):
@@ -326,7 +344,7 @@ def flux_vae_for(s: dict, smoke: bool):
                          **kw, **FLUX_VAE)
 
 
-def run(smoke: bool, speed: bool = True, only: tuple = SECTIONS) -> dict:
+def run(smoke: bool, speed: bool = True, only: tuple = SECTIONS, extended: bool = False) -> dict:
     from diffusers import AutoencoderKLWan, FluxTransformer2DModel, WanTransformer3DModel
 
     s = SMOKE if smoke else FULL
@@ -355,12 +373,14 @@ def run(smoke: bool, speed: bool = True, only: tuple = SECTIONS) -> dict:
         wan_params = DiffusionParams(height=w["height"], width=w["width"], num_frames=w["frames"],
                                      num_inference_steps=50, guidance_scale=5.0, seed=0)
         call = wan_call(wan)
-        res["wan"] = step_bench(wan, wan_params, call, wan_flops(wan_cfg, *lat, w["text"]), rate, s,
+        sw = dict(s, iters=s.get("wan_iters", s["iters"]))
+        res["wan"] = step_bench(wan, wan_params, call, wan_flops(wan_cfg, *lat, w["text"]), rate, sw,
                                 counted=(lambda task: call(task, rows=("cond",))) if smoke else None)
         res["wan"]["shape"] = f"{w['width']}x{w['height']}x{w['frames']}"
         _save(res)
         if speed:
-            dit_speed.guarded(res["wan"], "speed", lambda: dit_speed.speed_rows(bench, wan, wan_params, call, s, smoke))
+            dit_speed.guarded(res["wan"], "speed",
+                              lambda: dit_speed.speed_rows(bench, wan, wan_params, call, sw, smoke, extended))
             _save(res)
         del wan
         _free(device)
@@ -378,16 +398,21 @@ def run(smoke: bool, speed: bool = True, only: tuple = SECTIONS) -> dict:
         res["flux"]["shape"] = f"{f['size']}x{f['size']}"
         _save(res)
         if speed:
-            if device.type == "cuda":
+            if device.type == "cuda" and "fusion" in only:
                 dit_speed.guarded(res, "fusion", lambda: dit_speed.fusion_row(bench, flux))
             dit_speed.guarded(res["flux"], "speed",
-                              lambda: dit_speed.speed_rows(bench, flux, flux_params, call, s, smoke))
+                              lambda: dit_speed.speed_rows(bench, flux, flux_params, call, s, smoke, extended))
             _save(res)
         del flux
         _free(device)
 
     if "throughput" in only:
-        res["throughput"] = throughput_rows(flux_cfg, flux_vae_for(s, smoke), s["thr"], device, dtype, smoke)
+        res["throughput"] = throughput_rows(flux_cfg, flux_vae_for(s, smoke), s["thr"], device, dtype, smoke, rate,
+                                            extended)
+        _save(res)
+        _free(device)
+    if speed and "modes" in only:
+        dit_speed.guarded(res, "modes", lambda: dit_speed.mode_rows(bench, s, smoke))
         _save(res)
         _free(device)
     if speed and "offload" in only:
@@ -440,16 +465,25 @@ def throughput_table(t) -> list[str]:
     default = "ours default (" + " + ".join(k for k in ("merge_projections", "compile") if d[k]) + ")"
     rows = ["", "| throughput: " + t["shape"] + " | seconds | requests/s | largest batch | vs ours one at a time "
             "| vs diffusers one at a time |", "|---|---|---|---|---|---|"]
-    base = t["diffusers_one_at_a_time"]["requests_per_s"]
+    ok = {k: r for k, r in t.items() if isinstance(r, dict) and "requests_per_s" in r}
+    base = ok.get("diffusers_one_at_a_time", {}).get("requests_per_s")
     for key, label, alone in (("diffusers_one_at_a_time", "diffusers pipe() one at a time", None),
                               ("one_at_a_time", "one at a time", "one_at_a_time"),          # ours, eager
                               ("batched", "step batching (max_num_seqs=8)", "one_at_a_time"),
                               ("default_one_at_a_time", f"{default}, one at a time", "default_one_at_a_time"),
                               ("default_batched", f"{default}, step batching", "default_one_at_a_time")):
-        r = t[key]
-        vs_ours = f"{r['requests_per_s'] / t[alone]['requests_per_s']:.2f}x" if alone else "-"
+        r = ok.get(key)
+        if r is None:
+            if isinstance(t.get(key), dict):
+                rows.append(f"| {label} | error: {t[key].get('error', '')[:120]} | | | | |")
+            continue
+        vs_ours = f"{r['requests_per_s'] / ok[alone]['requests_per_s']:.2f}x" if alone in ok else "-"
+        vs_base = f"{r['requests_per_s'] / base:.2f}x" if base else "-"
         rows.append(f"| {label} | {r['seconds']:.2f} | {r['requests_per_s']:.3f} | {int(r['max_batch_tasks'])} | "
-                    f"{vs_ours} | {r['requests_per_s'] / base:.2f}x |")
+                    f"{vs_ours} | {vs_base} |")
+    if t.get("floor_s"):
+        rows.append(f"| floor (denoiser FLOPs of all steps / matmul rate; decode not counted) | {t['floor_s']:.2f} "
+                    f"| {t['requests'] / t['floor_s']:.3f} | | | |")
     return rows
 
 
@@ -458,6 +492,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script, not the GPU)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--no-speed", action="store_true", help="only the baseline rows (no compile / fp8 / offload rows)")
+    ap.add_argument("--extended", action="store_true",
+                    help="also the rows that cost extra compiles or minutes: compile with unmerged projections, "
+                         "eager throughput")
     ap.add_argument("--only", default=None,
                     help=f"comma-separated sections to run, among {', '.join(SECTIONS)} (default: all with "
                          f"--smoke, else {', '.join(GPU_DEFAULT)})")
@@ -472,7 +509,8 @@ def main(argv=None) -> dict:
     if importlib.util.find_spec("diffusers") is None:
         raise SystemExit("dit_bench needs diffusers==0.42.1 (+ importlib_metadata, zipp): pip install --no-deps "
                          "--target DIR <wheels> and put DIR on PYTHONPATH")
-    return report(lambda: run(args.smoke, speed=not args.no_speed, only=only), table, args.out)
+    extended = args.extended or args.smoke      # the smoke run checks every code path
+    return report(lambda: run(args.smoke, speed=not args.no_speed, only=only, extended=extended), table, args.out)
 
 
 def report(run_fn, table_fn, out) -> dict:

@@ -39,6 +39,7 @@ device call (< 200 s and < 150 s on an H200).
     PYTHONPATH=...:. python benchmarks/dit_bench.py --only wan --out dit_wan.json               # < 150 s
     PYTHONPATH=...:. python benchmarks/dit_bench.py --only modes,fusion,kernels --out dit_modes.json
     python benchmarks/dit_bench.py --smoke      # tiny shapes on CPU (what CI runs; compile rows skipped)
+    python benchmarks/dit_bench.py --smoke --only fusion   # inductor's fused kernels of one block, on the CPU
 """
 
 from __future__ import annotations
@@ -330,6 +331,7 @@ def throughput_rows(flux_cfg: dict, flux_vae, t: dict, device, dtype, smoke: boo
 SECTIONS = ("wan", "flux", "throughput", "offload", "kernels", "modes", "fusion")
 # offload met its targets: --only offload; compile modes and the fusion count: --only modes / fusion
 GPU_DEFAULT = ("wan", "flux", "throughput", "kernels")
+SMOKE_DEFAULT = tuple(p for p in SECTIONS if p != "fusion")   # inductor's C++ build of a block: ~2 min on 2 cores
 
 
 def flux_vae_for(s: dict, smoke: bool):
@@ -386,9 +388,15 @@ def run(smoke: bool, speed: bool = True, only: tuple = SECTIONS, extended: bool 
         _free(device)
 
     f = s["flux"]
-    if "flux" in only:
+    if "flux" in only or "fusion" in only:
         flux = build(BenchFlux, FluxTransformer2DModel, flux_cfg, flux_vae_for(s, smoke), FLUX_SCHEDULER, f["text"],
                      device, dtype)
+        if "fusion" in only:                    # what the compile fuses (CPU: the generated C++ code)
+            dit_speed.guarded(res, "fused_code", lambda: dit_speed.fused_code_row(bench, flux))
+            if device.type == "cuda":
+                dit_speed.guarded(res, "fusion", lambda: dit_speed.fusion_row(bench, flux))
+            _save(res)
+    if "flux" in only:
         tokens = (f["size"] // flux.multiple) ** 2
         flux_params = DiffusionParams(height=f["size"], width=f["size"], num_inference_steps=50, guidance_scale=3.5,
                                       seed=0)
@@ -398,11 +406,10 @@ def run(smoke: bool, speed: bool = True, only: tuple = SECTIONS, extended: bool 
         res["flux"]["shape"] = f"{f['size']}x{f['size']}"
         _save(res)
         if speed:
-            if device.type == "cuda" and "fusion" in only:
-                dit_speed.guarded(res, "fusion", lambda: dit_speed.fusion_row(bench, flux))
             dit_speed.guarded(res["flux"], "speed",
                               lambda: dit_speed.speed_rows(bench, flux, flux_params, call, s, smoke, extended))
             _save(res)
+    if "flux" in only or "fusion" in only:
         del flux
         _free(device)
 
@@ -496,11 +503,11 @@ def main(argv=None) -> dict:
                     help="also the rows that cost extra compiles or minutes: compile with unmerged projections, "
                          "eager throughput")
     ap.add_argument("--only", default=None,
-                    help=f"comma-separated sections to run, among {', '.join(SECTIONS)} (default: all with "
-                         f"--smoke, else {', '.join(GPU_DEFAULT)})")
+                    help=f"comma-separated sections to run, among {', '.join(SECTIONS)} (default: "
+                         f"{', '.join(SMOKE_DEFAULT)} with --smoke, else {', '.join(GPU_DEFAULT)})")
     args = ap.parse_args(argv)
     only = (tuple(p.strip() for p in args.only.split(",") if p.strip()) if args.only is not None
-            else SECTIONS if args.smoke else GPU_DEFAULT)
+            else SMOKE_DEFAULT if args.smoke else GPU_DEFAULT)
     bad = [p for p in only if p not in SECTIONS]
     if bad:
         ap.error(f"--only: unknown section(s) {bad}; choose among {', '.join(SECTIONS)}")

@@ -187,7 +187,7 @@ def speed_rows(bench, family, params, diffusers_call, s: dict, smoke: bool, exte
 def mode_rows(bench, s: dict, smoke: bool) -> dict:
     """Compile modes (`diffusion_compile_mode`) on a FLUX.1-dev-shaped DiT with fewer blocks (per-block
     work is the real one at 1024^2, so a mode's gain per block carries to the 57 blocks), one row each:
-    eager, each mode of COMPILE_MODES (first call = its compile), and diffusers' own regional compile."""
+    eager and each mode of COMPILE_MODES (first call = its compile), in bf16 and then with FP8."""
     from diffusers import FluxTransformer2DModel
 
     import dit_bench
@@ -206,15 +206,17 @@ def mode_rows(bench, s: dict, smoke: bool) -> dict:
     rows: dict = {"shape": f"FLUX.1-dev blocks ({cfg['num_layers']} + {cfg['num_single_layers']} of 19 + 38), "
                            f"{f['size']}x{f['size']}, 1 row"}
     on_gpu = bench.DEVICE.type == "cuda"
-    for mode in ("eager",) + COMPILE_MODES:
-        def row(mode=mode):
-            speed = DiffusionSpeed.from_config(EngineConfig(device=str(bench.DEVICE)))
-            speed = dataclasses.replace(speed, compile=on_gpu and mode != "eager",
-                                        compile_mode="default" if mode == "eager" else mode)
-            engine = DiffusionEngine.from_family(family, speed=speed)
-            first, steady = _first_and_steady(lambda: engine.runner.step([task]), bench, s)
-            return {"step_s": steady, "first_s": first, "compiled_blocks": engine.accel.compiled_blocks}
-        guarded(rows, mode, row)
+    # bf16 rows first: FP8 swaps the family's linear layers for good (max-autotune also tunes _scaled_mm)
+    for quant in (None, "fp8"):
+        for mode in ("eager",) + COMPILE_MODES:
+            def row(mode=mode, quant=quant):
+                speed = DiffusionSpeed.from_config(EngineConfig(device=str(bench.DEVICE), quantization=quant))
+                speed = dataclasses.replace(speed, compile=on_gpu and mode != "eager",
+                                            compile_mode="default" if mode == "eager" else mode)
+                engine = DiffusionEngine.from_family(family, speed=speed)
+                first, steady = _first_and_steady(lambda: engine.runner.step([task]), bench, s)
+                return {"step_s": steady, "first_s": first, "compiled_blocks": engine.accel.compiled_blocks}
+            guarded(rows, f"{quant} {mode}" if quant else mode, row)
     return rows
 
 
@@ -348,6 +350,53 @@ def fusion_row(bench, flux_family) -> dict:
     return out
 
 
+# which elementwise work a fused kernel's name says it holds (inductor names a kernel after its ops):
+# work -> (ops its name must list, ops it must not)
+FUSED_WORK = {"AdaLN modulation + norm": (("native_layer_norm", "mul", "add"), ()),
+              "rotary": (("neg", "stack", "unbind"), ()), "q / k RMSNorm": (("rsqrt", "mean", "pow"), ()),
+              "gated residual": (("add", "mul"), ("layer_norm", "rsqrt", "gelu", "silu"))}
+
+
+def fused_code_row(bench, flux_family) -> dict:
+    """What inductor makes of one FLUX single-stream block (any device; on this CPU too): the aten ops
+    the eager block dispatches, and the compiled code's fused kernels (their names list the ops each
+    one holds) and extern calls (GEMMs, attention). A kernel holding a layer norm with its scale / shift
+    is the AdaLN modulation fused into the norm; neg + stack + unbind is the rotary; the gate multiply
+    plus residual add fused after the output GEMM is the gated residual."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    block = flux_family.transformer.single_transformer_blocks[0]
+    d, heads = block.attn.to_q.in_features, block.attn.heads
+    n, t = (64, 8) if bench.DEVICE.type == "cpu" else (4096, 512)
+    dev, dt = bench.DEVICE, bench.DTYPE
+    x, txt, temb = torch.randn(1, n, d, device=dev, dtype=dt), torch.randn(1, t, d, device=dev, dtype=dt), \
+        torch.randn(1, d, device=dev, dtype=dt)
+    rot = (torch.randn(n + t, d // heads, device=dev), torch.randn(n + t, d // heads, device=dev))
+
+    class Ops(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.count += 1
+            return func(*args, **(kwargs or {}))
+    with torch.no_grad(), Ops():
+        block(x, txt, temb, rot)
+    start = time.perf_counter()
+    with torch.no_grad():
+        _, codes = run_and_get_code(torch.compile(block.forward, dynamic=True), x, txt, temb, rot)
+    code = "\n".join(codes)
+    kernels = sorted(set(re.findall(r"^(\w*fused\w*) = async_compile", code, re.M)))
+    externs = re.findall(r"extern_kernels\.(\w+)\(|torch\.ops\.aten\.(_scaled_dot_product\w+)\.\w+\(", code)
+    found = {work: [k for k in kernels if all(op in k for op in need) and not any(op in k for op in bar)]
+             for work, (need, bar) in FUSED_WORK.items()}
+    return {"tokens": n + t, "eager_aten_ops": Ops.count, "fused_kernels": kernels,
+            "extern_calls": [a or b for a, b in externs], "compile_s": time.perf_counter() - start,
+            "fused_work": {work: bool(ks) for work, ks in found.items()}}
+
+
 def table(res: dict) -> list[str]:
     """Markdown lines of the speed rows (whatever of them ran)."""
     lines = []
@@ -376,6 +425,12 @@ def table(res: dict) -> list[str]:
     if kern:
         lines.append("\nfast paths vs references (FLUX shapes, rel. error): " +
                      ", ".join(f"{k} {v:.2e}" if isinstance(v, float) else f"{k} {v}" for k, v in kern.items()))
+    code = res.get("fused_code")
+    if code and "error" not in code:
+        lines.append(f"\ninductor on one FLUX single block ({code['tokens']} tokens): {code['eager_aten_ops']} eager aten "
+                     f"ops -> {len(code['fused_kernels'])} fused kernels + {len(code['extern_calls'])} extern calls "
+                     f"({', '.join(sorted(set(code['extern_calls'])))}); fused: " +
+                     ", ".join(f"{w} {'yes' if ok else 'NO'}" for w, ok in code["fused_work"].items()))
     fusion = res.get("fusion")
     if fusion and "error" not in fusion:
         lines.append(f"\nCUDA kernels per FLUX single block call: eager {fusion['eager_kernels']}, "

@@ -270,7 +270,34 @@ def throughput(family, n: int, size: int, steps: int, batched: bool, speed=None)
     sync(family.device)
     seconds = time.perf_counter() - start
     assert len(outs) == n and all(len(o.images) == 1 for o in outs.values())
-    return {"seconds": seconds, "requests_per_s": n / seconds, "max_batch_tasks": engine.stats()["max_batch_tasks"]}
+    out = {"seconds": seconds, "requests_per_s": n / seconds, "max_batch_tasks": engine.stats()["max_batch_tasks"]}
+    if family.device.type == "cuda":            # where a step's time goes: GPU kernels vs gaps between them
+        out["gpu_busy"] = gpu_busy(lambda: engine.generate(requests(n if batched else 1, 3)))
+    return out
+
+
+def gpu_busy(fn) -> float:
+    """Share of the wall time of `fn()` during which a CUDA kernel ran (kernel intervals merged, from the
+    profiler): near 1 = GPU-bound; well under 1 = the GPU waits on the host (launches, syncs, Python)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA")
+    except Exception as e:                      # the measured row matters more than this extra column
+        print(f"gpu_busy failed: {type(e).__name__}: {e}", flush=True)
+        return float("nan")
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:                          # microseconds; merge overlapping kernels
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return busy / 1e6 / wall
 
 
 def diffusers_throughput(family, n: int, size: int, steps: int) -> dict:
@@ -295,7 +322,10 @@ def diffusers_throughput(family, n: int, size: int, steps: int) -> dict:
     sync(family.device)
     seconds = time.perf_counter() - start
     assert len(images) == n
-    return {"seconds": seconds, "requests_per_s": n / seconds, "max_batch_tasks": 1}
+    out = {"seconds": seconds, "requests_per_s": n / seconds, "max_batch_tasks": 1}
+    if family.device.type == "cuda":
+        out["gpu_busy"] = gpu_busy(lambda: call(0, 3))
+    return out
 
 
 def throughput_rows(flux_cfg: dict, flux_vae, t: dict, device, dtype, smoke: bool, rate: float = 0.0,
@@ -471,7 +501,7 @@ def throughput_table(t) -> list[str]:
     d = t["default"]
     default = "ours default (" + " + ".join(k for k in ("merge_projections", "compile") if d[k]) + ")"
     rows = ["", "| throughput: " + t["shape"] + " | seconds | requests/s | largest batch | vs ours one at a time "
-            "| vs diffusers one at a time |", "|---|---|---|---|---|---|"]
+            "| vs diffusers one at a time | GPU busy |", "|---|---|---|---|---|---|---|"]
     ok = {k: r for k, r in t.items() if isinstance(r, dict) and "requests_per_s" in r}
     base = ok.get("diffusers_one_at_a_time", {}).get("requests_per_s")
     for key, label, alone in (("diffusers_one_at_a_time", "diffusers pipe() one at a time", None),
@@ -482,15 +512,16 @@ def throughput_table(t) -> list[str]:
         r = ok.get(key)
         if r is None:
             if isinstance(t.get(key), dict):
-                rows.append(f"| {label} | error: {t[key].get('error', '')[:120]} | | | | |")
+                rows.append(f"| {label} | error: {t[key].get('error', '')[:120]} | | | | | |")
             continue
         vs_ours = f"{r['requests_per_s'] / ok[alone]['requests_per_s']:.2f}x" if alone in ok else "-"
         vs_base = f"{r['requests_per_s'] / base:.2f}x" if base else "-"
+        busy = f"{r['gpu_busy']:.0%}" if "gpu_busy" in r else "-"
         rows.append(f"| {label} | {r['seconds']:.2f} | {r['requests_per_s']:.3f} | {int(r['max_batch_tasks'])} | "
-                    f"{vs_ours} | {vs_base} |")
+                    f"{vs_ours} | {vs_base} | {busy} |")
     if t.get("floor_s"):
         rows.append(f"| floor (denoiser FLOPs of all steps / matmul rate; decode not counted) | {t['floor_s']:.2f} "
-                    f"| {t['requests'] / t['floor_s']:.3f} | | | |")
+                    f"| {t['requests'] / t['floor_s']:.3f} | | | | |")
     return rows
 
 

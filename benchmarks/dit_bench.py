@@ -12,8 +12,8 @@ in for the text encoders. One run measures:
     conditional and an unconditional call; FLUX: one call);
   - the compute floor = analytic FLOPs of those forwards (every matmul + attention QK^T and PV) /
     the bf16 matmul rate measured in the same run (8192^3);
-  - throughput of 8 concurrent 512x512 FLUX requests (20 steps, decode included) on a FLUX family of
-    its own: diffusers' `FluxPipeline.__call__` one request at a time (the same random prompt
+  - throughput (benchmarks/dit_throughput.py) of 8 concurrent 512x512 FLUX requests (20 steps, decode
+    included) on a FLUX family of its own: diffusers' `FluxPipeline.__call__` one request at a time (the same random prompt
     embeddings passed as `prompt_embeds`), and our `DiffusionEngine` with step batching
     (max_num_seqs=8) and one at a time (max_num_seqs=1) with the CUDA default
     (`DiffusionSpeed.from_config`: merged projections + regional compile + probed attention), so both
@@ -60,15 +60,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from omnistage.config import EngineConfig  # noqa: E402
-from omnistage.diffusion.engine import DiffusionEngine  # noqa: E402
 from omnistage.diffusion.pipelines.flux import FluxFamily  # noqa: E402
 from omnistage.diffusion.pipelines.wan import WanFamily  # noqa: E402
 from omnistage.diffusion.runner import DiffusionRunner  # noqa: E402
-from omnistage.diffusion.speed import DiffusionSpeed  # noqa: E402
 from omnistage.diffusion.task import Conditioning  # noqa: E402
 from omnistage.params import DiffusionParams  # noqa: E402
 
 import dit_speed  # noqa: E402  (benchmarks/dit_speed.py: the speed-feature rows)
+import dit_throughput  # noqa: E402  (benchmarks/dit_throughput.py: the throughput rows)
 
 OUT_PATH = None                                         # --out: results are saved after every section
 
@@ -176,9 +175,7 @@ def counted_flops(fn) -> float:
 
 
 # ---- timing --------------------------------------------------------------------------------------------
-def sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+sync = dit_throughput.sync
 
 
 def timed(fn, device, iters: int, warmup: int) -> float:
@@ -252,109 +249,6 @@ def flux_call(family):
                      pooled_projections=task.cond.pooled[None], encoder_hidden_states=text, txt_ids=txt_ids,
                      img_ids=task.static["img_ids"], return_dict=False)[0]
     return call
-
-
-# ---- throughput ------------------------------------------------------------------------------------------
-def throughput(family, n: int, size: int, steps: int, batched: bool, speed=None) -> dict:
-    """n requests through one engine (`speed`: None = no speed feature), warmed by one 2-step request
-    and, batched, by one round of n 2-step requests (compiles each batch size's graphs once)."""
-    engine = DiffusionEngine.from_family(family, max_num_seqs=n if batched else 1, speed=speed)
-
-    def requests(count: int, num_steps: int) -> dict:
-        return {f"r{i}": ({"prompt": "x"}, DiffusionParams(height=size, width=size, num_inference_steps=num_steps,
-                                                           seed=i)) for i in range(count)}
-    engine.generate(requests(n if batched else 1, 2))
-    sync(family.device)
-    start = time.perf_counter()
-    outs = engine.generate(requests(n, steps))
-    sync(family.device)
-    seconds = time.perf_counter() - start
-    assert len(outs) == n and all(len(o.images) == 1 for o in outs.values())
-    out = {"seconds": seconds, "requests_per_s": n / seconds, "max_batch_tasks": engine.stats()["max_batch_tasks"]}
-    if family.device.type == "cuda":            # where a step's time goes: GPU kernels vs gaps between them
-        out["gpu_busy"] = gpu_busy(lambda: engine.generate(requests(n if batched else 1, 3)))
-    return out
-
-
-def gpu_busy(fn) -> float:
-    """Share of the wall time of `fn()` during which a CUDA kernel ran (kernel intervals merged, from the
-    profiler): near 1 = GPU-bound; well under 1 = the GPU waits on the host (launches, syncs, Python)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            start = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - start
-        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA")
-    except Exception as e:                      # the measured row matters more than this extra column
-        print(f"gpu_busy failed: {type(e).__name__}: {e}", flush=True)
-        return float("nan")
-    busy, end = 0.0, float("-inf")
-    for a, b in spans:                          # microseconds; merge overlapping kernels
-        if b > end:
-            busy += b - max(a, end)
-            end = b
-    return busy / 1e6 / wall
-
-
-def diffusers_throughput(family, n: int, size: int, steps: int) -> dict:
-    """diffusers' `FluxPipeline.__call__` per request on the family's transformer, VAE and scheduler
-    config, with random prompt embeddings of the real shape (what our bench family's encode makes)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
-
-    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(family.scheduler_config),
-                        vae=family.vae, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
-                        transformer=family.transformer)
-    pipe.set_progress_bar_config(disable=True)
-
-    def call(seed: int, num_steps: int):
-        cond = family.random_cond()
-        return pipe(prompt_embeds=cond.embeds[None], pooled_prompt_embeds=cond.pooled[None], height=size, width=size,
-                    num_inference_steps=num_steps, guidance_scale=3.5,
-                    generator=torch.Generator("cpu").manual_seed(seed)).images
-    call(0, 2)
-    sync(family.device)
-    start = time.perf_counter()
-    images = [img for i in range(n) for img in call(i, steps)]
-    sync(family.device)
-    seconds = time.perf_counter() - start
-    assert len(images) == n
-    out = {"seconds": seconds, "requests_per_s": n / seconds, "max_batch_tasks": 1}
-    if family.device.type == "cuda":
-        out["gpu_busy"] = gpu_busy(lambda: call(0, 3))
-    return out
-
-
-def throughput_rows(flux_cfg: dict, flux_vae, t: dict, device, dtype, smoke: bool, rate: float = 0.0,
-                    extended: bool = False) -> dict:
-    """The throughput section on a FLUX family of its own (the speed rows change theirs): diffusers
-    first (plain modules), ours eager (`extended` only), then ours with the default speed features
-    (merges + compile + probed attention). `floor_s`: the denoiser FLOPs of every request's steps at
-    `rate` (decode not counted): what batching can approach at best."""
-    from diffusers import FluxTransformer2DModel
-
-    family = build(BenchFlux, FluxTransformer2DModel, flux_cfg, flux_vae, FLUX_SCHEDULER, 16 if smoke else 512,
-                   device, dtype)
-    rows = {"shape": f"FLUX.1-dev ({flux_cfg['num_layers']}+{flux_cfg['num_single_layers']} blocks), "
-                     f"{t['size']}x{t['size']}, {t['steps']} steps, {t['n']} requests"}
-    args = (family, t["n"], t["size"], t["steps"])
-    tokens = (t["size"] // family.multiple) ** 2
-    rows["requests"] = t["n"]
-    rows["floor_s"] = t["n"] * t["steps"] * flux_flops(flux_cfg, tokens, family.text_len) / rate if rate else None
-    measure = [("diffusers_one_at_a_time", lambda: diffusers_throughput(*args))]
-    if extended:
-        measure += [("batched", lambda: throughput(*args, batched=True)),
-                    ("one_at_a_time", lambda: throughput(*args, batched=False))]
-    default = DiffusionSpeed.from_config(EngineConfig(device=str(device)))
-    rows["default"] = {"merge_projections": default.merge_projections, "compile": default.compile}
-    measure += [("default_one_at_a_time", lambda: throughput(*args, batched=False, speed=default)),
-                ("default_batched", lambda: throughput(*args, batched=True, speed=default))]
-    for name, fn in measure:
-        dit_speed.guarded(rows, name, fn)
-    return rows
 
 
 # ---- main --------------------------------------------------------------------------------------------------
@@ -444,8 +338,13 @@ def run(smoke: bool, speed: bool = True, only: tuple = SECTIONS, extended: bool 
         _free(device)
 
     if "throughput" in only:
-        res["throughput"] = throughput_rows(flux_cfg, flux_vae_for(s, smoke), s["thr"], device, dtype, smoke, rate,
-                                            extended)
+        family = build(BenchFlux, FluxTransformer2DModel, flux_cfg, flux_vae_for(s, smoke), FLUX_SCHEDULER,
+                       16 if smoke else 512, device, dtype)
+        t = s["thr"]
+        flops_row = flux_flops(flux_cfg, (t["size"] // family.multiple) ** 2, family.text_len)
+        label = f"FLUX.1-dev ({flux_cfg['num_layers']}+{flux_cfg['num_single_layers']} blocks)"
+        res["throughput"] = dit_throughput.throughput_rows(family, label, t, flops_row, rate, extended)
+        del family
         _save(res)
         _free(device)
     if speed and "modes" in only:
@@ -488,41 +387,11 @@ def table(res: dict) -> str:
         rows.append(f"| {label.format(**r)} | {r['ours_s']:.4f} | {r['diffusers_s']:.4f} | {r['floor_s']:.4f} "
                     f"({r['tflops']:.1f} TFLOP) | {r['ours_s'] / r['floor_s']:.2f} | "
                     f"{r['rel_diff_vs_diffusers']:.1e} |")
-    rows += throughput_table(res.get("throughput"))
+    rows += dit_throughput.throughput_table(res.get("throughput"))
     rows += dit_speed.table(res)
     rows.append(f"\nbf16 matmul rate (measured, {res['device']}): {res['matmul_tflops']:.3g} TFLOP/s; "
                 f"torch {res['torch']}, diffusers {res['diffusers']}, commit {res['commit']}")
     return "\n".join(rows)
-
-
-def throughput_table(t) -> list[str]:
-    if not t:
-        return []
-    d = t["default"]
-    default = "ours default (" + " + ".join(k for k in ("merge_projections", "compile") if d[k]) + ")"
-    rows = ["", "| throughput: " + t["shape"] + " | seconds | requests/s | largest batch | vs ours one at a time "
-            "| vs diffusers one at a time | GPU busy |", "|---|---|---|---|---|---|---|"]
-    ok = {k: r for k, r in t.items() if isinstance(r, dict) and "requests_per_s" in r}
-    base = ok.get("diffusers_one_at_a_time", {}).get("requests_per_s")
-    for key, label, alone in (("diffusers_one_at_a_time", "diffusers pipe() one at a time", None),
-                              ("one_at_a_time", "one at a time", "one_at_a_time"),          # ours, eager
-                              ("batched", "step batching (max_num_seqs=8)", "one_at_a_time"),
-                              ("default_one_at_a_time", f"{default}, one at a time", "default_one_at_a_time"),
-                              ("default_batched", f"{default}, step batching", "default_one_at_a_time")):
-        r = ok.get(key)
-        if r is None:
-            if isinstance(t.get(key), dict):
-                rows.append(f"| {label} | error: {t[key].get('error', '')[:120]} | | | | | |")
-            continue
-        vs_ours = f"{r['requests_per_s'] / ok[alone]['requests_per_s']:.2f}x" if alone in ok else "-"
-        vs_base = f"{r['requests_per_s'] / base:.2f}x" if base else "-"
-        busy = f"{r['gpu_busy']:.0%}" if "gpu_busy" in r else "-"
-        rows.append(f"| {label} | {r['seconds']:.2f} | {r['requests_per_s']:.3f} | {int(r['max_batch_tasks'])} | "
-                    f"{vs_ours} | {vs_base} | {busy} |")
-    if t.get("floor_s"):
-        rows.append(f"| floor (denoiser FLOPs of all steps / matmul rate; decode not counted) | {t['floor_s']:.2f} "
-                    f"| {t['requests'] / t['floor_s']:.3f} | | | | |")
-    return rows
 
 
 def main(argv=None) -> dict:

@@ -64,6 +64,7 @@ class DiffusionSpeed:
     compile_mode: str = "default"               # torch.compile mode (config.COMPILE_MODES)
     compile_dynamic: bool = True                # symbolic shapes: one compiled block for every resolution / batch
     probe_attention: bool = False               # "auto" DiT attention = the fastest lossless backend measured at load
+    # (on CUDA unless the DiT runs parallel)
     quantization: Optional[str] = None          # None | "fp8"
     ignored_layers: tuple = ()                  # module-name parts FP8 leaves alone
     offload: Optional[str] = None               # None | "model" | "layerwise"
@@ -75,14 +76,15 @@ class DiffusionSpeed:
         """What a stage's (resolved) config asks for; compile is on for CUDA unless enforce_eager, and
         off for a parallel DiT (its collectives and attention hooks run eagerly, diffusion/ranks.py);
         merged projections and step constants are on unless the DiT is parallel (its plans name the
-        separate layers and split the rotary tables); the attention probe runs on CUDA."""
+        separate layers and split the rotary tables); the attention probe runs on CUDA for a DiT in one
+        process (a parallel DiT's ranks would time, and might pick, differently: they keep DEFAULT_ATTENTION)."""
         parallel = config.parallel_config is not None and config.parallel_config.world_size > 1
         offload = "model" if config.enable_cpu_offload else "layerwise" if config.enable_layerwise_offload else None
         cuda = config.torch_device().type == "cuda"
         return cls(attention=attention_backends(config.attention_backend),
                    compile=cuda and not config.enforce_eager and not parallel,
                    compile_mode=config.diffusion_compile_mode, compile_dynamic=config.diffusion_compile_dynamic,
-                   probe_attention=cuda,
+                   probe_attention=cuda and not parallel,
                    quantization=config.quantization, ignored_layers=tuple(config.ignored_layers), offload=offload,
                    merge_projections=not parallel, step_constants=not parallel)
 

@@ -170,6 +170,10 @@ def test_speed_from_config():
     assert speed.merge_projections is True     # lossless, on wherever the DiT runs in one process
     parallel = EngineConfig(device="cpu", parallel_config={"ulysses_degree": 2})
     assert DiffusionSpeed.from_config(parallel).merge_projections is False   # the plans name separate layers
+    cuda = dict(device="cuda")                 # config only: nothing runs on the device
+    assert DiffusionSpeed.from_config(EngineConfig(**cuda)).probe_attention is True
+    assert DiffusionSpeed.from_config(EngineConfig(**cuda, parallel_config={"ulysses_degree": 2})).probe_attention \
+        is False                               # a parallel DiT's ranks all keep the same kernel
     assert AttentionRouter("auto", torch.device("cpu")).name == "TORCH_SDPA"
     assert AttentionRouter("auto", torch.device("cuda")).name == "CUDNN_ATTN"
 

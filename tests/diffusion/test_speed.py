@@ -69,6 +69,8 @@ def test_lossless_options_match_diffusers(tiny_dir, kind):
     ref = frames_uint8(ref.frames[0]) if "num_frames" in size else ref.images[0]
     eng, out = _run(tiny_dir, kind, speed)
     assert max_pixel_diff(_pixels(out), ref) <= 2
+    shape = eng.family.attention_probe_shape()     # what "auto" attention would be measured on (CUDA)
+    assert len(shape) == 4 and all(isinstance(n, int) and n > 0 for n in shape), shape
     acc = eng.accel
     parts = [m for d in eng.family.denoisers() for m in d.modules() if isinstance(m, merged_linear.LinearPart)]
     assert acc.merged_groups > 0 and len(parts) >= 2 * acc.merged_groups   # every declared group merged ...

@@ -112,10 +112,14 @@ def probe(shape: tuple, dtype: torch.dtype, device: torch.device, backends: Opti
     key = (tuple(shape), str(dtype), str(device), tuple(backends))
     if key in _PROBED:
         return _PROBED[key]
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v = (torch.randn(*shape, generator=gen).to(device, dtype) for _ in range(3))
     result = ProbeResult(shape=tuple(shape), dtype=str(dtype), choice="TORCH_SDPA")
-    for name in backends:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    try:
+        q, k, v = (torch.randn(*shape, generator=gen).to(device, dtype) for _ in range(3))
+    except torch.OutOfMemoryError as e:         # a GPU too small for the probe's inputs: SDPA chooses
+        result.skipped = {name: f"inputs: {type(e).__name__}"[:200] for name in backends}
+        q = k = v = None
+    for name in backends if q is not None else ():
         try:
             with torch.no_grad():
                 result.seconds[name] = float(timer(name, q, k, v))
@@ -124,6 +128,8 @@ def probe(shape: tuple, dtype: torch.dtype, device: torch.device, backends: Opti
     if result.seconds:
         result.choice = min(result.seconds, key=lambda n: (result.seconds[n], backends.index(n)))
     del q, k, v
+    if device.type == "cuda":
+        torch.cuda.empty_cache()                # the probe's inputs and workspaces go back to the device
     log.info("attention probe %s %s on %s: %s (%s)", list(shape), dtype, device, result.choice,
              ", ".join(f"{n} {s * 1e3:.3f} ms" for n, s in result.seconds.items()) or "no backend ran")
     _PROBED[key] = result

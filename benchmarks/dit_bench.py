@@ -13,8 +13,8 @@ in for the text encoders. One run measures:
   - the compute floor = analytic FLOPs of those forwards (every matmul + attention QK^T and PV) /
     the bf16 matmul rate measured in the same run (8192^3);
   - throughput (benchmarks/dit_throughput.py) of 8 concurrent 512x512 FLUX requests (20 steps, decode
-    included) on a FLUX family of its own: diffusers' `FluxPipeline.__call__` one request at a time (the same random prompt
-    embeddings passed as `prompt_embeds`), and our `DiffusionEngine` with step batching
+    included) on a FLUX family of its own: diffusers' `FluxPipeline.__call__` one request at a time (the
+    same random prompt embeddings passed as `prompt_embeds`), and our `DiffusionEngine` with step batching
     (max_num_seqs=8) and one at a time (max_num_seqs=1) with the CUDA default
     (`DiffusionSpeed.from_config`: merged projections + regional compile + probed attention), so both
     ratios (ours batched vs ours one at a time, vs diffusers one at a time) are printed, beside the

@@ -19,8 +19,8 @@ dropout, causal or grouped heads runs plain SDPA.
 "auto" (the default) on CUDA is the fastest lossless backend measured on this device for the model's
 shape: `probe(shape, dtype, device)` times each of `PROBE_BACKENDS` (FlexAttention on CUDA only) that
 runs the shape (each pinned alone, no fallback; one warm-up call, then the median of a few), once per
-(shape, dtype, device) in the process (`_PROBED`); the stage's Accelerator calls it at load on the DiT's attention shape at the
-family's default request size. Where no probe ran (CPU, a text encoder, a shape the family cannot
+(shape, dtype, device) in the process (`_PROBED`); the stage's Accelerator calls it at load on the DiT's
+attention shape at the family's default request size. Where no probe ran (CPU, a text encoder, a shape the family cannot
 name), "auto" is `DEFAULT_ATTENTION[device type]` (SDPA's own choice on CPU: the math / CPU flash kernel).
 """
 

@@ -20,8 +20,8 @@ the family's modules in place, in this order:
      group (`StepConstants`, up to 8 keys kept) instead of once per step; the runner names the key.
   3. regional compile: each repeated block's `forward` goes through `torch.compile` (`dynamic`
      on by default: one compiled code object per block class, reused by every block of it and by every
-     resolution and batch size; `compile_mode` = `diffusion_compile_mode`); module hooks (layerwise offload) stay outside the compiled code. On by default
-     on CUDA, off with `enforce_eager=True`; the time of the first DiT forward (which compiles) is
+     resolution and batch size; `compile_mode` = `diffusion_compile_mode`); module hooks (layerwise
+     offload) stay outside the compiled code. On by default on CUDA, off with `enforce_eager=True`; the time of the first DiT forward (which compiles) is
      logged and kept in `first_denoise_s`.
   4. attention: each role's backend (diffusion/attention.py); "auto" for the DiT with
      `probe_attention` (CUDA) is the fastest lossless backend timed at load on the family's

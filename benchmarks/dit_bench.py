@@ -12,26 +12,34 @@ in for the text encoders. One run measures:
     conditional and an unconditional call; FLUX: one call);
   - the compute floor = analytic FLOPs of those forwards (every matmul + attention QK^T and PV) /
     the bf16 matmul rate measured in the same run (8192^3);
-  - throughput of 8 concurrent 512x512 FLUX requests (20 steps, decode included) on a FLUX family of
-    its own: diffusers' `FluxPipeline.__call__` one request at a time (the same random prompt
-    embeddings passed as `prompt_embeds`), and our `DiffusionEngine` with step batching
-    (max_num_seqs=8) and one at a time (max_num_seqs=1), each eager (no speed feature) and with the
-    CUDA default (`DiffusionSpeed.from_config`: merged projections + regional compile), so both
-    ratios (ours batched vs ours one at a time, vs diffusers one at a time) are printed.
+  - throughput (benchmarks/dit_throughput.py) of 8 concurrent 512x512 FLUX requests (20 steps, decode
+    included) on a FLUX family of its own: diffusers' `FluxPipeline.__call__` one request at a time (the
+    same random prompt embeddings passed as `prompt_embeds`), and our `DiffusionEngine` with step batching
+    (max_num_seqs=8) and one at a time (max_num_seqs=1) with the CUDA default
+    (`DiffusionSpeed.from_config`: merged projections + regional compile + probed attention), so both
+    ratios (ours batched vs ours one at a time, vs diffusers one at a time) are printed, beside the
+    floor (the denoiser FLOPs of all 160 row-steps at the measured rate); --extended adds both eager;
   - the speed features (benchmarks/dit_speed.py): per workload diffusers + regional compile, ours
-    eager with the flash / cuDNN SDPA kernels (the data behind DEFAULT_ATTENTION), ours default
-    (compile + default attention), + 8-bit attention, + FP8, each with first-call (compile) seconds
-    and its error vs the eager bf16 forward; fast-path kernels vs references; CUDA kernels of a FLUX
-    block eager vs compiled (fusion); offload modes on Wan-14B-shaped blocks.
+    eager with each lossless attention backend (cuDNN / flash / efficient SDPA, FlexAttention) and
+    with "auto" (the load-time probe's choice), ours default (compile + probed attention), + 8-bit
+    attention, + FP8, + both, each with first-call (compile) seconds and its error vs the eager bf16
+    forward; fast-path kernels vs references (`kernels`); eager vs each compile mode on a FLUX DiT with
+    fewer blocks (`modes`); CUDA kernels of a FLUX block eager vs compiled (`fusion`); offload modes
+    on Wan-14B-shaped blocks (`offload`).
+Every row is printed as it is measured ("[seconds] name: ...").
 Also checks that our batched forward equals diffusers' separate calls and (in --smoke) that the
 analytic FLOP count equals torch's FlopCounterMode. Prints a markdown table last; --out writes JSON
 after every section (a run cut short keeps what finished). --no-speed skips the speed rows;
---only picks sections (wan, flux, throughput, offload; `kernels` = the fast-path check; default on
-the GPU: all but offload, whose targets are met).
+--only picks sections (wan, flux, throughput, offload, kernels, modes, fusion; default on the GPU:
+wan, flux, throughput, kernels). Each of `--only flux,throughput` and `--only wan` is meant to fit one
+device call (< 200 s and < 150 s on an H200).
 
     PYTHONPATH=<dir with diffusers 0.42.1 + importlib_metadata + zipp>:. python benchmarks/dit_bench.py --out dit.json
-    PYTHONPATH=...:. python benchmarks/dit_bench.py --only flux,throughput --out dit.json   # some sections
+    PYTHONPATH=...:. python benchmarks/dit_bench.py --only flux,throughput --out dit_flux.json   # < 200 s
+    PYTHONPATH=...:. python benchmarks/dit_bench.py --only wan --out dit_wan.json               # < 150 s
+    PYTHONPATH=...:. python benchmarks/dit_bench.py --only modes,fusion,kernels --out dit_modes.json
     python benchmarks/dit_bench.py --smoke      # tiny shapes on CPU (what CI runs; compile rows skipped)
+    python benchmarks/dit_bench.py --smoke --only fusion   # inductor's fused kernels of one block, on the CPU
 """
 
 from __future__ import annotations
@@ -52,15 +60,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from omnistage.config import EngineConfig  # noqa: E402
-from omnistage.diffusion.engine import DiffusionEngine  # noqa: E402
 from omnistage.diffusion.pipelines.flux import FluxFamily  # noqa: E402
 from omnistage.diffusion.pipelines.wan import WanFamily  # noqa: E402
 from omnistage.diffusion.runner import DiffusionRunner  # noqa: E402
-from omnistage.diffusion.speed import DiffusionSpeed  # noqa: E402
 from omnistage.diffusion.task import Conditioning  # noqa: E402
 from omnistage.params import DiffusionParams  # noqa: E402
 
 import dit_speed  # noqa: E402  (benchmarks/dit_speed.py: the speed-feature rows)
+import dit_throughput  # noqa: E402  (benchmarks/dit_throughput.py: the throughput rows)
 
 OUT_PATH = None                                         # --out: results are saved after every section
 
@@ -77,7 +84,8 @@ FLUX_SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_
                   "max_image_seq_len": 4096, "max_shift": 1.15, "num_train_timesteps": 1000, "shift": 3.0,
                   "use_dynamic_shifting": True}
 FULL = dict(wan=dict(height=480, width=832, frames=81, text=512), flux=dict(size=1024, text=512),
-            thr=dict(size=512, n=8, steps=20), matmul=8192, iters=3, warmup=1)
+            thr=dict(size=512, n=8, steps=20), matmul=8192, iters=3, warmup=1,
+            wan_iters=2)                # Wan steps take ~1 s: fewer timed calls keep `--only wan` in its time
 SMOKE = dict(wan=dict(height=32, width=32, frames=5, text=16), flux=dict(size=64, text=16),
              thr=dict(size=64, n=4, steps=2), matmul=256, iters=1, warmup=1,
              wan_cfg=dict(num_attention_heads=2, attention_head_dim=16, text_dim=32, ffn_dim=64, num_layers=2,
@@ -167,9 +175,7 @@ def counted_flops(fn) -> float:
 
 
 # ---- timing --------------------------------------------------------------------------------------------
-def sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+sync = dit_throughput.sync
 
 
 def timed(fn, device, iters: int, warmup: int) -> float:
@@ -245,73 +251,11 @@ def flux_call(family):
     return call
 
 
-# ---- throughput ------------------------------------------------------------------------------------------
-def throughput(family, n: int, size: int, steps: int, batched: bool, speed=None) -> dict:
-    """n requests through one engine (`speed`: None = no speed feature), warmed by one 2-step request
-    and, batched, by one round of n 2-step requests (compiles each batch size's graphs once)."""
-    engine = DiffusionEngine.from_family(family, max_num_seqs=n if batched else 1, speed=speed)
-
-    def requests(count: int, num_steps: int) -> dict:
-        return {f"r{i}": ({"prompt": "x"}, DiffusionParams(height=size, width=size, num_inference_steps=num_steps,
-                                                           seed=i)) for i in range(count)}
-    engine.generate(requests(n if batched else 1, 2))
-    sync(family.device)
-    start = time.perf_counter()
-    outs = engine.generate(requests(n, steps))
-    sync(family.device)
-    seconds = time.perf_counter() - start
-    assert len(outs) == n and all(len(o.images) == 1 for o in outs.values())
-    return {"seconds": seconds, "requests_per_s": n / seconds, "max_batch_tasks": engine.stats()["max_batch_tasks"]}
-
-
-def diffusers_throughput(family, n: int, size: int, steps: int) -> dict:
-    """diffusers' `FluxPipeline.__call__` per request on the family's transformer, VAE and scheduler
-    config, with random prompt embeddings of the real shape (what our bench family's encode makes)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
-
-    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler.from_config(family.scheduler_config),
-                        vae=family.vae, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
-                        transformer=family.transformer)
-    pipe.set_progress_bar_config(disable=True)
-
-    def call(seed: int, num_steps: int):
-        cond = family.random_cond()
-        return pipe(prompt_embeds=cond.embeds[None], pooled_prompt_embeds=cond.pooled[None], height=size, width=size,
-                    num_inference_steps=num_steps, guidance_scale=3.5,
-                    generator=torch.Generator("cpu").manual_seed(seed)).images
-    call(0, 2)
-    sync(family.device)
-    start = time.perf_counter()
-    images = [img for i in range(n) for img in call(i, steps)]
-    sync(family.device)
-    seconds = time.perf_counter() - start
-    assert len(images) == n
-    return {"seconds": seconds, "requests_per_s": n / seconds, "max_batch_tasks": 1}
-
-
-def throughput_rows(flux_cfg: dict, flux_vae, t: dict, device, dtype, smoke: bool) -> dict:
-    """The throughput section on a FLUX family of its own (the speed rows change theirs): diffusers
-    first (plain modules), ours eager, then ours with the default speed features (merges + compiles)."""
-    from diffusers import FluxTransformer2DModel
-
-    family = build(BenchFlux, FluxTransformer2DModel, flux_cfg, flux_vae, FLUX_SCHEDULER, 16 if smoke else 512,
-                   device, dtype)
-    rows = {"shape": f"FLUX.1-dev ({flux_cfg['num_layers']}+{flux_cfg['num_single_layers']} blocks), "
-                     f"{t['size']}x{t['size']}, {t['steps']} steps, {t['n']} requests"}
-    args = (family, t["n"], t["size"], t["steps"])
-    rows["diffusers_one_at_a_time"] = diffusers_throughput(*args)
-    rows["batched"] = throughput(*args, batched=True)
-    rows["one_at_a_time"] = throughput(*args, batched=False)
-    default = DiffusionSpeed.from_config(EngineConfig(device=str(device)))
-    rows["default"] = {"merge_projections": default.merge_projections, "compile": default.compile}
-    rows["default_one_at_a_time"] = throughput(*args, batched=False, speed=default)
-    rows["default_batched"] = throughput(*args, batched=True, speed=default)
-    return rows
-
-
 # ---- main --------------------------------------------------------------------------------------------------
-SECTIONS = ("wan", "flux", "throughput", "offload", "kernels")
-GPU_DEFAULT = ("wan", "flux", "throughput", "kernels")    # offload met its targets: run it with --only offload
+SECTIONS = ("wan", "flux", "throughput", "offload", "kernels", "modes", "fusion")
+# offload met its targets: --only offload; compile modes and the fusion count: --only modes / fusion
+GPU_DEFAULT = ("wan", "flux", "throughput", "kernels")
+SMOKE_DEFAULT = tuple(p for p in SECTIONS if p != "fusion")   # inductor's C++ build of a block: ~2 min on 2 cores
 
 
 def flux_vae_for(s: dict, smoke: bool):
@@ -326,7 +270,7 @@ def flux_vae_for(s: dict, smoke: bool):
                          **kw, **FLUX_VAE)
 
 
-def run(smoke: bool, speed: bool = True, only: tuple = SECTIONS) -> dict:
+def run(smoke: bool, speed: bool = True, only: tuple = SECTIONS, extended: bool = False) -> dict:
     from diffusers import AutoencoderKLWan, FluxTransformer2DModel, WanTransformer3DModel
 
     s = SMOKE if smoke else FULL
@@ -355,20 +299,28 @@ def run(smoke: bool, speed: bool = True, only: tuple = SECTIONS) -> dict:
         wan_params = DiffusionParams(height=w["height"], width=w["width"], num_frames=w["frames"],
                                      num_inference_steps=50, guidance_scale=5.0, seed=0)
         call = wan_call(wan)
-        res["wan"] = step_bench(wan, wan_params, call, wan_flops(wan_cfg, *lat, w["text"]), rate, s,
+        sw = dict(s, iters=s.get("wan_iters", s["iters"]))
+        res["wan"] = step_bench(wan, wan_params, call, wan_flops(wan_cfg, *lat, w["text"]), rate, sw,
                                 counted=(lambda task: call(task, rows=("cond",))) if smoke else None)
         res["wan"]["shape"] = f"{w['width']}x{w['height']}x{w['frames']}"
         _save(res)
         if speed:
-            dit_speed.guarded(res["wan"], "speed", lambda: dit_speed.speed_rows(bench, wan, wan_params, call, s, smoke))
+            dit_speed.guarded(res["wan"], "speed",
+                              lambda: dit_speed.speed_rows(bench, wan, wan_params, call, sw, smoke, extended))
             _save(res)
         del wan
         _free(device)
 
     f = s["flux"]
-    if "flux" in only:
+    if "flux" in only or "fusion" in only:
         flux = build(BenchFlux, FluxTransformer2DModel, flux_cfg, flux_vae_for(s, smoke), FLUX_SCHEDULER, f["text"],
                      device, dtype)
+        if "fusion" in only:                    # what the compile fuses (CPU: the generated C++ code)
+            dit_speed.guarded(res, "fused_code", lambda: dit_speed.fused_code_row(bench, flux))
+            if device.type == "cuda":
+                dit_speed.guarded(res, "fusion", lambda: dit_speed.fusion_row(bench, flux))
+            _save(res)
+    if "flux" in only:
         tokens = (f["size"] // flux.multiple) ** 2
         flux_params = DiffusionParams(height=f["size"], width=f["size"], num_inference_steps=50, guidance_scale=3.5,
                                       seed=0)
@@ -378,16 +330,25 @@ def run(smoke: bool, speed: bool = True, only: tuple = SECTIONS) -> dict:
         res["flux"]["shape"] = f"{f['size']}x{f['size']}"
         _save(res)
         if speed:
-            if device.type == "cuda":
-                dit_speed.guarded(res, "fusion", lambda: dit_speed.fusion_row(bench, flux))
             dit_speed.guarded(res["flux"], "speed",
-                              lambda: dit_speed.speed_rows(bench, flux, flux_params, call, s, smoke))
+                              lambda: dit_speed.speed_rows(bench, flux, flux_params, call, s, smoke, extended))
             _save(res)
+    if "flux" in only or "fusion" in only:
         del flux
         _free(device)
 
     if "throughput" in only:
-        res["throughput"] = throughput_rows(flux_cfg, flux_vae_for(s, smoke), s["thr"], device, dtype, smoke)
+        family = build(BenchFlux, FluxTransformer2DModel, flux_cfg, flux_vae_for(s, smoke), FLUX_SCHEDULER,
+                       16 if smoke else 512, device, dtype)
+        t = s["thr"]
+        flops_row = flux_flops(flux_cfg, (t["size"] // family.multiple) ** 2, family.text_len)
+        label = f"FLUX.1-dev ({flux_cfg['num_layers']}+{flux_cfg['num_single_layers']} blocks)"
+        res["throughput"] = dit_throughput.throughput_rows(family, label, t, flops_row, rate, extended)
+        del family
+        _save(res)
+        _free(device)
+    if speed and "modes" in only:
+        dit_speed.guarded(res, "modes", lambda: dit_speed.mode_rows(bench, s, smoke))
         _save(res)
         _free(device)
     if speed and "offload" in only:
@@ -426,31 +387,11 @@ def table(res: dict) -> str:
         rows.append(f"| {label.format(**r)} | {r['ours_s']:.4f} | {r['diffusers_s']:.4f} | {r['floor_s']:.4f} "
                     f"({r['tflops']:.1f} TFLOP) | {r['ours_s'] / r['floor_s']:.2f} | "
                     f"{r['rel_diff_vs_diffusers']:.1e} |")
-    rows += throughput_table(res.get("throughput"))
+    rows += dit_throughput.throughput_table(res.get("throughput"))
     rows += dit_speed.table(res)
     rows.append(f"\nbf16 matmul rate (measured, {res['device']}): {res['matmul_tflops']:.3g} TFLOP/s; "
                 f"torch {res['torch']}, diffusers {res['diffusers']}, commit {res['commit']}")
     return "\n".join(rows)
-
-
-def throughput_table(t) -> list[str]:
-    if not t:
-        return []
-    d = t["default"]
-    default = "ours default (" + " + ".join(k for k in ("merge_projections", "compile") if d[k]) + ")"
-    rows = ["", "| throughput: " + t["shape"] + " | seconds | requests/s | largest batch | vs ours one at a time "
-            "| vs diffusers one at a time |", "|---|---|---|---|---|---|"]
-    base = t["diffusers_one_at_a_time"]["requests_per_s"]
-    for key, label, alone in (("diffusers_one_at_a_time", "diffusers pipe() one at a time", None),
-                              ("one_at_a_time", "one at a time", "one_at_a_time"),          # ours, eager
-                              ("batched", "step batching (max_num_seqs=8)", "one_at_a_time"),
-                              ("default_one_at_a_time", f"{default}, one at a time", "default_one_at_a_time"),
-                              ("default_batched", f"{default}, step batching", "default_one_at_a_time")):
-        r = t[key]
-        vs_ours = f"{r['requests_per_s'] / t[alone]['requests_per_s']:.2f}x" if alone else "-"
-        rows.append(f"| {label} | {r['seconds']:.2f} | {r['requests_per_s']:.3f} | {int(r['max_batch_tasks'])} | "
-                    f"{vs_ours} | {r['requests_per_s'] / base:.2f}x |")
-    return rows
 
 
 def main(argv=None) -> dict:
@@ -458,12 +399,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (checks the script, not the GPU)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--no-speed", action="store_true", help="only the baseline rows (no compile / fp8 / offload rows)")
+    ap.add_argument("--extended", action="store_true",
+                    help="also the rows that cost extra compiles or minutes: compile with unmerged projections, "
+                         "eager throughput")
     ap.add_argument("--only", default=None,
-                    help=f"comma-separated sections to run, among {', '.join(SECTIONS)} (default: all with "
-                         f"--smoke, else {', '.join(GPU_DEFAULT)})")
+                    help=f"comma-separated sections to run, among {', '.join(SECTIONS)} (default: "
+                         f"{', '.join(SMOKE_DEFAULT)} with --smoke, else {', '.join(GPU_DEFAULT)})")
     args = ap.parse_args(argv)
     only = (tuple(p.strip() for p in args.only.split(",") if p.strip()) if args.only is not None
-            else SECTIONS if args.smoke else GPU_DEFAULT)
+            else SMOKE_DEFAULT if args.smoke else GPU_DEFAULT)
     bad = [p for p in only if p not in SECTIONS]
     if bad:
         ap.error(f"--only: unknown section(s) {bad}; choose among {', '.join(SECTIONS)}")
@@ -472,7 +416,8 @@ def main(argv=None) -> dict:
     if importlib.util.find_spec("diffusers") is None:
         raise SystemExit("dit_bench needs diffusers==0.42.1 (+ importlib_metadata, zipp): pip install --no-deps "
                          "--target DIR <wheels> and put DIR on PYTHONPATH")
-    return report(lambda: run(args.smoke, speed=not args.no_speed, only=only), table, args.out)
+    extended = args.extended or args.smoke      # the smoke run checks every code path
+    return report(lambda: run(args.smoke, speed=not args.no_speed, only=only, extended=extended), table, args.out)
 
 
 def report(run_fn, table_fn, out) -> dict:

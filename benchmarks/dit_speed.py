@@ -4,19 +4,23 @@ Per workload (a family built by dit_bench with random bf16 weights at real shape
 seconds of:
   diffusers + compile   diffusers' own regional compile (`compile_repeated_blocks`) of the same
                         module, the pipeline's module calls per step (undone afterwards)
-  ours eager / SDPA kernel   our runner's step with the attention backend pinned, no compile
-  ours compile, unmerged     regional compile + DEFAULT_ATTENTION, projections left separate
+  ours eager, NAME      our runner's step with the DiT attention pinned to NAME (EAGER_BACKENDS: the
+                        SDPA kernels cuDNN / flash / efficient, FlexAttention), no compile
+  ours eager, auto      "auto" as a CUDA stage runs it: the backend the load-time probe measured fastest
+                        on the family's attention shape (diffusion/attention.py `probe`; its timings kept)
+  ours compile, unmerged     (`extended` only) regional compile, projections left separate
   ours default          `DiffusionSpeed.from_config` for CUDA: merged projections (one GEMM per group
-                        of `merged_projections`) + regional compile + DEFAULT_ATTENTION
+                        of `merged_projections`) + regional compile + the probed attention backend
   ours + sage           the default with SAGE_ATTN for the DiT (8-bit attention; lossy)
   ours + fp8            the default with the DiT blocks' linear layers in FP8, merged ones included (lossy;
                         applied last; the activation quantization compiles into the blocks' kernels)
+  ours + fp8 + sage     both (quantization="fp8", attention_backend="sage"; lossy)
 each with its first-call seconds (compile included) and the relative error of one denoiser output vs
 the eager bf16 forward (the correctness block: compiled vs eager, sage vs SDPA, fp8 vs bf16).
+`mode_rows`: eager vs each `diffusion_compile_mode` on a FLUX-shaped DiT with fewer blocks.
 `offload_rows`: peak memory and step time of a Wan-14B-shaped DiT with fewer blocks (stated in the
 row) resident / model-level / layerwise. `fusion_row`: CUDA kernels of one FLUX single block, eager vs
-compiled, separate vs merged projections (what the compile fuses); on CUDA the eager and default rows
-also count the CUDA kernels of one whole step (`kernels_per_step`). Every row runs in try/except: a
+compiled, separate vs merged projections (what the compile fuses). Every row runs in try/except (a
 failing row prints its error and the others still run.
 """
 
@@ -39,15 +43,29 @@ WAN14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=1
               qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
 
 
+# one eager row each (the 8-bit one has its compiled rows: ours + sage, ours + fp8 + sage)
+EAGER_BACKENDS = ("CUDNN_ATTN", "FLASH_ATTN", "EFFICIENT_ATTN", "FLEX_ATTN")
+
+
 def guarded(rows: dict, name: str, fn) -> None:
-    """rows[name] = fn(), or {"error": ...} (printed) when it raises."""
+    """rows[name] = fn(), or {"error": ...} (printed) when it raises; prints the row as it is measured."""
+    start = time.perf_counter()
     try:
         rows[name] = fn()
     except Exception as e:                      # one failing row must not lose the table
         traceback.print_exc()
         rows[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    print(f"[{time.perf_counter() - start:6.1f} s] {name}: {_short(rows[name])}", flush=True)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _short(row) -> str:
+    """A row for the progress print: its floats rounded, nested dicts left out."""
+    if not isinstance(row, dict):
+        return str(row)[:200]
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                     if not isinstance(v, dict))[:300]
 
 
 def _one_output(family, task, phase=None) -> torch.Tensor:
@@ -82,8 +100,9 @@ def _first_and_steady(fn, bench, s) -> tuple[float, float]:
     return first, bench.timed(fn, bench.DEVICE, s["iters"], 0)
 
 
-def speed_rows(bench, family, params, diffusers_call, s: dict, smoke: bool) -> dict:
-    """The rows above for one workload; mutates `family` (compile, FP8): run it last on that family."""
+def speed_rows(bench, family, params, diffusers_call, s: dict, smoke: bool, extended: bool = False) -> dict:
+    """The rows above for one workload; mutates `family` (compile, FP8): run it last on that family.
+    `extended` adds the unmerged compile row (one more compile of every block)."""
     rows: dict = {}
     task = family.new_task("speed", {"prompt": "x"}, params)
     family.encode([task])
@@ -109,16 +128,20 @@ def speed_rows(bench, family, params, diffusers_call, s: dict, smoke: bool) -> d
     if on_gpu:
         guarded(rows, "diffusers + compile", diffusers_compiled)
 
-    def ours(attention: str):
+    def ours(attention: str, probe: bool = False):
         def row():
             engine = DiffusionEngine.from_family(family, speed=DiffusionSpeed(
-                attention={"dit": attention, "text_encoder": "auto"}, compile=False))
+                attention={"dit": attention, "text_encoder": "auto"}, compile=False, probe_attention=probe))
             first, steady = _first_and_steady(lambda: engine.runner.step([task]), bench, s)
-            return {"step_s": steady, "first_s": first,
-                    "rel_err_vs_eager": _rel(_one_output(family, task, engine.accel.phase), eager)}
+            out = {"step_s": steady, "first_s": first, "attention": engine.accel.routers["dit"].name,
+                   "rel_err_vs_eager": _rel(_one_output(family, task, engine.accel.phase), eager)}
+            if engine.accel.attention_probe is not None:
+                out["probe"] = engine.accel.attention_probe.as_dict()
+            return out
         return row
-    for name in (("FLASH_ATTN", "CUDNN_ATTN") if on_gpu else ("MATH_ATTN",)):
+    for name in (EAGER_BACKENDS if on_gpu else ("MATH_ATTN",)):
         guarded(rows, f"ours eager, {name}", ours(name))
+    guarded(rows, "ours eager, auto (probed at load)", ours("auto", probe=True))
 
     default = DiffusionSpeed.from_config(EngineConfig(device=str(family.device)))   # compile: CUDA only
     holder: dict = {}
@@ -128,16 +151,11 @@ def speed_rows(bench, family, params, diffusers_call, s: dict, smoke: bool) -> d
             engine = DiffusionEngine.from_family(family, speed=speed)
             holder["engine"] = engine
             first, steady = _first_and_steady(lambda: engine.runner.step([task]), bench, s)
-            out = {"step_s": steady, "first_s": first, "compiled_blocks": engine.accel.compiled_blocks,
-                   "merged_groups": engine.accel.merged_groups, "attention": engine.accel.routers["dit"].name,
-                   "rel_err_vs_eager": _rel(_one_output(family, task, engine.accel.phase), eager)}
-            if on_gpu:
-                out["kernels_per_step"] = cuda_kernels(lambda: engine.runner.step([task]), bench)
-            return out
+            return {"step_s": steady, "first_s": first, "compiled_blocks": engine.accel.compiled_blocks,
+                    "merged_groups": engine.accel.merged_groups, "attention": engine.accel.routers["dit"].name,
+                    "rel_err_vs_eager": _rel(_one_output(family, task, engine.accel.phase), eager)}
         return row
-    if on_gpu:                                  # before the default row merges the family's projections
-        guarded(rows, "ours eager, CUDNN_ATTN", _with_kernels(rows.get("ours eager, CUDNN_ATTN"), family, task,
-                                                              bench))
+    if on_gpu and extended:                     # before the default row merges the family's projections
         guarded(rows, "ours compile, unmerged", ours_with(dataclasses.replace(default, merge_projections=False)))
     guarded(rows, "ours default", ours_with(default))
     engine = holder.get("engine")
@@ -162,6 +180,43 @@ def speed_rows(bench, family, params, diffusers_call, s: dict, smoke: bool) -> d
         return {"step_s": steady, "first_s": first, "fp8_layers": layers,
                 "rel_err_vs_eager": _rel(_one_output(family, task, engine.accel.phase), eager)}
     guarded(rows, "ours + fp8", ours_fp8)
+    guarded(rows, "ours + fp8 + sage", ours_sage)      # quantization="fp8", attention_backend="sage"
+    return rows
+
+
+def mode_rows(bench, s: dict, smoke: bool) -> dict:
+    """Compile modes (`diffusion_compile_mode`) on a FLUX.1-dev-shaped DiT with fewer blocks (per-block
+    work is the real one at 1024^2, so a mode's gain per block carries to the 57 blocks), one row each:
+    eager and each mode of COMPILE_MODES (first call = its compile), in bf16 and then with FP8."""
+    from diffusers import FluxTransformer2DModel
+
+    import dit_bench
+    from omnistage.config import COMPILE_MODES
+
+    cfg = dict(dit_bench.FLUX, **s.get("flux_cfg", {}))
+    cfg.update(num_layers=1 if smoke else 2, num_single_layers=2 if smoke else 4)
+    f = s["flux"]
+    family = bench.build(dit_bench.BenchFlux, FluxTransformer2DModel, cfg, dit_bench.flux_vae_for(s, smoke),
+                         dit_bench.FLUX_SCHEDULER, f["text"], bench.DEVICE, bench.DTYPE)
+    from omnistage.params import DiffusionParams
+    task = family.new_task("m", {"prompt": "x"}, DiffusionParams(height=f["size"], width=f["size"],
+                                                                 num_inference_steps=50, guidance_scale=3.5, seed=0))
+    family.encode([task])
+    family.prepare(task)
+    rows: dict = {"shape": f"FLUX.1-dev blocks ({cfg['num_layers']} + {cfg['num_single_layers']} of 19 + 38), "
+                           f"{f['size']}x{f['size']}, 1 row"}
+    on_gpu = bench.DEVICE.type == "cuda"
+    # bf16 rows first: FP8 swaps the family's linear layers for good (max-autotune also tunes _scaled_mm)
+    for quant in (None, "fp8"):
+        for mode in ("eager",) + COMPILE_MODES:
+            def row(mode=mode, quant=quant):
+                speed = DiffusionSpeed.from_config(EngineConfig(device=str(bench.DEVICE), quantization=quant))
+                speed = dataclasses.replace(speed, compile=on_gpu and mode != "eager",
+                                            compile_mode="default" if mode == "eager" else mode)
+                engine = DiffusionEngine.from_family(family, speed=speed)
+                first, steady = _first_and_steady(lambda: engine.runner.step([task]), bench, s)
+                return {"step_s": steady, "first_s": first, "compiled_blocks": engine.accel.compiled_blocks}
+            guarded(rows, f"{quant} {mode}" if quant else mode, row)
     return rows
 
 
@@ -177,17 +232,6 @@ def cuda_kernels(fn, bench) -> int:
             fn()
             bench.sync(bench.DEVICE)
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
-
-
-def _with_kernels(row, family, task, bench):
-    """The eager cuDNN row plus the kernels of one eager step (no speed feature but that backend)."""
-    def fn():
-        if row is None or "error" in row:
-            return row or {"error": "row missing"}
-        engine = DiffusionEngine.from_family(family, speed=DiffusionSpeed(
-            attention={"dit": "CUDNN_ATTN", "text_encoder": "auto"}, compile=False))
-        return dict(row, kernels_per_step=cuda_kernels(lambda: engine.runner.step([task]), bench))
-    return fn
 
 
 def offload_rows(bench, s: dict, smoke: bool) -> dict:
@@ -306,9 +350,63 @@ def fusion_row(bench, flux_family) -> dict:
     return out
 
 
+# which elementwise work a fused kernel's name says it holds (inductor names a kernel after its ops):
+# work -> (ops its name must list, ops it must not)
+FUSED_WORK = {"AdaLN modulation + norm": (("native_layer_norm", "mul", "add"), ()),
+              "rotary": (("neg", "stack", "unbind"), ()), "q / k RMSNorm": (("rsqrt", "mean", "pow"), ()),
+              "gated residual": (("add", "mul"), ("layer_norm", "rsqrt", "gelu", "silu"))}
+
+
+def fused_code_row(bench, flux_family) -> dict:
+    """What inductor makes of one FLUX single-stream block (any device; on this CPU too): the aten ops
+    the eager block dispatches, and the compiled code's fused kernels (their names list the ops each
+    one holds) and extern calls (GEMMs, attention). A kernel holding a layer norm with its scale / shift
+    is the AdaLN modulation fused into the norm; neg + stack + unbind is the rotary; the gate multiply
+    plus residual add fused after the output GEMM is the gated residual."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    block = flux_family.transformer.single_transformer_blocks[0]
+    d, heads = block.attn.to_q.in_features, block.attn.heads
+    n, t = (64, 8) if bench.DEVICE.type == "cpu" else (4096, 512)
+    dev, dt = bench.DEVICE, bench.DTYPE
+    x, txt, temb = torch.randn(1, n, d, device=dev, dtype=dt), torch.randn(1, t, d, device=dev, dtype=dt), \
+        torch.randn(1, d, device=dev, dtype=dt)
+    rot = (torch.randn(n + t, d // heads, device=dev), torch.randn(n + t, d // heads, device=dev))
+
+    class Ops(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.count += 1
+            return func(*args, **(kwargs or {}))
+    with torch.no_grad(), Ops():
+        block(x, txt, temb, rot)
+    start = time.perf_counter()
+    with torch.no_grad():
+        _, codes = run_and_get_code(torch.compile(block.forward, dynamic=True), x, txt, temb, rot)
+    code = "\n".join(codes)
+    kernels = sorted(set(re.findall(r"^(\w*fused\w*) = async_compile", code, re.M)))
+    externs = re.findall(r"extern_kernels\.(\w+)\(|torch\.ops\.aten\.(_scaled_dot_product\w+)\.\w+\(", code)
+    found = {work: [k for k in kernels if all(op in k for op in need) and not any(op in k for op in bar)]
+             for work, (need, bar) in FUSED_WORK.items()}
+    return {"tokens": n + t, "eager_aten_ops": Ops.count, "fused_kernels": kernels,
+            "extern_calls": [a or b for a, b in externs], "compile_s": time.perf_counter() - start,
+            "fused_work": {work: bool(ks) for work, ks in found.items()}}
+
+
 def table(res: dict) -> list[str]:
     """Markdown lines of the speed rows (whatever of them ran)."""
     lines = []
+    modes = res.get("modes")
+    if modes:
+        lines += ["", f"| compile mode: {modes.get('shape', '')} | s/step | first call s |", "|---|---|---|"]
+        for name, r in modes.items():
+            if isinstance(r, dict):
+                lines.append(f"| {name} | error: {r['error'][:120]} | |" if "error" in r else
+                             f"| {name} | {r['step_s']:.4f} | {r['first_s']:.1f} |")
     for key, label in (("wan", "Wan2.1-1.3B CFG"), ("flux", "FLUX.1-dev")):
         speed = res.get(key, {}).get("speed")
         if not speed:
@@ -321,12 +419,18 @@ def table(res: dict) -> list[str]:
             if "error" in r:
                 lines.append(f"| {name} | error: {r['error'][:120]} | | | |")
                 continue
-            kernels = f" ({r['kernels_per_step']} CUDA kernels/step)" if "kernels_per_step" in r else ""
-            lines.append(f"| {name}{kernels} | {r['step_s']:.4f} | {r['first_s']:.1f} | {r['rel_err_vs_eager']:.1e} | |")
+            chosen = f" ({r['attention']})" if "auto" in name and "attention" in r else ""
+            lines.append(f"| {name}{chosen} | {r['step_s']:.4f} | {r['first_s']:.1f} | {r['rel_err_vs_eager']:.1e} | |")
     kern = res.get("kernels")
     if kern:
         lines.append("\nfast paths vs references (FLUX shapes, rel. error): " +
                      ", ".join(f"{k} {v:.2e}" if isinstance(v, float) else f"{k} {v}" for k, v in kern.items()))
+    code = res.get("fused_code")
+    if code and "error" not in code:
+        lines.append(f"\ninductor on one FLUX single block ({code['tokens']} tokens): {code['eager_aten_ops']} eager aten "
+                     f"ops -> {len(code['fused_kernels'])} fused kernels + {len(code['extern_calls'])} extern calls "
+                     f"({', '.join(sorted(set(code['extern_calls'])))}); fused: " +
+                     ", ".join(f"{w} {'yes' if ok else 'NO'}" for w, ok in code["fused_work"].items()))
     fusion = res.get("fusion")
     if fusion and "error" not in fusion:
         lines.append(f"\nCUDA kernels per FLUX single block call: eager {fusion['eager_kernels']}, "

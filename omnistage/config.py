@@ -47,6 +47,9 @@ ATTENTION_ROLES = ("dit", "text_encoder")
 # benchmarks/dit_bench.py re-measures it); where cuDNN cannot run a shape, SDPA falls back to flash.
 DEFAULT_ATTENTION = {"cuda": "CUDNN_ATTN", "cpu": "TORCH_SDPA"}
 QUANTIZATIONS = (None, "fp8")
+# `diffusion_compile_mode` (torch.compile's `mode` for the DiT's repeated blocks; vLLM-Omni's name). Modes
+# with CUDA graphs are left out: a block's graph would pin its shapes and the step-level batch changes them
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 EXECUTOR_BACKENDS = ("mp", "ray")
 LOAD_FORMATS = ("auto", "dummy")                # `load_format` (vLLM's): read the safetensors | draw random weights               # `distributed_executor_backend`: local processes | Ray actors
 
@@ -86,12 +89,16 @@ class EngineConfig:
     # -- diffusion speed: attention, compile, FP8, offload (vLLM-Omni's names; diffusion/speed.py applies them) --
     attention_backend: Any = "auto"             # one name for every role, "role=NAME,role=NAME" or a
     # {role: name} dict; roles ATTENTION_ROLES, names ATTENTION_BACKENDS (case-insensitive; "auto": the
-    # device's fastest lossless backend, DEFAULT_ATTENTION)
+    # device's fastest lossless backend: on CUDA measured at load for the DiT's shape, diffusion/attention.py
+    # `probe`; elsewhere, and for the text encoders, DEFAULT_ATTENTION)
     quantization: Optional[str] = None          # None | "fp8": online FP8 weights (one scale per output row) of the
     # DiT blocks' linear layers, or of an AR decoder's layers' qkv / o / gate_up / down (embeddings, lm_head stay)
     ignored_layers: tuple = ()                  # module-name parts FP8 leaves in the model dtype (e.g. "img_mlp",
     # or for an AR stage "o_proj", "layers.0.")
     enforce_eager: bool = False                 # True: no regional torch.compile of the DiT's repeated blocks
+    diffusion_compile_mode: str = "default"     # torch.compile mode of those blocks (COMPILE_MODES)
+    diffusion_compile_dynamic: bool = True      # compile them over symbolic shapes (mixed resolutions and batch
+    # sizes reuse one compiled block); False specializes per shape (recompiles per new resolution / batch)
     enable_cpu_offload: bool = False            # model-level: text encoder / DiT / VAE take turns on the GPU
     enable_layerwise_offload: bool = False      # DiT blocks live in pinned CPU memory; one runs, the next prefetches
     # -- diffusion parallelism (vLLM-Omni's DiffusionParallelConfig; a dict is accepted and converted) --
@@ -191,6 +198,11 @@ class EngineConfig:
         self.ignored_layers = tuple(self.ignored_layers)
         if self.ignored_layers and self.quantization is None:
             raise ValueError("ignored_layers needs quantization (one of: fp8)")
+        if self.diffusion_compile_mode not in COMPILE_MODES:
+            raise ValueError(f"diffusion_compile_mode must be one of {', '.join(COMPILE_MODES)}; "
+                             f"got {self.diffusion_compile_mode!r}")
+        if not isinstance(self.diffusion_compile_dynamic, bool):
+            raise ValueError(f"diffusion_compile_dynamic must be true or false, got {self.diffusion_compile_dynamic!r}")
         if self.quantization is not None and self.tensor_parallel_size > 1:
             raise ValueError(f"quantization={self.quantization!r} cannot run with tensor_parallel_size="
                              f"{self.tensor_parallel_size}: FP8 layers have no tensor-parallel shards; use "

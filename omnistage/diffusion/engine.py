@@ -127,6 +127,7 @@ class DiffusionEngine:
         self.takes_image = self.family.takes_image    # requests must bring an input image (edit, I2V)
         self.default_fps = getattr(self.family, "default_fps", None)   # video models: fps of an unset `fps`
         self.limits = self.family.limits()            # sizes, steps, frames a request may ask for; defaults
+        self.speed_info = self.accel.info()           # what the speed features chose at load (attention probe, ...)
         self.scheduler = DiffusionScheduler(max_num_seqs, max_num_batched_tokens)
         self.runner = DiffusionRunner(self.family, self.cache, self.accel.phase,
                                       denoise=self.ranks.denoise if self.ranks is not None else None,

@@ -18,11 +18,14 @@ the family's modules in place, in this order:
   2b. step constants (`step_constants`): the DiT modules the family names in `step_constant_modules`
      (rotary tables: functions of the resolution alone) run once per compatibility key of a step's
      group (`StepConstants`, up to 8 keys kept) instead of once per step; the runner names the key.
-  3. regional compile: each repeated block's `forward` goes through `torch.compile(dynamic=True)`
-     (one compiled code object per block class, reused by every block of it and by every
-     resolution); module hooks (layerwise offload) stay outside the compiled code. On by default
-     on CUDA, off with `enforce_eager=True`; the time of the first DiT forward (which compiles) is
+  3. regional compile: each repeated block's `forward` goes through `torch.compile` (`dynamic`
+     on by default: one compiled code object per block class, reused by every block of it and by every
+     resolution and batch size; `compile_mode` = `diffusion_compile_mode`); module hooks (layerwise
+     offload) stay outside the compiled code. On by default on CUDA, off with `enforce_eager=True`; the time of the first DiT forward (which compiles) is
      logged and kept in `first_denoise_s`.
+  4. attention: each role's backend (diffusion/attention.py); "auto" for the DiT with
+     `probe_attention` (CUDA) is the fastest lossless backend timed at load on the family's
+     `attention_probe_shape()` (kept in `attention_probe`).
 Out: `accelerator.phase(name)` for name in PHASE_ROLES: the context the engine runs each phase in
 (that role's weights on the device, its attention backend; diffusion/attention.py). Fused
 elementwise work (AdaLN modulation + norm, gated residuals, rotary) comes from the compile of the
@@ -42,7 +45,7 @@ import torch
 from torch import nn
 
 from omnistage.config import EngineConfig, attention_backends
-from omnistage.diffusion.attention import AttentionRouter
+from omnistage.diffusion.attention import AttentionRouter, ProbeResult, probe
 from omnistage.diffusion.offload import LayerwiseOffload, ModelOffload
 from omnistage.layers.fp8_linear import quantize_fp8
 from omnistage.layers.merged_linear import merge_linears
@@ -58,6 +61,10 @@ class DiffusionSpeed:
     attention: dict = field(default_factory=lambda: attention_backends("auto"))   # role -> backend name
     compile: bool = False                       # regional torch.compile of the DiTs' repeated blocks
     compile_backend: str = "inductor"           # torch.compile backend ("eager" / "aot_eager": CPU tests)
+    compile_mode: str = "default"               # torch.compile mode (config.COMPILE_MODES)
+    compile_dynamic: bool = True                # symbolic shapes: one compiled block for every resolution / batch
+    probe_attention: bool = False               # "auto" DiT attention = the fastest lossless backend measured at load
+    # (on CUDA unless the DiT runs parallel)
     quantization: Optional[str] = None          # None | "fp8"
     ignored_layers: tuple = ()                  # module-name parts FP8 leaves alone
     offload: Optional[str] = None               # None | "model" | "layerwise"
@@ -69,11 +76,15 @@ class DiffusionSpeed:
         """What a stage's (resolved) config asks for; compile is on for CUDA unless enforce_eager, and
         off for a parallel DiT (its collectives and attention hooks run eagerly, diffusion/ranks.py);
         merged projections and step constants are on unless the DiT is parallel (its plans name the
-        separate layers and split the rotary tables)."""
+        separate layers and split the rotary tables); the attention probe runs on CUDA for a DiT in one
+        process (a parallel DiT's ranks would time, and might pick, differently: they keep DEFAULT_ATTENTION)."""
         parallel = config.parallel_config is not None and config.parallel_config.world_size > 1
         offload = "model" if config.enable_cpu_offload else "layerwise" if config.enable_layerwise_offload else None
+        cuda = config.torch_device().type == "cuda"
         return cls(attention=attention_backends(config.attention_backend),
-                   compile=config.torch_device().type == "cuda" and not config.enforce_eager and not parallel,
+                   compile=cuda and not config.enforce_eager and not parallel,
+                   compile_mode=config.diffusion_compile_mode, compile_dynamic=config.diffusion_compile_dynamic,
+                   probe_attention=cuda and not parallel,
                    quantization=config.quantization, ignored_layers=tuple(config.ignored_layers), offload=offload,
                    merge_projections=not parallel, step_constants=not parallel)
 
@@ -139,13 +150,16 @@ class StepConstants:
             self.key = None
 
 
-def compile_blocks(blocks: list[nn.Module], backend: str = "inductor") -> None:
+def compile_blocks(blocks: list[nn.Module], backend: str = "inductor", mode: str = "default",
+                   dynamic: bool = True) -> None:
     """Each block's forward through torch.compile; a block compiled before (a second engine on the
     same family: benchmarks) compiles its eager forward again rather than wrapping the compiled one."""
     for block in blocks:
         eager = block.__dict__.get("_eager_forward", block.forward)
         block._eager_forward = eager
-        block.forward = torch.compile(eager, dynamic=True, backend=backend)
+        # mode "default" is passed as None: torch rejects `mode` together with a non-inductor backend
+        block.forward = torch.compile(eager, dynamic=dynamic, backend=backend,
+                                      mode=None if mode == "default" else mode)
 
 
 class Accelerator:
@@ -192,13 +206,31 @@ class Accelerator:
         if speed.compile:
             for name in dits:
                 for blocks in groups[name].values():
-                    compile_blocks(blocks, speed.compile_backend)
+                    compile_blocks(blocks, speed.compile_backend, speed.compile_mode, speed.compile_dynamic)
                     self.compiled_blocks += len(blocks)
-            log.info("regional torch.compile (dynamic, backend %s) of %d repeated blocks", speed.compile_backend,
-                     self.compiled_blocks)
-        self.routers = {role: AttentionRouter(name, self.device) for role, name in speed.attention.items()}
-        log.info("diffusion attention: %s", {role: r.name for role, r in self.routers.items()})
+            log.info("regional torch.compile (dynamic=%s, mode %s, backend %s) of %d repeated blocks",
+                     speed.compile_dynamic, speed.compile_mode, speed.compile_backend, self.compiled_blocks)
+        self.attention_probe: Optional[ProbeResult] = None   # what "auto" DiT attention measured (None: no probe)
+        attention = dict(speed.attention)
+        if speed.probe_attention and attention.get("dit") == "auto":
+            shape = family.attention_probe_shape()
+            if shape is not None:
+                self.attention_probe = probe(shape, family.dtype, self.device)
+                attention["dit"] = self.attention_probe.choice
+        self.routers = {role: AttentionRouter(name, self.device) for role, name in attention.items()}
+        log.info("diffusion attention: %s%s", {role: r.name for role, r in self.routers.items()},
+                 " (dit: measured at load)" if self.attention_probe is not None else "")
         self.first_denoise_s: Optional[float] = None    # seconds of the first DiT forward (compiles, if on)
+
+    def info(self) -> dict:
+        """What the speed features did, for the stage's info (`DiffusionEngine.speed_info`)."""
+        return {"attention": {role: r.name for role, r in self.routers.items()},
+                "attention_probe": self.attention_probe.as_dict() if self.attention_probe is not None else None,
+                "compiled_blocks": self.compiled_blocks,
+                "compile": {"mode": self.speed.compile_mode, "dynamic": self.speed.compile_dynamic,
+                            "backend": self.speed.compile_backend} if self.compiled_blocks else None,
+                "merged_groups": self.merged_groups, "fp8_layers": self.fp8_layers,
+                "offload": self.speed.offload, "first_denoise_s": self.first_denoise_s}
 
     @contextlib.contextmanager
     def phase(self, name: str):

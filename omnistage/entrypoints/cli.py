@@ -21,7 +21,7 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from omnistage.config import CACHE_BACKENDS, EXECUTOR_BACKENDS, LOAD_FORMATS, cache_config_problem
+from omnistage.config import CACHE_BACKENDS, COMPILE_MODES, EXECUTOR_BACKENDS, LOAD_FORMATS, cache_config_problem
 
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -92,6 +92,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="module-name parts --quantization leaves unquantized (e.g. img_mlp, o_proj, layers.0.)")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="no regional torch.compile of the DiT blocks (compiled by default on CUDA)")
+    p.add_argument("--diffusion-compile-mode", default=None, choices=COMPILE_MODES,
+                   help="torch.compile mode of the DiT blocks (default: default)")
+    p.add_argument("--diffusion-compile-dynamic", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the DiT blocks over symbolic shapes, one compile for every resolution (default: on)")
     p.add_argument("--enable-cpu-offload", action="store_true", default=None,
                    help="model-level offload: text encoders and DiT take turns on the GPU")
     p.add_argument("--enable-layerwise-offload", action="store_true", default=None,

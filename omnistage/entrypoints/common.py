@@ -168,7 +168,8 @@ def engine_kwargs_from_args(args) -> dict:
     names = ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_kv_blocks", "seed", "tensor_parallel_size",
              "deploy_config", "load_format",
              "cache_backend", "cache_config", "vae_use_tiling",
-             "attention_backend", "quantization", "ignored_layers", "enforce_eager", "enable_cpu_offload",
+             "attention_backend", "quantization", "ignored_layers", "enforce_eager", "diffusion_compile_mode",
+             "diffusion_compile_dynamic", "enable_cpu_offload",
              "enable_layerwise_offload", "num_replicas", "distributed_executor_backend", "ray_address",
              "generation_config", "override_generation_config")
     kwargs = {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}

@@ -60,8 +60,9 @@ _IDLE_POLL_MS = 100                             # stage process: wait for comman
 _WAIT_MS = 5                                    # orchestrator: wait at most this long for any stage process
 _OPTIONAL = ("add_input", "check_params", "voices", "reset_prefix_cache")
 # plain attributes of an engine that entry points read (a diffusion stage: what it makes and takes and
-# its limits; a TTS stage: its speech capabilities)
-_ATTRIBUTES = ("output_kind", "takes_image", "takes_mask", "default_fps", "limits", "speech_capabilities")
+# its limits and what its speed features chose at load; a TTS stage: its speech capabilities)
+_ATTRIBUTES = ("output_kind", "takes_image", "takes_mask", "default_fps", "limits", "speech_capabilities",
+               "speed_info")
 STATES = ("ready", "restarting", "failed")      # what `StageClient.state` may say
 
 

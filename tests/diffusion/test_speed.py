@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from diffusion_testutil import frames_uint8, max_pixel_diff, reference_pipe
 from omnistage.config import EngineConfig
+from omnistage.diffusion import attention
 from omnistage.diffusion.attention import AttentionRouter
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.speed import DiffusionSpeed
@@ -68,6 +69,8 @@ def test_lossless_options_match_diffusers(tiny_dir, kind):
     ref = frames_uint8(ref.frames[0]) if "num_frames" in size else ref.images[0]
     eng, out = _run(tiny_dir, kind, speed)
     assert max_pixel_diff(_pixels(out), ref) <= 2
+    shape = eng.family.attention_probe_shape()     # what "auto" attention would be measured on (CUDA)
+    assert len(shape) == 4 and all(isinstance(n, int) and n > 0 for n in shape), shape
     acc = eng.accel
     parts = [m for d in eng.family.denoisers() for m in d.modules() if isinstance(m, merged_linear.LinearPart)]
     assert acc.merged_groups > 0 and len(parts) >= 2 * acc.merged_groups   # every declared group merged ...
@@ -169,6 +172,10 @@ def test_speed_from_config():
     assert speed.merge_projections is True     # lossless, on wherever the DiT runs in one process
     parallel = EngineConfig(device="cpu", parallel_config={"ulysses_degree": 2})
     assert DiffusionSpeed.from_config(parallel).merge_projections is False   # the plans name separate layers
+    cuda = dict(device="cuda")                 # config only: nothing runs on the device
+    assert DiffusionSpeed.from_config(EngineConfig(**cuda)).probe_attention is True
+    assert DiffusionSpeed.from_config(EngineConfig(**cuda, parallel_config={"ulysses_degree": 2})).probe_attention \
+        is False                               # a parallel DiT's ranks all keep the same kernel
     assert AttentionRouter("auto", torch.device("cpu")).name == "TORCH_SDPA"
     assert AttentionRouter("auto", torch.device("cuda")).name == "CUDNN_ATTN"
 
@@ -179,6 +186,7 @@ def test_speed_from_config():
     (dict(quantization="int4"), ["quantization", "fp8"]),
     (dict(ignored_layers=("img_mlp",)), ["ignored_layers", "quantization"]),
     (dict(enable_cpu_offload=True, enable_layerwise_offload=True), ["enable_cpu_offload", "enable_layerwise_offload"]),
+    (dict(diffusion_compile_mode="reduce-overhead"), ["diffusion_compile_mode", "max-autotune-no-cudagraphs"]),
 ])
 def test_bad_speed_options_name_the_option(kwargs, words):
     with pytest.raises(ValueError) as err:
@@ -198,6 +206,56 @@ def test_cli_flags_reach_the_engine_options():
     assert {k: kw.get(k) for k in kw if k not in ("generation_config",)} == want   # generation_config has a default of its own ("auto")
     assert EngineConfig(**want).ignored_layers == ("img_mlp",)
     assert "enable_layerwise_offload" not in engine_kwargs_from_args(build_parser().parse_args(["serve", "m"]))
+
+
+def test_compile_options_reach_the_speed_features():
+    from omnistage.entrypoints.cli import build_parser
+    from omnistage.entrypoints.common import engine_kwargs_from_args
+
+    args = build_parser().parse_args(["serve", "m", "--diffusion-compile-mode", "max-autotune-no-cudagraphs",
+                                      "--no-diffusion-compile-dynamic"])
+    kw = {k: v for k, v in engine_kwargs_from_args(args).items() if k.startswith("diffusion_compile")}
+    assert len(kw) == 2
+    speed = DiffusionSpeed.from_config(EngineConfig(device="cpu", **kw))
+    assert (speed.compile_mode, speed.compile_dynamic, speed.probe_attention) == ("max-autotune-no-cudagraphs",
+                                                                                  False, False)   # probe: CUDA only
+
+
+def test_attention_probe_choice():
+    """The probe keeps the fastest backend that runs the shape (ties: PROBE_BACKENDS order), skips
+    those that raise, and measures each shape once per process; on this CPU with the real timer, the
+    SDPA kernels CPU torch lacks (cuDNN, efficient) are skipped and the choice is one that ran."""
+    table = {"CUDNN_ATTN": None, "FLASH_ATTN": 3e-3, "EFFICIENT_ATTN": 1e-3, "FLEX_ATTN": 1e-3}
+    calls = []
+
+    def timer(name, q, k, v):
+        calls.append(name)
+        if table[name] is None:
+            raise RuntimeError("no kernel for this shape")
+        return table[name]
+    shape = (1, 2, 40, 16)
+    got = attention.probe(shape, torch.float32, torch.device("cpu"), attention.PROBE_BACKENDS, timer=timer)
+    assert got.choice == "EFFICIENT_ATTN" and set(got.skipped) == {"CUDNN_ATTN"} and len(calls) == 4
+    again = attention.probe(shape, torch.float32, torch.device("cpu"), attention.PROBE_BACKENDS, timer=timer)
+    assert again is got and len(calls) == 4
+    real = attention.probe((1, 2, 24, 16), torch.float32, torch.device("cpu"))
+    assert {"CUDNN_ATTN", "EFFICIENT_ATTN"} <= set(real.skipped) and "FLASH_ATTN" in real.seconds
+    assert "FLEX_ATTN" not in real.seconds                 # compiled on CUDA only: not a CPU candidate
+    assert real.choice == min(real.seconds, key=real.seconds.get)
+
+
+def test_attention_probe_at_load_is_lossless(tiny_dir):
+    """probe_attention (on by default on CUDA) measures the DiT's shape at load, routes "auto" DiT
+    attention to the winner, reports it in the stage's info, and the output stays the resident one."""
+    eng, out = _run(tiny_dir, "flux", DiffusionSpeed(probe_attention=True), seed=4, steps=2)
+    fam, probe = eng.family, eng.accel.attention_probe
+    cfg, lim = fam.transformer.config, fam.limits()
+    tokens = (lim.default_height // fam.multiple) * (lim.default_width // fam.multiple) + fam.joint_text_tokens
+    assert probe.shape == (1, cfg.num_attention_heads, tokens, cfg.attention_head_dim)
+    assert eng.accel.routers["dit"].name == probe.choice == eng.speed_info["attention"]["dit"]
+    assert eng.speed_info["attention_probe"]["choice"] == probe.choice
+    assert eng.accel.routers["text_encoder"].name == "TORCH_SDPA"      # encoders keep the device default
+    assert max_pixel_diff(_pixels(out), _pixels(_resident(tiny_dir))) <= 2
 
 
 def test_memory_plan_counts_what_offload_keeps_on_the_device(tiny_dir):

@@ -130,6 +130,9 @@ class DiffusionFamily:
     # submodules of a denoiser whose output depends only on `key(task)` of the step's group (rotary
     # tables per resolution): computed once per key (diffusion/speed.py StepConstants)
     step_constant_modules: tuple[str, ...] = ()
+    # text tokens that join the image tokens in the DiT's self-attention (joint attention), at the
+    # encoders' padded length; 0 where text enters through cross-attention (the attention probe's shape)
+    joint_text_tokens: int = 0
     # what a parallel DiT reads (parallel/mesh.py, diffusion/ranks.py); None: one process only
     parallel_plan: Optional[DiTParallelPlan] = None
 
@@ -178,6 +181,24 @@ class DiffusionFamily:
     def default_size(self) -> tuple[int, int]:
         """(height, width) in pixels of a request that sets no size."""
         raise NotImplementedError
+
+    def image_tokens(self, height: int, width: int, frames: Optional[int] = None) -> int:
+        """DiT tokens of one batch row at that output size (pixels; `frames`: video)."""
+        raise NotImplementedError
+
+    def attention_probe_shape(self) -> Optional[tuple[int, int, int, int]]:
+        """(rows, heads, tokens, head dim) of the DiT's self-attention at the default request size (one
+        row): the shape the "auto" attention backend is measured on (diffusion/attention.py `probe`);
+        None when the denoiser's config names no heads."""
+        cfg = self.c[next(n for n, r in self.component_roles().items() if r == "dit")].config
+        heads, head_dim = cfg.get("num_attention_heads"), cfg.get("attention_head_dim")
+        if heads is None and cfg.get("n_heads") and cfg.get("dim"):           # Z-Image's names
+            heads, head_dim = cfg["n_heads"], cfg["dim"] // cfg["n_heads"]
+        if not heads or not head_dim:
+            return None
+        lim = self.limits()
+        tokens = self.image_tokens(lim.default_height, lim.default_width, lim.default_num_frames)
+        return 1, int(heads), tokens + self.joint_text_tokens, int(head_dim)
 
     def limits(self) -> DiffusionLimits:
         """The model's limits and defaults as data: what `resolve` enforces and fills in (a tiny
@@ -330,6 +351,9 @@ class ImageFamily(DiffusionFamily):
     def size_multiples(self) -> tuple[int, int]:
         return self.multiple, self.multiple
 
+    def image_tokens(self, height: int, width: int, frames: Optional[int] = None) -> int:
+        return (height // self.multiple) * (width // self.multiple)
+
     def resolve(self, params: DiffusionParams, inputs: dict) -> DiffusionParams:
         return self.fill_defaults(params, self.default_size(), self.default_guidance)
 
@@ -339,7 +363,7 @@ class ImageFamily(DiffusionFamily):
         task = DiffusionTask(request_id=request_id, params=p, prompt=self.prompt(inputs), negative_prompt=negative,
                              generator=self.generator(p), num_images=p.num_outputs_per_prompt, do_cfg=do_cfg)
         h, w = 2 * (p.height // self.multiple), 2 * (p.width // self.multiple)
-        task.tokens_per_row = (h // 2) * (w // 2)
+        task.tokens_per_row = self.image_tokens(p.height, p.width)
         task.static.update(cfg_scale=cfg_scale, latent_hw=(h, w), shape=(h, w))
         n = p.num_inference_steps
         task.schedule = self.schedule(n, task.tokens_per_row,

@@ -41,6 +41,7 @@ class FluxFamily(ImageFamily):
                                                2.64230861e-01))
     repeated_blocks = ("transformer_blocks", "single_transformer_blocks")
     # a single block feeds its normed input to q, k, v and the MLP: one 3072 -> 21504 GEMM at FLUX.1 size
+    joint_text_tokens = T5_MAX                 # T5 tokens join the image tokens in every block's attention
     step_constant_modules = ("pos_embed",)     # rotary of (text ids, image ids): the key's latent size, T5_MAX
     merged_projections = {"transformer_blocks": JOINT_QKV,
                           "single_transformer_blocks": (("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),)}

@@ -22,6 +22,7 @@ T5_MAX = 256
 
 class SD3Family(ImageFamily):
     class_names = ("StableDiffusion3Pipeline",)
+    joint_text_tokens = 77 + T5_MAX            # CLIP + T5 tokens join the image tokens (joint attention)
     default_steps = 28
     default_guidance = 7.0
     block_cache = BlockCacheSpec(lists=("transformer_blocks",), batched=("hidden_states", "encoder_hidden_states", "temb"),
@@ -55,7 +56,7 @@ class SD3Family(ImageFamily):
         task = DiffusionTask(request_id=request_id, params=p, prompt=self.prompt(inputs), negative_prompt=neg,
                              generator=self.generator(p), num_images=p.num_outputs_per_prompt, do_cfg=do_cfg)
         h, w = p.height // self.vae_scale, p.width // self.vae_scale
-        task.tokens_per_row = (h // self.patch) * (w // self.patch)
+        task.tokens_per_row = self.image_tokens(p.height, p.width)
         task.static.update(cfg_scale=p.guidance_scale, latent_hw=(h, w), shape=(h, w))
         cfg = self.scheduler_config
         mu = None

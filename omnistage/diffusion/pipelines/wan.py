@@ -103,6 +103,14 @@ class WanFamily(DiffusionFamily):
     def size_multiples(self) -> tuple[int, int]:
         return self.s_scale * self.patch[1], self.s_scale * self.patch[2]
 
+    def latent_shape(self, height: int, width: int, frames: int) -> tuple[int, int, int]:
+        """(latent frames, rows, columns) of a clip of that size."""
+        return (frames - 1) // self.t_scale + 1, height // self.s_scale, width // self.s_scale
+
+    def image_tokens(self, height: int, width: int, frames=None) -> int:
+        f, h, w = self.latent_shape(height, width, frames or self.default_frames)
+        return f * (h // self.patch[1]) * (w // self.patch[2])
+
     def max_frames(self) -> int:
         """Most frames of one clip: the latent frames the rope table holds."""
         return (self.rope_len * self.patch[0] - 1) * self.t_scale + 1
@@ -121,8 +129,8 @@ class WanFamily(DiffusionFamily):
                              negative_prompt=clean_prompt(self.negative(inputs, p) or ""),
                              generator=self.generator(p), num_images=p.num_outputs_per_prompt,
                              do_cfg=p.guidance_scale > 1)
-        shape = ((p.num_frames - 1) // self.t_scale + 1, p.height // self.s_scale, p.width // self.s_scale)
-        task.tokens_per_row = shape[0] * (shape[1] // self.patch[1]) * (shape[2] // self.patch[2])
+        shape = self.latent_shape(p.height, p.width, p.num_frames)
+        task.tokens_per_row = self.image_tokens(p.height, p.width, p.num_frames)
         task.static.update(cfg_scale=p.guidance_scale, shape=shape)
         task.schedule = make_schedule(self.scheduler_config, p.num_inference_steps)
         self.init_task(task, inputs)

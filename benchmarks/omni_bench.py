@@ -286,7 +286,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     help="code2wav's runner in every layout measured (default: the layout's)")
     ap.add_argument("--no-code2wav-graphs", action="store_true", help="code2wav's ODE without CUDA graphs")
     ap.add_argument("--code2wav-dit-dtype", choices=("float32", "bfloat16"), default=None,
-                    help="Qwen2.5-Omni code2wav's dit_dtype (default: the pipeline's, float32 with TF32)")
+                    help="Qwen2.5-Omni code2wav's dit_dtype (default: the stage's, bfloat16 on CUDA)")
     ap.add_argument("--ar-runner", choices=("inline", "shared", "process"), default=None,
                     help="thinker's and talker's runner in every layout measured (default: the layout's)")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers reference")

@@ -4,7 +4,7 @@ The tiny CustomVoice folder (`omnistage.testing.qwen3_tts`) runs N concurrent re
 frames each (min_new_tokens holds codec eos back, so every answer is full length; sampled with
 generation_config's temperature / top-k / repetition penalty, as the GPU bench) through the talker
 stage's step as its stage process runs it: `AREngine.step()`, then `wire.encode` of the step's
-`StageOutputs` (what `stage_client._serve` sends), then the talker -> decoder edge the orchestrator
+`StageOutputs` (what `stage_client._serve` sends: as deltas where the tree has `pipeline/output_deltas.py`), then the talker -> decoder edge the orchestrator
 runs on each output (`talker_to_decoder(out).slice(sent, len)`). Per decode step (every row decoding,
 one torch thread, process CPU time) it times the whole, and the device-side work inside it: the
 talker forward, its logits and the code predictor's frame function (`FramePredictor._frame`, what one
@@ -78,6 +78,12 @@ def run(engine, device: Timer, rows: int, frames: int, profile: bool = False) ->
     for i in range(rows):
         engine.add_request(f"r{i}", f"Hello there number {i}, this is a test.", params)
     sent: dict[str, int] = {}
+    try:                                        # outputs as deltas (absent in older trees: sent whole)
+        from omnistage.pipeline.output_deltas import DeltaPacker
+
+        packer = DeltaPacker()
+    except ImportError:
+        packer = None
     totals, devices = [], []
     prof = cProfile.Profile() if profile else None
     while engine.has_unfinished():
@@ -89,7 +95,12 @@ def run(engine, device: Timer, rows: int, frames: int, profile: bool = False) ->
         t = time.process_time()
         with torch.inference_mode():
             outs = engine.step()
-            wire.encode(StageOutputs(outs, engine.stats()))
+            if packer is None:
+                wire.encode(StageOutputs(outs, engine.stats()))
+            else:
+                packed, deltas, state = packer.pack(outs)
+                wire.encode(StageOutputs(packed, engine.stats(), deltas))
+                packer.commit(state)
             for out in outs:                    # the orchestrator's edge to the decoder stage
                 frames_so_far = talker_to_decoder(out)
                 frames_so_far.slice(sent.get(out.request_id, 0), len(frames_so_far), out.finished)

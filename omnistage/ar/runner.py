@@ -32,6 +32,7 @@ from omnistage.ar.sampler import SamplerOutput, SamplingBatch, greedy_ids, plain
 from omnistage.ar.scheduler import ScheduledSeq, SchedulerOutput
 from omnistage.ar.sequence import PLACEHOLDER, Sequence
 from omnistage.ar.step_inputs import StepInputs, step_inputs, step_order
+from omnistage.ar.token_counts import TokenCounts
 from omnistage.layers.attention import AttentionMetadata, PrefillChunk
 from omnistage.stage import HiddenStates
 
@@ -99,6 +100,7 @@ class ModelRunner:
         self.seq_generators: dict[str, torch.Generator] = {}   # seq_id -> generator of a seeded sequence
         self.graphs = None                                     # CudaGraphs once captured
         self.ranks = None                       # ar/tensor_parallel.RankGroup: the other TP ranks (None: one rank)
+        self.counts: Optional[TokenCounts] = None   # penalized sequences' token counts, made on first use
 
     def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
         from omnistage.ar.cuda_graphs import CudaGraphs
@@ -192,6 +194,8 @@ class ModelRunner:
 
     def release(self, seq_id: str) -> None:
         self.seq_generators.pop(seq_id, None)
+        if self.counts is not None:
+            self.counts.release(seq_id)
         if self.ranks is not None:
             self.ranks.tables.drop(seq_id)
 
@@ -222,9 +226,13 @@ class ModelRunner:
         sampling = [s.seq for s in order if s.samples]
         params = [q.params for q in sampling]
         banned = [_banned(q, eos_ids) for q in sampling]
-        penalized = any(p.needs_penalties for p in params)      # only penalties read earlier ids
-        # read before the forward: `prev.tokens` may be a graph's buffer, which a replay rewrites
-        pending = self._pending_ids(sampling, prev) if penalized else None
+        flags = [p.needs_penalties for p in params]
+        penalized = any(flags)                  # only penalties read earlier ids: counted on the device
+        # read before the forward: `prev.tokens` may be a graph's buffer, which a replay rewrites; needed
+        # only for ids the device counts lack (a sequence's first step)
+        pending = None
+        if penalized and (self.counts is None or self.counts.lacks(sampling, flags)):
+            pending = self._pending_ids(sampling, prev)
         output, graph = self.forward(ids, pos, meta, x, self._layer_adds(order, x))
         hidden, reported = split_outputs(output)
         # Grammar masks are filled on the host while the device runs the forward (kernels are queued).
@@ -251,16 +259,23 @@ class ModelRunner:
                                 else greedy_ids(self.model.compute_logits(picked)))
         else:
             logits = self.model.compute_logits(picked) if graph is None else logit_rows(graph.logits, rows)
+            slots = None
+            if penalized:
+                if self.counts is None:
+                    self.counts = TokenCounts(logits.shape[-1], self.device)
+                slots = self.counts.prepare(sampling, flags, pending)
             batch = SamplingBatch(
                 params=params,
                 generators=[self._generator_for(q) for q in sampling],
-                prompt_ids=[q.token_ids[:q.prompt_len] if penalized else [] for q in sampling],
-                output_ids=[q.output_token_ids if penalized else [] for q in sampling],
+                prompt_ids=[[] for _ in sampling],
+                output_ids=[[] for _ in sampling],
                 banned=banned,
                 token_bitmask=None if bitmask is None else bitmask.to(self.device, non_blocking=True),
-                pending_ids=pending)
+                token_counts=None if slots is None else self.counts.view(slots))
             num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
             out = sample(logits, batch, self.generator, num_logprobs)
+            if slots is not None:
+                self.counts.add_sampled(sampling, slots, flags, out.token_ids)
             codes = self._frames(sampling, picked, out.token_ids, batch)
         done = Launched(sampling, tokens=out.token_ids, hidden=reports)
         if num_logprobs >= 0 or codes is not None:      # frame heads: conditioned rows, never queued ahead

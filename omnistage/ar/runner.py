@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 import torch
 
+from omnistage.ar.conditioning import DecodeRows
 from omnistage.ar.sampler import SamplerOutput, SamplingBatch, greedy_ids, plain_greedy, sample, to_device
 from omnistage.ar.scheduler import ScheduledSeq, SchedulerOutput
 from omnistage.ar.sequence import PLACEHOLDER, Sequence
@@ -101,6 +102,7 @@ class ModelRunner:
         self.graphs = None                                     # CudaGraphs once captured
         self.ranks = None                       # ar/tensor_parallel.RankGroup: the other TP ranks (None: one rank)
         self.counts: Optional[TokenCounts] = None   # penalized sequences' token counts, made on first use
+        self.decode_rows: Optional[DecodeRows] = None   # conditioned decode rows' table, made on first use
 
     def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
         from omnistage.ar.cuda_graphs import CudaGraphs
@@ -166,6 +168,23 @@ class ModelRunner:
             return self.model(ids, pos, meta, inputs_embeds=x, layer_adds=layer_adds), None
         return self.model(ids, pos, meta, inputs_embeds=x), None
 
+    def _condition(self, x: torch.Tensor, order: list[ScheduledSeq]) -> None:
+        """Prompt embeddings, given / streamed rows and frame rows into the step's input rows
+        (ar/conditioning.py): decode rows that `DecodeRows` takes in one gather, the others row by row."""
+        gathered, row = [], 0
+        for s in order:
+            cond = s.seq.cond
+            if cond is not None:
+                if DecodeRows.takes(cond, s.start, s.num_new_tokens):
+                    gathered.append((row, s))
+                else:
+                    cond.fill(x[row:row + s.num_new_tokens], s.start)
+            row += s.num_new_tokens
+        if gathered:
+            if self.decode_rows is None:
+                self.decode_rows = DecodeRows(x.shape[1], self.device, x.dtype)
+            self.decode_rows.fill(x, gathered)
+
     @staticmethod
     def _layer_adds(order: list[ScheduledSeq], x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """[L, T, H] per-layer rows of this step's prompt rows that have `layer_embeds`, else None."""
@@ -196,6 +215,8 @@ class ModelRunner:
         self.seq_generators.pop(seq_id, None)
         if self.counts is not None:
             self.counts.release(seq_id)
+        if self.decode_rows is not None:
+            self.decode_rows.release(seq_id)
         if self.ranks is not None:
             self.ranks.tables.drop(seq_id)
 
@@ -216,11 +237,7 @@ class ModelRunner:
         x = None
         if meta.graph_batch or inputs.embeds:
             x = self.model.embed_tokens(ids)
-            row = 0
-            for s in order:                     # prompt embeddings and streamed rows (ar/conditioning.py)
-                if s.seq.cond is not None:
-                    s.seq.cond.fill(x[row:row + s.num_new_tokens], s.start)
-                row += s.num_new_tokens
+            self._condition(x, order)
             if self.ranks is not None:
                 self.ranks.send_embeds(x)
         sampling = [s.seq for s in order if s.samples]
@@ -323,6 +340,8 @@ class ModelRunner:
             if q.cond is None or not q.cond.frame_feedback:
                 raise ValueError(f"sequence {q.seq_id} of a frame-head model was added without frame_feedback")
             q.cond.add_frame(row)
+        if self.decode_rows is not None:
+            self.decode_rows.put_frames(seqs, rows)
         return codes.cpu()
 
     def _to_host(self, seqs: list[Sequence], out: SamplerOutput, num_logprobs: int) -> RunnerOutput:

@@ -51,6 +51,7 @@ import zmq
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline import wire
 from omnistage.pipeline.output_deltas import DeltaPacker, DeltaUnpacker
+from omnistage.pipeline.step_profiler import StepProfiler
 from omnistage.pipeline.stage_messages import (CallError, CallReply, CallStage, InitStage, StageFatal, StageOutputs,
                                                StageReady, StageStarting, StopStage)
 from omnistage.stage import StageDeadError, StageError, StageOutput
@@ -500,9 +501,21 @@ def _serve(cmd_addr: str, out_addr: str, chk_addr: Optional[str] = None, inline:
         max_model_len=getattr(engine, "max_model_len", None),
         tokenizer=getattr(getattr(engine, "tokenizer", None), "name_or_path", None),
         attributes={name: getattr(engine, name) for name in _ATTRIBUTES if hasattr(engine, name)})))
-    sent = 0
     held: set[str] = set()                      # requests the engine holds (added, not finished or aborted)
     deltas = DeltaPacker()                      # what was sent of each request's cumulative output
+    profiler = StepProfiler.from_env(spec.name)  # OMNISTAGE_TORCH_PROFILER_DIR: tables of some steps
+    try:
+        _loop(engine, cmd, out, parent, spec.name, held, deltas, profiler)
+    finally:
+        if profiler is not None:
+            profiler.close()
+
+
+def _loop(engine: Any, cmd: Any, out: Any, parent: int, name: str, held: set[str], deltas: DeltaPacker,
+          profiler: Optional[StepProfiler]) -> None:
+    """Commands between steps, and a step whenever the engine has work, until `StopStage` (or the
+    orchestrator's process is gone)."""
+    sent = 0
     while os.getppid() == parent:               # the orchestrator's process is gone: stop too
         wait = 0 if engine.has_unfinished() else _IDLE_POLL_MS
         while cmd.poll(wait):
@@ -519,24 +532,34 @@ def _serve(cmd_addr: str, out_addr: str, chk_addr: Optional[str] = None, inline:
             except Exception as e:              # a bad request: tell the caller, keep serving
                 result, error = None, CallError.of(e)
                 if msg.seq == 0:
-                    logger.warning("stage %s: %s failed: %s", spec.name, msg.method, e)
+                    logger.warning("stage %s: %s failed: %s", name, msg.method, e)
                     if msg.method in ("add_request", "add_input"):   # one-way: the request fails downstream
                         rid = msg.args[0]
                         engine.abort(rid)
                         lost = StageOutput(rid, RequestOutput(rid, finished=True), True,
-                                           error=StageError(f"stage {spec.name!r}: {e}", refused=error.bad_request,
+                                           error=StageError(f"stage {name!r}: {e}", refused=error.bad_request,
                                                             field=error.field))
                         out.send(wire.encode(StageOutputs([lost], engine.stats())))
             if msg.seq:
                 out.send(wire.encode(CallReply(msg.seq, result, error)))
             wait = 0
         if engine.has_unfinished():
-            outs = _step(engine, held, spec.name)
-            if outs:
-                _send_outputs(out, engine, outs, held, deltas)
-                sent += 1
-                if sent % 256 == 0 and "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
-                    sys.modules["torch"].cuda.ipc_collect()   # free blocks whose CUDA IPC readers are done
+            if profiler is None:
+                had = _step_and_send(engine, out, held, name, deltas)
+            else:                               # the step and its send, as the stage runs them
+                had = profiler.run(lambda: _step_and_send(engine, out, held, name, deltas))
+            sent += had
+            if had and sent % 256 == 0 and "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
+                sys.modules["torch"].cuda.ipc_collect()   # free blocks whose CUDA IPC readers are done
+
+
+def _step_and_send(engine: Any, out: Any, held: set[str], name: str, deltas: DeltaPacker) -> int:
+    """One step and its outputs sent; 1 when it had outputs, else 0."""
+    outs = _step(engine, held, name)
+    if not outs:
+        return 0
+    _send_outputs(out, engine, outs, held, deltas)
+    return 1
 
 
 def _step(engine: Any, held: set[str], name: str) -> list[StageOutput]:

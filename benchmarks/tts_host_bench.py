@@ -8,8 +8,9 @@ stage's step as its stage process runs it: `AREngine.step()`, then `wire.encode`
 runs on each output (`talker_to_decoder(out).slice(sent, len)`). Per decode step (every row decoding,
 one torch thread, process CPU time) it times the whole, and the device-side work inside it: the
 talker forward, its logits and the code predictor's frame function (`FramePredictor._frame`, what one
-CUDA graph replays on the GPU). The difference is host work, which an H200 pays as well (tiny models
-make the compute small). Prints a table (ms per step) and the cProfile top entries at the largest N.
+CUDA graph replays on the GPU), and the talker's sampling (`sampler.sample`: its sort / noise compute
+on the CPU, launches on a GPU) on its own. What is left is host work, which an H200 pays as well (tiny
+models make the compute small). Prints a table (ms per step) and the cProfile top entries at the largest N.
 
     PYTHONPATH=$PWD python benchmarks/tts_host_bench.py [--rows 1,8,64] [--frames 48] [--profile 25]
 
@@ -65,6 +66,11 @@ def build(folder: str, rows: int, frames: int):
     model.compute_logits = device.wrap(model.compute_logits)
     head = model.frame_head
     head._frame = device.wrap(head._frame)
+    from omnistage.ar import runner as runner_mod
+
+    sampler = Timer()                           # the talker's sampling: its ops run on the device on a GPU
+    runner_mod.sample = sampler.wrap(runner_mod.sample)
+    device.sampler = sampler
     return engine, device
 
 
@@ -84,12 +90,13 @@ def run(engine, device: Timer, rows: int, frames: int, profile: bool = False) ->
         packer = DeltaPacker()
     except ImportError:
         packer = None
-    totals, devices = [], []
+    totals, devices, samplers = [], [], []
     prof = cProfile.Profile() if profile else None
     while engine.has_unfinished():
         decode_only = all(s.num_computed_tokens >= s.prompt_len for s in engine.scheduler.running) \
             and len(engine.scheduler.running) == rows and not engine.scheduler.waiting
         device.seconds, device.on = 0.0, decode_only
+        device.sampler.seconds, device.sampler.on = 0.0, decode_only
         if prof is not None and decode_only:
             prof.enable()
         t = time.process_time()
@@ -108,14 +115,15 @@ def run(engine, device: Timer, rows: int, frames: int, profile: bool = False) ->
         took = time.process_time() - t
         if prof is not None and decode_only:
             prof.disable()
-        device.on = False
+        device.on = device.sampler.on = False
         if decode_only and outs:
             totals.append(took)
             devices.append(device.seconds)
-    hosts = [a - b for a, b in zip(totals, devices)]
+            samplers.append(device.sampler.seconds)
+    hosts = [a - b - c for a, b, c in zip(totals, devices, samplers)]
     return {"steps": len(totals), "step_ms": 1e3 * statistics.median(totals),
-            "device_ms": 1e3 * statistics.median(devices), "host_ms": 1e3 * statistics.median(hosts),
-            "profile": prof}
+            "device_ms": 1e3 * statistics.median(devices), "sampler_ms": 1e3 * statistics.median(samplers),
+            "host_ms": 1e3 * statistics.median(hosts), "profile": prof}
 
 
 def main() -> None:
@@ -138,11 +146,11 @@ def main() -> None:
         if args.profile:                        # a run of its own: the profiler slows what it watches
             engine, device = build(folder, levels[-1], args.frames)
             prof = run(engine, device, levels[-1], args.frames, profile=True)["profile"]
-    print(f"\n| rows | decode steps | step ms (CPU) | device ms | host ms | host us / row |")
-    print("|---|---|---|---|---|---|")
+    print(f"\n| rows | decode steps | step ms (CPU) | device ms | sampler ms | host ms | host us / row |")
+    print("|---|---|---|---|---|---|---|")
     for n, r in results.items():
-        print(f"| {n} | {r['steps']} | {r['step_ms']:.2f} | {r['device_ms']:.2f} | {r['host_ms']:.2f} "
-              f"| {1e3 * r['host_ms'] / n:.1f} |")
+        print(f"| {n} | {r['steps']} | {r['step_ms']:.2f} | {r['device_ms']:.2f} | {r['sampler_ms']:.2f} "
+              f"| {r['host_ms']:.2f} | {1e3 * r['host_ms'] / n:.1f} |")
     if args.profile:
         print(f"\ncProfile of the {levels[-1]}-row decode steps, top {args.profile} by own time:")
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)

@@ -48,8 +48,8 @@ def test_deltas_rebuild_cumulative_outputs_and_send_only_the_new_items():
     # each output has lists of its own: an earlier one still reads what it said then
     assert kept[3].output.outputs[0].token_ids == ids[:4]
     assert sizes[-1] < sizes[5] + 64                 # the message does not grow with the answer
-    # a list that did not just grow (a different prefix) is sent whole and taken whole
-    changed = [0] + ids[1:]
+    # a list that did not just grow (its item where the last one sent ended differs; shorter) is sent whole
+    changed = ids[:-1] + [999, 1000]
     got, _ = _send(packer, unpacker, [_output("a", changed, codes, prompt[:-1], context, finished=True)])
     assert got[0].output.outputs[0].token_ids == changed and got[0].output.prompt_token_ids == prompt[:-1]
     # a finished (or aborted) request is forgotten on both sides: the id starts afresh

@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from omnistage.ar.conditioning import DecodeRows
+from omnistage.ar.decode_rows import DecodeRows
 from omnistage.ar.sampler import SamplerOutput, SamplingBatch, greedy_ids, plain_greedy, sample, to_device
 from omnistage.ar.scheduler import ScheduledSeq, SchedulerOutput
 from omnistage.ar.sequence import PLACEHOLDER, Sequence

@@ -137,6 +137,14 @@ def _dataclass_shape(cls: type) -> Optional[tuple[str, tuple[str, ...]]]:
 def _to_wire(obj: Any, pending: list, inline: bool = False) -> Any:
     if obj is None or isinstance(obj, (str, int, float, bool, bytes)):
         return obj
+    shape = _dataclass_shape(type(obj))
+    if shape is not None:
+        path, names = shape
+        wire = {_TYPE: path}
+        for name in names:
+            value = getattr(obj, name)
+            wire[name] = value if type(value) in _PLAIN else _to_wire(value, pending, inline)
+        return wire
     if isinstance(obj, np.ndarray):
         return _array_to_wire(obj, inline)
     if isinstance(obj, np.generic):
@@ -147,14 +155,6 @@ def _to_wire(obj: Any, pending: list, inline: bool = False) -> Any:
     pil = sys.modules.get("PIL.Image")          # likewise a PIL image
     if pil is not None and isinstance(obj, pil.Image):
         return _image_to_wire(obj, inline)
-    shape = _dataclass_shape(type(obj))
-    if shape is not None:
-        path, names = shape
-        wire = {_TYPE: path}
-        for name in names:
-            value = getattr(obj, name)
-            wire[name] = value if type(value) in _PLAIN else _to_wire(value, pending, inline)
-        return wire
     if isinstance(obj, dict):
         return {str(k): v if type(v) in _PLAIN else _to_wire(v, pending, inline) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set, frozenset)):

@@ -84,13 +84,18 @@ class DeltaUnpacker:
     def __init__(self):
         self._have: dict[str, RequestOutputLists] = {}
 
-    def unpack(self, outs: list[StageOutput], deltas: dict) -> list[StageOutput]:
+    def unpack(self, outs: list[StageOutput], deltas: dict, held: Optional[set] = None) -> list[StageOutput]:
+        """The cumulative outputs; a delta of a request forgotten here (aborted while the output was on
+        its way: nobody reads it) is dropped. `held`: the requests still wanted (None: all); the lists
+        of others are not kept."""
         full = []
         for out in outs:
             entry = deltas.get(out.request_id)
             if entry is not None:
+                if out.request_id not in self._have:
+                    continue
                 out = self._restore(out, entry)
-            if out.finished:
+            if out.finished or (held is not None and out.request_id not in held):
                 self._have.pop(out.request_id, None)
             elif out.output is not None:
                 self._have[out.request_id] = RequestOutputLists.of(out.output)
@@ -98,9 +103,7 @@ class DeltaUnpacker:
         return full
 
     def _restore(self, out: StageOutput, entry: dict) -> StageOutput:
-        have = self._have.get(out.request_id)
-        if have is None:
-            raise RuntimeError(f"a delta output of request {out.request_id!r} came without its earlier output")
+        have = self._have[out.request_id]
         req = out.output
         comps = []
         for comp, kept, before in zip(req.outputs, entry["outputs"], have.completions):

@@ -285,7 +285,7 @@ class StageClient:
     def _receive(self, msg: Any) -> None:
         if isinstance(msg, StageOutputs):
             self._stats = msg.stats
-            outs = self._deltas.unpack(msg.outputs, msg.deltas)
+            outs = self._deltas.unpack(msg.outputs, msg.deltas, self._held)
             for out in outs:
                 if out.finished:
                     self._held.discard(out.request_id)
@@ -579,10 +579,12 @@ def _step(engine: Any, held: set[str], name: str) -> list[StageOutput]:
     return outs
 
 
-def _send_outputs(out: Any, engine: Any, outs: list[StageOutput], held: set[str], deltas: DeltaPacker) -> None:
-    """Sends a step's outputs, each as a delta of the request's last one sent (`output_deltas`); an
-    output that cannot be encoded fails its request alone."""
+def _send_outputs(out: Any, engine: Any, outs: list[StageOutput], held: set[str],
+                  deltas: Optional[DeltaPacker] = None) -> None:
+    """Sends a step's outputs, each as a delta of the request's last one sent (`output_deltas`; whole
+    without `deltas`); an output that cannot be encoded fails its request alone."""
     stats = engine.stats()
+    deltas = deltas or DeltaPacker()
     packed, changes, state = deltas.pack(outs)
     try:
         out.send(wire.encode(StageOutputs(packed, stats, changes)))

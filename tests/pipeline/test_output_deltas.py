@@ -57,3 +57,7 @@ def test_deltas_rebuild_cumulative_outputs_and_send_only_the_new_items():
     unpacker.forget("b")
     got, _ = _send(packer, unpacker, [_output("a", [5], [[1, 2, 3]], [1]), _output("b", [9], [], [2])])
     assert got[0].output.outputs[0].token_ids == [5] and got[1].output.prompt_token_ids == [2]
+    # a delta still on its way when the receiver forgot the request (aborted there) is dropped
+    unpacker.forget("b")
+    got, _ = _send(packer, unpacker, [_output("a", [5, 6], [[1, 2, 3]] * 2, [1]), _output("b", [9, 8], [], [2])])
+    assert [o.request_id for o in got] == ["a"] and got[0].output.outputs[0].token_ids == [5, 6]

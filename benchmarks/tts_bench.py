@@ -25,6 +25,8 @@ inherit the variable). `benchmarks/tts_check_cuda.py` checks the two paths give 
     OMNISTAGE_TTS_PREDICTOR_GRAPHS=0 python benchmarks/tts_bench.py --out plain.json
     python benchmarks/tts_bench.py --variant base   # Base: every request clones a 3 s reference (in-context)
     python benchmarks/tts_bench.py --smoke          # the tiny folder on the CPU, 1 and 2 requests
+    # tables of 20 talker and decoder steps at 64 rows (the warm-up round and the round's start skipped):
+    OMNISTAGE_TORCH_PROFILER_DIR=/tmp/tts_prof OMNISTAGE_PROFILER_WARMUP=30 python benchmarks/tts_bench.py --levels 64
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ async def main_async(args) -> list[dict]:
     device = "cpu" if args.smoke else "cuda"
     engine = AsyncOmni(folder, device=device, dtype="float32" if args.smoke else "bfloat16", max_num_seqs=64)
     try:
-        sizes = (1, 2) if args.smoke else (1, 8, 32, 64)
+        sizes = (1, 2) if args.smoke else tuple(int(n) for n in args.levels.split(","))
         for n in sizes:                 # warm-up: each size's first round captures its graphs (predictor
             await round_of(engine, n, 8, args.variant)   # buckets, decoder batches) and grows the allocator
         rows = [await round_of(engine, n, args.frames, args.variant) for n in sizes]
@@ -153,6 +155,7 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=100)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--variant", choices=("custom_voice", "base"), default="custom_voice")
+    ap.add_argument("--levels", default="1,8,32,64", help="concurrent requests per round, comma-separated")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.smoke:

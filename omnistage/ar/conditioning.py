@@ -172,3 +172,4 @@ class Conditioning:
         if self.frame_feedback and b > n:
             lo = max(a, n)
             x[lo - a:] += torch.stack(self.frame_rows[lo - n:b - n]).to(x)
+

@@ -50,7 +50,7 @@ FREE_MARGIN_BYTES = 256 * 2**20                 # left free on the device when t
 
 class _Request:
     def __init__(self, request_id: str, prompt: Optional[str], prompt_ids: list[int], params: SamplingParams,
-                 seqs: list[Sequence], arrival_time: float, context_frames=None):
+                 seqs: list[Sequence], arrival_time: float, context_frames=None, has_text: bool = True):
         self.request_id = request_id
         self.context_frames = context_frames    # the prompt's `context_frames`, reported with every output
         self.prompt = prompt
@@ -62,8 +62,9 @@ class _Request:
         # no output is built before the end.
         self.final_only = params.output_kind == "final_only" and not any(
             s.cond is not None and s.cond.return_hidden for s in seqs)
-        # its text is decoded once at the end (nothing reads it before, and no stop string needs it)
-        self.lazy_text = self.final_only and not params.stop
+        # its text is decoded once at the end (nothing reads it before, and no stop string needs it), or
+        # there is none (a talker's codec ids: no tokenizer)
+        self.lazy_text = (self.final_only and not params.stop) or not has_text
 
 
 class AREngine:
@@ -229,7 +230,8 @@ class AREngine:
             seqs.append(seq)
         # an array, not lists: it goes out with every output of the request (cheap to pickle)
         context = None if prompt.context_frames is None else np.asarray(prompt.context_frames, dtype=np.int32)
-        self.requests[request_id] = _Request(request_id, text, ids, params, seqs, now, context)
+        self.requests[request_id] = _Request(request_id, text, ids, params, seqs, now, context,
+                                             has_text=self.tokenizer is not None)
         if grammar is not None:
             self._compiling[request_id] = grammar
             return

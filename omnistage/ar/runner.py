@@ -28,10 +28,12 @@ from typing import Any, Optional
 
 import torch
 
+from omnistage.ar.decode_rows import DecodeRows
 from omnistage.ar.sampler import SamplerOutput, SamplingBatch, greedy_ids, plain_greedy, sample, to_device
 from omnistage.ar.scheduler import ScheduledSeq, SchedulerOutput
 from omnistage.ar.sequence import PLACEHOLDER, Sequence
 from omnistage.ar.step_inputs import StepInputs, step_inputs, step_order
+from omnistage.ar.token_counts import TokenCounts
 from omnistage.layers.attention import AttentionMetadata, PrefillChunk
 from omnistage.stage import HiddenStates
 
@@ -99,6 +101,8 @@ class ModelRunner:
         self.seq_generators: dict[str, torch.Generator] = {}   # seq_id -> generator of a seeded sequence
         self.graphs = None                                     # CudaGraphs once captured
         self.ranks = None                       # ar/tensor_parallel.RankGroup: the other TP ranks (None: one rank)
+        self.counts: Optional[TokenCounts] = None   # penalized sequences' token counts, made on first use
+        self.decode_rows: Optional[DecodeRows] = None   # conditioned decode rows' table, made on first use
 
     def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
         from omnistage.ar.cuda_graphs import CudaGraphs
@@ -164,6 +168,23 @@ class ModelRunner:
             return self.model(ids, pos, meta, inputs_embeds=x, layer_adds=layer_adds), None
         return self.model(ids, pos, meta, inputs_embeds=x), None
 
+    def _condition(self, x: torch.Tensor, order: list[ScheduledSeq]) -> None:
+        """Prompt embeddings, given / streamed rows and frame rows into the step's input rows
+        (ar/conditioning.py): decode rows that `DecodeRows` takes in one gather, the others row by row."""
+        gathered, row = [], 0
+        for s in order:
+            cond = s.seq.cond
+            if cond is not None:
+                if DecodeRows.takes(cond, s.start, s.num_new_tokens):
+                    gathered.append((row, s))
+                else:
+                    cond.fill(x[row:row + s.num_new_tokens], s.start)
+            row += s.num_new_tokens
+        if gathered:
+            if self.decode_rows is None:
+                self.decode_rows = DecodeRows(x.shape[1], self.device, x.dtype)
+            self.decode_rows.fill(x, gathered)
+
     @staticmethod
     def _layer_adds(order: list[ScheduledSeq], x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """[L, T, H] per-layer rows of this step's prompt rows that have `layer_embeds`, else None."""
@@ -192,6 +213,10 @@ class ModelRunner:
 
     def release(self, seq_id: str) -> None:
         self.seq_generators.pop(seq_id, None)
+        if self.counts is not None:
+            self.counts.release(seq_id)
+        if self.decode_rows is not None:
+            self.decode_rows.release(seq_id)
         if self.ranks is not None:
             self.ranks.tables.drop(seq_id)
 
@@ -212,19 +237,19 @@ class ModelRunner:
         x = None
         if meta.graph_batch or inputs.embeds:
             x = self.model.embed_tokens(ids)
-            row = 0
-            for s in order:                     # prompt embeddings and streamed rows (ar/conditioning.py)
-                if s.seq.cond is not None:
-                    s.seq.cond.fill(x[row:row + s.num_new_tokens], s.start)
-                row += s.num_new_tokens
+            self._condition(x, order)
             if self.ranks is not None:
                 self.ranks.send_embeds(x)
         sampling = [s.seq for s in order if s.samples]
         params = [q.params for q in sampling]
         banned = [_banned(q, eos_ids) for q in sampling]
-        penalized = any(p.needs_penalties for p in params)      # only penalties read earlier ids
-        # read before the forward: `prev.tokens` may be a graph's buffer, which a replay rewrites
-        pending = self._pending_ids(sampling, prev) if penalized else None
+        flags = [p.needs_penalties for p in params]
+        penalized = any(flags)                  # only penalties read earlier ids: counted on the device
+        # read before the forward: `prev.tokens` may be a graph's buffer, which a replay rewrites; needed
+        # only for ids the device counts lack (a sequence's first step)
+        pending = None
+        if penalized and (self.counts is None or self.counts.lacks(sampling, flags)):
+            pending = self._pending_ids(sampling, prev)
         output, graph = self.forward(ids, pos, meta, x, self._layer_adds(order, x))
         hidden, reported = split_outputs(output)
         # Grammar masks are filled on the host while the device runs the forward (kernels are queued).
@@ -251,16 +276,23 @@ class ModelRunner:
                                 else greedy_ids(self.model.compute_logits(picked)))
         else:
             logits = self.model.compute_logits(picked) if graph is None else logit_rows(graph.logits, rows)
+            slots = None
+            if penalized:
+                if self.counts is None:
+                    self.counts = TokenCounts(logits.shape[-1], self.device)
+                slots = self.counts.prepare(sampling, flags, pending)
             batch = SamplingBatch(
                 params=params,
                 generators=[self._generator_for(q) for q in sampling],
-                prompt_ids=[q.token_ids[:q.prompt_len] if penalized else [] for q in sampling],
-                output_ids=[q.output_token_ids if penalized else [] for q in sampling],
+                prompt_ids=[[] for _ in sampling],
+                output_ids=[[] for _ in sampling],
                 banned=banned,
                 token_bitmask=None if bitmask is None else bitmask.to(self.device, non_blocking=True),
-                pending_ids=pending)
+                token_counts=None if slots is None else self.counts.view(slots))
             num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
             out = sample(logits, batch, self.generator, num_logprobs)
+            if slots is not None:
+                self.counts.add_sampled(sampling, slots, flags, out.token_ids)
             codes = self._frames(sampling, picked, out.token_ids, batch)
         done = Launched(sampling, tokens=out.token_ids, hidden=reports)
         if num_logprobs >= 0 or codes is not None:      # frame heads: conditioned rows, never queued ahead
@@ -308,6 +340,8 @@ class ModelRunner:
             if q.cond is None or not q.cond.frame_feedback:
                 raise ValueError(f"sequence {q.seq_id} of a frame-head model was added without frame_feedback")
             q.cond.add_frame(row)
+        if self.decode_rows is not None:
+            self.decode_rows.put_frames(seqs, rows)
         return codes.cpu()
 
     def _to_host(self, seqs: list[Sequence], out: SamplerOutput, num_logprobs: int) -> RunnerOutput:

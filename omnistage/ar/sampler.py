@@ -40,6 +40,9 @@ class SamplingBatch:
     # [S] long on the logits' device: per row, the id a PLACEHOLDER ending its output_ids stands for (the
     # queued step's sample, async scheduling); None when no row's ids end in one
     pending_ids: Optional[torch.Tensor] = None
+    # (prompt_seen [S, V] bool, output_counts [S, V] float32): the rows' ids as the engine keeps them on the
+    # device (ar/token_counts.py); penalties read these instead of prompt_ids / output_ids. None: from the lists
+    token_counts: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
     def all_greedy(self) -> bool:
@@ -94,31 +97,46 @@ def _histories(b: SamplingBatch, rows: list[int], ids: list[list[int]], dev: tor
     return out
 
 
+def _seen(b: SamplingBatch, s: int, v: int, dev: torch.device) -> torch.Tensor:
+    """[S, V] bool: ids in each row's prompt or output (those of rows with a repetition penalty, at least)."""
+    if b.token_counts is not None:
+        prompt_seen, counts = b.token_counts
+        return prompt_seen | (counts > 0)
+    rows = [i for i, p in enumerate(b.params) if p.repetition_penalty != 1]
+    seen = torch.zeros(s * v, dtype=torch.bool, device=dev)
+    seen[_histories(b, rows, [b.prompt_ids[i] + b.output_ids[i] for i in rows], dev, v)] = True
+    return seen.view(s, v)
+
+
+def _output_counts(b: SamplingBatch, s: int, v: int, dev: torch.device) -> torch.Tensor:
+    """[S, V] float32: how often each row generated each id."""
+    if b.token_counts is not None:
+        return b.token_counts[1]
+    rows = [i for i, out in enumerate(b.output_ids) if out]
+    counts = torch.zeros(s * v, device=dev)
+    if rows:
+        at = _histories(b, rows, [b.output_ids[i] for i in rows], dev, v)
+        counts.index_add_(0, at, torch.ones(at.shape[0], dtype=counts.dtype, device=dev))
+    return counts.view(s, v)
+
+
 def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Repetition penalty over each row's prompt and output ids, presence / frequency penalties over its
-    output ids: the rows' histories go to the device in one copy and land in one scatter (no per-row
-    launches)."""
+    output ids: from the engine's device-side counts (`token_counts`), or the rows' histories sent to
+    the device in one copy and landing in one scatter (no per-row launches)."""
     s, v = logits.shape
     dev = logits.device
     if any(p.repetition_penalty != 1 for p in b.params):
         rep = to_device([p.repetition_penalty for p in b.params], dev)
-        rows = [i for i, p in enumerate(b.params) if p.repetition_penalty != 1]
-        seen = torch.zeros(s * v, dtype=torch.bool, device=dev)
-        seen[_histories(b, rows, [b.prompt_ids[i] + b.output_ids[i] for i in rows], dev, v)] = True
-        seen = seen.view(s, v)
         r = rep[:, None]
+        seen = _seen(b, s, v, dev) & (r != 1)   # device counts hold rows of frequency penalties too
         # a tiny penalty would push a logit to +inf, and softmax to NaN (a masked token could win)
         boosted = (logits / r).clamp(max=torch.finfo(logits.dtype).max)
         logits = torch.where(seen, torch.where(logits > 0, boosted, logits * r), logits)
     if any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in b.params):
         pres = to_device([p.presence_penalty for p in b.params], dev)
         freq = to_device([p.frequency_penalty for p in b.params], dev)
-        rows = [i for i, out in enumerate(b.output_ids) if out]
-        counts = torch.zeros(s * v, device=dev)
-        if rows:
-            at = _histories(b, rows, [b.output_ids[i] for i in rows], dev, v)
-            counts.index_add_(0, at, torch.ones(at.shape[0], dtype=counts.dtype, device=dev))
-        counts = counts.view(s, v)
+        counts = _output_counts(b, s, v, dev)
         logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).float()
     return logits
 

@@ -50,6 +50,8 @@ import zmq
 
 from omnistage.outputs import RequestOutput
 from omnistage.pipeline import wire
+from omnistage.pipeline.output_deltas import DeltaPacker, DeltaUnpacker
+from omnistage.pipeline.step_profiler import StepProfiler
 from omnistage.pipeline.stage_messages import (CallError, CallReply, CallStage, InitStage, StageFatal, StageOutputs,
                                                StageReady, StageStarting, StopStage)
 from omnistage.stage import StageDeadError, StageError, StageOutput
@@ -83,6 +85,7 @@ class StageClient:
         self._generation = 0
         self._held: set[str] = set()            # requests the stage process holds
         self._ready: list[StageOutput] = []     # outputs received while waiting for a reply
+        self._deltas = DeltaUnpacker()          # the cumulative outputs the process sends as deltas
         self._stats: dict[str, float] = {}
         self._checked: dict[bytes, tuple] = {}  # wire.fingerprint(params) -> check_params (error or None, result)
         self._state = "ready"                   # one of STATES; see `state`
@@ -202,6 +205,7 @@ class StageClient:
         logger.error(reason)
         self._ready.extend(_failed(rid, reason) for rid in sorted(self._held))
         self._held.clear()
+        self._deltas.clear()
         self._down_since = time.monotonic()
         self._attempts = 0
         self._respawn()
@@ -282,10 +286,11 @@ class StageClient:
     def _receive(self, msg: Any) -> None:
         if isinstance(msg, StageOutputs):
             self._stats = msg.stats
-            for out in msg.outputs:
+            outs = self._deltas.unpack(msg.outputs, msg.deltas, self._held)
+            for out in outs:
                 if out.finished:
                     self._held.discard(out.request_id)
-            self._ready.extend(msg.outputs)
+            self._ready.extend(outs)
 
     def _call(self, method: str, *args) -> Any:
         """A round trip: the stage runs `method(*args)` between two steps and answers."""
@@ -367,6 +372,7 @@ class StageClient:
     def abort(self, request_id: str) -> None:
         if request_id in self._held:
             self._held.discard(request_id)
+            self._deltas.forget(request_id)
             self._send(CallStage(0, "abort", [request_id]))
 
     @property
@@ -496,8 +502,21 @@ def _serve(cmd_addr: str, out_addr: str, chk_addr: Optional[str] = None, inline:
         max_model_len=getattr(engine, "max_model_len", None),
         tokenizer=getattr(getattr(engine, "tokenizer", None), "name_or_path", None),
         attributes={name: getattr(engine, name) for name in _ATTRIBUTES if hasattr(engine, name)})))
-    sent = 0
     held: set[str] = set()                      # requests the engine holds (added, not finished or aborted)
+    deltas = DeltaPacker()                      # what was sent of each request's cumulative output
+    profiler = StepProfiler.from_env(spec.name)  # OMNISTAGE_TORCH_PROFILER_DIR: tables of some steps
+    try:
+        _loop(engine, cmd, out, parent, spec.name, held, deltas, profiler)
+    finally:
+        if profiler is not None:
+            profiler.close()
+
+
+def _loop(engine: Any, cmd: Any, out: Any, parent: int, name: str, held: set[str], deltas: DeltaPacker,
+          profiler: Optional[StepProfiler]) -> None:
+    """Commands between steps, and a step whenever the engine has work, until `StopStage` (or the
+    orchestrator's process is gone)."""
+    sent = 0
     while os.getppid() == parent:               # the orchestrator's process is gone: stop too
         wait = 0 if engine.has_unfinished() else _IDLE_POLL_MS
         while cmd.poll(wait):
@@ -510,27 +529,38 @@ def _serve(cmd_addr: str, out_addr: str, chk_addr: Optional[str] = None, inline:
                     held.add(msg.args[0])
                 elif msg.method == "abort":
                     held.discard(msg.args[0])
+                    deltas.forget(msg.args[0])
             except Exception as e:              # a bad request: tell the caller, keep serving
                 result, error = None, CallError.of(e)
                 if msg.seq == 0:
-                    logger.warning("stage %s: %s failed: %s", spec.name, msg.method, e)
+                    logger.warning("stage %s: %s failed: %s", name, msg.method, e)
                     if msg.method in ("add_request", "add_input"):   # one-way: the request fails downstream
                         rid = msg.args[0]
                         engine.abort(rid)
                         lost = StageOutput(rid, RequestOutput(rid, finished=True), True,
-                                           error=StageError(f"stage {spec.name!r}: {e}", refused=error.bad_request,
+                                           error=StageError(f"stage {name!r}: {e}", refused=error.bad_request,
                                                             field=error.field))
                         out.send(wire.encode(StageOutputs([lost], engine.stats())))
             if msg.seq:
                 out.send(wire.encode(CallReply(msg.seq, result, error)))
             wait = 0
         if engine.has_unfinished():
-            outs = _step(engine, held, spec.name)
-            if outs:
-                _send_outputs(out, engine, outs, held)
-                sent += 1
-                if sent % 256 == 0 and "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
-                    sys.modules["torch"].cuda.ipc_collect()   # free blocks whose CUDA IPC readers are done
+            if profiler is None:
+                had = _step_and_send(engine, out, held, name, deltas)
+            else:                               # the step and its send, as the stage runs them
+                had = profiler.run(lambda: _step_and_send(engine, out, held, name, deltas))
+            sent += had
+            if had and sent % 256 == 0 and "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
+                sys.modules["torch"].cuda.ipc_collect()   # free blocks whose CUDA IPC readers are done
+
+
+def _step_and_send(engine: Any, out: Any, held: set[str], name: str, deltas: DeltaPacker) -> int:
+    """One step and its outputs sent; 1 when it had outputs, else 0."""
+    outs = _step(engine, held, name)
+    if not outs:
+        return 0
+    _send_outputs(out, engine, outs, held, deltas)
+    return 1
 
 
 def _step(engine: Any, held: set[str], name: str) -> list[StageOutput]:
@@ -550,20 +580,27 @@ def _step(engine: Any, held: set[str], name: str) -> list[StageOutput]:
     return outs
 
 
-def _send_outputs(out: Any, engine: Any, outs: list[StageOutput], held: set[str]) -> None:
-    """Sends a step's outputs; an output that cannot be encoded fails its request alone."""
+def _send_outputs(out: Any, engine: Any, outs: list[StageOutput], held: set[str],
+                  deltas: Optional[DeltaPacker] = None) -> None:
+    """Sends a step's outputs, each as a delta of the request's last one sent (`output_deltas`; whole
+    without `deltas`); an output that cannot be encoded fails its request alone."""
     stats = engine.stats()
+    deltas = deltas or DeltaPacker()
+    packed, changes, state = deltas.pack(outs)
     try:
-        out.send(wire.encode(StageOutputs(outs, stats)))
+        out.send(wire.encode(StageOutputs(packed, stats, changes)))
+        deltas.commit(state)
         return
     except Exception:
         logger.exception("a step's outputs could not be sent together; sending them one by one")
-    for o in outs:
+    for o in outs:                              # whole outputs: the receiver takes each as it is
         try:
             data = wire.encode(StageOutputs([o], stats))
+            deltas.commit({o.request_id: state[o.request_id]})
         except Exception as e:
             engine.abort(o.request_id)
             held.discard(o.request_id)
+            deltas.forget(o.request_id)
             why = StageError(f"its output could not be sent to the orchestrator: {type(e).__name__}: {e}")
             data = wire.encode(StageOutputs([StageOutput.failed(o.request_id, why)], stats))
         out.send(data)

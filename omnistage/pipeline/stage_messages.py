@@ -77,6 +77,8 @@ class StageOutputs:
 
     outputs: list[StageOutput]                  # one per request that changed this step
     stats: dict[str, float]                     # `engine.stats()` after the step
+    # request id -> how its output's lists continue the last one sent (`pipeline/output_deltas.py`); absent: whole
+    deltas: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -42,6 +42,7 @@ SHM_MIN_BYTES = 64 * 1024                       # arrays this large go through s
 CUDA_IPC_MIN_BYTES = 1 << 20                    # CUDA tensors this large go by CUDA IPC
 _TYPE, _ARRAY, _SHM, _TENSOR, _CUDA_IPC = "__os_type__", "__os_array__", "__os_shm__", "__os_tensor__", "__os_ipc__"
 _IMAGE = "__os_image__"
+_PLAIN = frozenset({int, float, str, bool, bytes, type(None)})   # exact types msgpack encodes unchanged
 
 _inline_default = False                         # `encode`'s `inline` when not given (`set_inline_default`)
 _encoder = msgspec.msgpack.Encoder()
@@ -117,9 +118,33 @@ def _image_from_wire(obj: dict):
     return image
 
 
+_SHAPES: dict[type, Optional[tuple[str, tuple[str, ...]]]] = {}   # class -> (its path, field names) or None
+
+
+def _dataclass_shape(cls: type) -> Optional[tuple[str, tuple[str, ...]]]:
+    """A dataclass's class path and field names (looked up once per class: an AR stage sends a few
+    dataclasses per request per step); None for other classes."""
+    try:
+        return _SHAPES[cls]
+    except KeyError:
+        shape = None
+        if dataclasses.is_dataclass(cls):
+            shape = (f"{cls.__module__}:{cls.__qualname__}", tuple(f.name for f in dataclasses.fields(cls)))
+        _SHAPES[cls] = shape
+        return shape
+
+
 def _to_wire(obj: Any, pending: list, inline: bool = False) -> Any:
     if obj is None or isinstance(obj, (str, int, float, bool, bytes)):
         return obj
+    shape = _dataclass_shape(type(obj))
+    if shape is not None:
+        path, names = shape
+        wire = {_TYPE: path}
+        for name in names:
+            value = getattr(obj, name)
+            wire[name] = value if type(value) in _PLAIN else _to_wire(value, pending, inline)
+        return wire
     if isinstance(obj, np.ndarray):
         return _array_to_wire(obj, inline)
     if isinstance(obj, np.generic):
@@ -130,13 +155,11 @@ def _to_wire(obj: Any, pending: list, inline: bool = False) -> Any:
     pil = sys.modules.get("PIL.Image")          # likewise a PIL image
     if pil is not None and isinstance(obj, pil.Image):
         return _image_to_wire(obj, inline)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        cls = type(obj)
-        fields = {f.name: _to_wire(getattr(obj, f.name), pending, inline) for f in dataclasses.fields(obj)}
-        return {_TYPE: f"{cls.__module__}:{cls.__qualname__}", **fields}
     if isinstance(obj, dict):
-        return {str(k): _to_wire(v, pending, inline) for k, v in obj.items()}
+        return {str(k): v if type(v) in _PLAIN else _to_wire(v, pending, inline) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set, frozenset)):
+        if all(type(v) in _PLAIN for v in obj):     # ids, codes: msgpack takes them as they are
+            return obj if isinstance(obj, list) else list(obj)
         return [_to_wire(v, pending, inline) for v in obj]
     raise TypeError(f"{type(obj).__name__} cannot cross a stage-process boundary")
 

@@ -19,9 +19,14 @@ Decode sizes (T*K <= SMALL_PAIRS, `fused_moe_small`) skip the sort and align: fe
 the grouped GEMM's tiles mostly padding, and align's torch ops cost more launches than the GEMMs.
   _pair_gate_up_kernel          grid (T*K pairs, column blocks of I): the pair's expert id read from
                                 topk_ids, gate | up GEMV over its x row, SiLU(gate) * up stored [T*K, I]
-  _token_down_kernel            grid (T, column blocks of H): per token, a loop over its K experts: the
-                                down GEMV times the routing weight, summed over the slots in float32 and
-                                stored once [T, H] (deterministic, no atomics)
+  _token_down_kernel            grid (T, column blocks of H): per token, all K experts' down rows in one
+                                [K, BLOCK_N, BLOCK_K] tile per step (K experts' loads in flight at once),
+                                times the routing weights, summed over the slots in float32 and stored
+                                once [T, H] (the weighted sum fused; deterministic, no atomics)
+  The launch shapes (`SmallTiles`) come from `TUNED` (an H200 sweep of `benchmarks/moe_bench.py` per
+  (T, K, H, I)) or `small_tiles`' default: column tiles narrow enough for ~4 programs per SM, since a
+  decode MoE layer is a weight read (75 MB at T=1 for the 30B-A3B thinker) and only many loads in
+  flight on every SM reach copy bandwidth.
   route(logits, top_k, norm)    one program per row: float32 softmax over the experts, the top k by
                                 repeated argmax (descending, as torch.topk), the renormalisation; one launch
                                 for what takes torch four or five.
@@ -32,7 +37,11 @@ Arithmetic is float32 in the tiles; results are rounded to the model dtype where
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from omnistage.layers import triton_gemv
 
 try:
     import triton
@@ -166,28 +175,31 @@ if triton is not None:
 
     @triton.jit
     def _token_down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, ids_ptr, top_k, inter, hidden, stride_h, stride_we,
-                           stride_wn, stride_out, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           stride_wn, stride_out, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+        # all K slots of the token in one [slots, BLOCK_N, BLOCK_K] tile: K experts' loads in flight at once
         token = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < hidden
+        slots = tl.arange(0, BLOCK_S)
+        s_ok = slots < top_k
+        pair = (token * top_k + slots).to(tl.int64)
+        expert = tl.load(ids_ptr + pair, mask=s_ok, other=0).to(tl.int64)
+        h_rows = h_ptr + pair * stride_h
+        w_rows = w_ptr + expert * stride_we
         ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < inter
+            a = tl.load(h_rows[:, None] + kk[None, :], mask=s_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows[:, None, None] + cols[None, :, None] * stride_wn + kk[None, None, :],
+                        mask=s_ok[:, None, None] & col_ok[None, :, None] & k_ok[None, None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], axis=2)
         dt = out_ptr.dtype.element_ty
-        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for slot in range(0, top_k):
-            pair = token * top_k + slot
-            expert = tl.load(ids_ptr + pair).to(tl.int64)
-            h_row = h_ptr + pair.to(tl.int64) * stride_h
-            w_base = w_ptr + expert * stride_we
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for k0 in range(0, inter, BLOCK_K):
-                k_ok = (k0 + ks) < inter
-                a = tl.load(h_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-                w = tl.load(w_base + cols[:, None] * stride_wn + (k0 + ks)[None, :],
-                            mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-            rw = tl.load(weight_ptr + pair).to(dt).to(tl.float32)
-            total += (acc.to(dt).to(tl.float32) * rw).to(dt).to(tl.float32)
-        tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, total.to(dt), mask=col_ok)
+        rw = tl.load(weight_ptr + pair, mask=s_ok, other=0.0).to(dt).to(tl.float32)
+        y = (acc.to(dt).to(tl.float32) * rw[:, None]).to(dt).to(tl.float32)   # per slot, as the reference rounds
+        tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, tl.sum(y, axis=0).to(dt), mask=col_ok)
 
     @triton.jit
     def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
@@ -216,6 +228,35 @@ if triton is not None:
 
 
 SMALL_PAIRS = 64                                # T*K at most for `fused_moe_small` (decode sizes)
+_PROGRAMS_PER_SM = 4                            # the default tiles' target: loads of ~4 programs in flight per SM
+
+
+@dataclass(frozen=True)
+class SmallTiles:
+    """Launch shapes of `fused_moe_small`'s two kernels (`benchmarks/moe_bench.py` sweeps them)."""
+    up_n: int = 4              # gate-up: output columns of I per program (each also reads the matching up rows)
+    up_k: int = 512            # gate-up: elements of H per loop step
+    up_warps: int = 4          # gate-up: num_warps
+    up_stages: int = 2         # gate-up: num_stages (software pipelining of the weight loads)
+    down_n: int = 4            # down: output columns of H per program (all K slots of the token in one tile)
+    down_k: int = 128          # down: elements of I per loop step
+    down_warps: int = 4        # down: num_warps
+    down_stages: int = 2       # down: num_stages
+
+
+# (T, top_k, hidden, moe_intermediate) -> the fastest tiles of `benchmarks/moe_bench.py` on an H200;
+# shapes not listed get `small_tiles`' default (enough programs for every SM)
+TUNED: dict[tuple[int, int, int, int], SmallTiles] = {}
+
+
+def small_tiles(t: int, k: int, hidden: int, inter: int, sms: int) -> SmallTiles:
+    """The tuned tiles of this shape, else narrow column tiles until ~`_PROGRAMS_PER_SM` programs per SM."""
+    if (t, k, hidden, inter) in TUNED:
+        return TUNED[(t, k, hidden, inter)]
+    want = _PROGRAMS_PER_SM * sms
+    up_n = next((n for n in (32, 16, 8) if t * k * triton.cdiv(inter, n) >= want), 4)
+    down_n = next((n for n in (32, 16, 8) if t * triton.cdiv(hidden, n) >= want), 4)
+    return SmallTiles(up_n=up_n, down_n=down_n)
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,25 +271,39 @@ def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tupl
 
 
 def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor, block_n: tuple[int, int] | None = None,
-                    block_k: tuple[int, int] = (256, 256)) -> torch.Tensor:
-    """`fused_moe` without the sort (see the module docstring); `block_n` / `block_k`: the (gate-up, down)
-    kernels' tile widths (None: enough programs to fill the GPU at this T; benchmarks sweep them)."""
+                    topk_ids: torch.Tensor, tiles: SmallTiles | None = None) -> torch.Tensor:
+    """`fused_moe` without the sort (see the module docstring); `tiles` None: `small_tiles` of this shape."""
     t, k = topk_ids.shape
-    e, two_i, h = w13.shape
-    inter = two_i // 2
-    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    ids = topk_ids.reshape(-1).contiguous()
-    weights = topk_weights.reshape(-1).contiguous()
-    bn_up, bn_down = block_n or (32 if t * k >= 32 else 16, 64 if t >= 8 else 16 if t >= 2 else 8)
+    if tiles is None:
+        tiles = small_tiles(t, k, w13.shape[2], w2.shape[2], triton_gemv._num_sms(x.device))
+    mid = small_gate_up(x, w13, topk_ids, tiles)
+    return small_down(mid, w2, topk_weights, topk_ids, tiles)
+
+
+def small_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, tiles: SmallTiles) -> torch.Tensor:
+    """`fused_moe_small`'s first launch: SiLU(gate) * up of every (token, slot) pair [T*K, I]."""
+    t, k = topk_ids.shape
+    inter, h = w13.shape[1] // 2, w13.shape[2]
+    x, w13 = x.contiguous(), w13.contiguous()
     mid = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
-    _pair_gate_up_kernel[(t * k, triton.cdiv(inter, bn_up))](
-        x, w13, mid, ids, k, h, inter, x.stride(0), w13.stride(0), w13.stride(1), mid.stride(0),
-        BLOCK_N=bn_up, BLOCK_K=block_k[0])
-    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    _token_down_kernel[(t, triton.cdiv(h, bn_down))](
-        mid, w2, out, weights, ids, k, inter, h, mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_N=bn_down, BLOCK_K=block_k[1])
+    _pair_gate_up_kernel[(t * k, triton.cdiv(inter, tiles.up_n))](
+        x, w13, mid, topk_ids.reshape(-1).contiguous(), k, h, inter, x.stride(0), w13.stride(0), w13.stride(1),
+        mid.stride(0), BLOCK_N=tiles.up_n, BLOCK_K=tiles.up_k, num_warps=tiles.up_warps,
+        num_stages=tiles.up_stages)
+    return mid
+
+
+def small_down(mid: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+               tiles: SmallTiles) -> torch.Tensor:
+    """`fused_moe_small`'s second launch: per token, the K down GEMVs times their weights, summed [T, H]."""
+    t, k = topk_ids.shape
+    h, inter = w2.shape[1], w2.shape[2]
+    w2 = w2.contiguous()
+    out = torch.empty(t, h, dtype=mid.dtype, device=mid.device)
+    _token_down_kernel[(t, triton.cdiv(h, tiles.down_n))](
+        mid, w2, out, topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1).contiguous(), k, inter, h,
+        mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0), BLOCK_S=triton.next_power_of_2(k),
+        BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k, num_warps=tiles.down_warps, num_stages=tiles.down_stages)
     return out
 
 

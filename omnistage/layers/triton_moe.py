@@ -239,7 +239,7 @@ class SmallTiles:
     up_warps: int = 4          # gate-up: num_warps
     up_stages: int = 2         # gate-up: num_stages (software pipelining of the weight loads)
     down_n: int = 4            # down: output columns of H per program (all K slots of the token in one tile)
-    down_k: int = 128          # down: elements of I per loop step
+    down_k: int = 256          # down: elements of I per loop step
     down_warps: int = 4        # down: num_warps
     down_stages: int = 2       # down: num_stages
 
@@ -250,12 +250,13 @@ TUNED: dict[tuple[int, int, int, int], SmallTiles] = {}
 
 
 def small_tiles(t: int, k: int, hidden: int, inter: int, sms: int) -> SmallTiles:
-    """The tuned tiles of this shape, else narrow column tiles until ~`_PROGRAMS_PER_SM` programs per SM."""
+    """The tuned tiles of this shape, else the default ones with the column tiles halved while that leaves
+    fewer than ~`_PROGRAMS_PER_SM` programs per SM (tiles stay <= 8K weight elements: no register spills)."""
     if (t, k, hidden, inter) in TUNED:
         return TUNED[(t, k, hidden, inter)]
     want = _PROGRAMS_PER_SM * sms
-    up_n = next((n for n in (32, 16, 8) if t * k * triton.cdiv(inter, n) >= want), 4)
-    down_n = next((n for n in (32, 16, 8) if t * triton.cdiv(hidden, n) >= want), 4)
+    up_n = 8 if t * k * triton.cdiv(inter, 8) >= want else 4
+    down_n = 4 if t * triton.cdiv(hidden, 4) >= want else 2
     return SmallTiles(up_n=up_n, down_n=down_n)
 
 

@@ -124,18 +124,34 @@ async def one_request(engine, prompt: dict, params: list, voice: str) -> dict[st
     start = time.perf_counter()
     pieces: list[tuple[float, int]] = []        # (arrival time, samples) of each new piece of audio
     samples = text = 0
+    first_audio_wall = metrics = None
     async for out in engine.generate(dict(prompt, modalities=["text", "audio"], voice=voice), params[0],
                                      sampling_params_list=params):
         n = 0 if out.audio is None else out.audio.samples.size
         if n > samples:
             pieces.append((time.perf_counter(), n - samples))
+            first_audio_wall = first_audio_wall or time.time()
             samples = n
         text = len(out.outputs[0].token_ids)
+        metrics = out.metrics or metrics
     audio_s = samples / SAMPLE_RATE
     last = pieces[-1][0]
     dry, dry_s = underruns(pieces)
     return {"ttfa_s": pieces[0][0] - start, "rtf": (last - start) / audio_s, "audio_s": audio_s,
-            "text_tokens": text, "seconds": last - start, "underruns": dry, "underrun_s": dry_s}
+            "text_tokens": text, "seconds": last - start, "underruns": dry, "underrun_s": dry_s,
+            "ttfa_breakdown_s": ttfa_breakdown(metrics, first_audio_wall)}
+
+
+def ttfa_breakdown(metrics, first_audio_wall: float) -> dict[str, float]:
+    """Seconds from the request's arrival to each stage's first output (thinker: first token; talker:
+    first frame; code2wav: first audio chunk), to each edge's first piece handed over ("thinker->talker":
+    the first thinker rows given to the talker), and to the first audio at the caller; in time order."""
+    if metrics is None:
+        return {}
+    marks = {f"first {name}": t for name, t in metrics.stage_first_output.items()}
+    marks.update({f"first {edge}": t for edge, t in metrics.edge_first_input.items()})
+    marks["first audio at caller"] = first_audio_wall
+    return {k: t - metrics.arrival_time for k, t in sorted(marks.items(), key=lambda kv: kv[1])}
 
 
 def underruns(pieces: list[tuple[float, int]]) -> tuple[int, float]:
@@ -173,7 +189,10 @@ async def concurrent(engine, prompt: dict, n: int, params: list) -> dict[str, An
     # where the time went: each stage's busy seconds (and steps) during this level
     busy = {name: round(after.get(key, 0) - before.get(key, 0), 3) for name, key in BUSY_KEYS.items()}
     ttfa = [r["ttfa_s"] for r in runs]
+    keys = [k for k in runs[0]["ttfa_breakdown_s"] if all(k in r["ttfa_breakdown_s"] for r in runs)]
+    breakdown = {k: statistics.mean(r["ttfa_breakdown_s"][k] for r in runs) for k in keys}
     return {"concurrency": n, "ttfa_mean_s": statistics.mean(ttfa), "ttfa_p90_s": p90(ttfa), "ttfa_max_s": max(ttfa),
+            "ttfa_breakdown_mean_s": dict(sorted(breakdown.items(), key=lambda kv: kv[1])),
             "rtf_mean": statistics.mean(r["rtf"] for r in runs), "rtf_max": max(r["rtf"] for r in runs),
             "underruns": sum(r["underruns"] for r in runs), "underrun_s": sum(r["underrun_s"] for r in runs),
             "audio_s_per_request": runs[0]["audio_s"], "audio_s_per_wall_s": sum(r["audio_s"] for r in runs) / wall,
@@ -262,6 +281,19 @@ def table(res: dict) -> str:
         rows.append(f"| floor: decoder weights read once per token ({f['thinker_bytes'] / 1e9:.1f} + "
                     f"{f['talker_bytes'] / 1e9:.1f} GB at {f['bandwidth_Bps'] / 1e9:.0f} GB/s) | - | - | "
                     f"{f['rtf']:.3f} | - | - | - |")
+    return "\n".join(rows)
+
+
+def breakdown_table(res: dict) -> str:
+    """Mean seconds from arrival to each stage's first output, edge's first piece and the caller's first audio."""
+    runs = [(layout, r) for layout, rs in res["layouts"].items() for r in rs]
+    columns = list(runs[0][1].get("ttfa_breakdown_mean_s") or {}) if runs else []
+    rows = [f"| mean s from arrival to the ... ({res['shape']}) | " + " | ".join(columns) + " |",
+            "|---|" + "---|" * len(columns)]
+    for layout, r in runs:
+        marks = r.get("ttfa_breakdown_mean_s") or {}
+        rows.append(f"| {layout}, {r['concurrency']} streams | "
+                    + " | ".join(f"{marks[c]:.3f}" if c in marks else "-" for c in columns) + " |")
     return "\n".join(rows)
 
 
@@ -363,6 +395,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     rate = 12.5 if args.model == "qwen3-omni" else 50
     print(f"\nEach request: a chat prompt, {tokens} text tokens, {codes} codec ids = {codes / rate:.1f} s of audio.\n")
     print(table(res))
+    print()
+    print(breakdown_table(res))
     return res
 
 

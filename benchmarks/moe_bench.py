@@ -17,7 +17,8 @@ that goes through 48 layers). Per (shape, T):
     bandwidth measured in the same run, and the block's share of it;
   * a dense GEMM pair of the same active FLOPs (x @ [H, 2*I*K], then [T, I*K] @ [I*K, H]; cuBLAS) and
     the sorted grouped-GEMM path (`triton_moe.fused_moe`) on the same inputs;
-  * the best tiles' max abs error against `moe.fused_moe_ref` beside the reference's peak.
+  * the max abs error of `triton_moe.routed_moe_small` (routing in the gate-up launch, best tiles) against
+    `moe.route` + `moe.fused_moe_ref` on the same router logits, beside the reference's peak.
 Then it prints `TUNED = {...}`: the best tiles per (T, top_k, hidden, width), to paste into
 `omnistage/layers/triton_moe.py`.
 """
@@ -132,8 +133,10 @@ def run_shape(name: str, bandwidth: float) -> tuple[list, dict]:
             del triton_moe.TUNED[(t, k, h, inter)]
         dense = per_call_us(lambda i: (xs[i] @ dense_a)[:, :inter * k] @ dense_b)
         sorted_path = per_call_us(lambda i: triton_moe.fused_moe(xs[i], w13, w2, *routed[i]))
-        ref = moe.fused_moe_ref(xs[0], w13, w2, *routed[0])
-        got = triton_moe.fused_moe_small(xs[0], w13, w2, *routed[0], tiles=best)
+        # the path the block runs (routing inside the gate-up launch) on router logits, best tiles
+        logits = torch.randn(t, e, device=DEVICE)
+        ref = moe.fused_moe_ref(xs[0], w13, w2, *moe.route(logits, k, norm))
+        got = triton_moe.routed_moe_small(xs[0], logits, w13, w2, k, norm, tiles=best)
         hit = sum(r[1].unique().numel() for r in routed) / CALLS
         weight_bytes = 2 * (hit * 3 * inter * h + e * h + (3 * shared * h + h if shared else 0))
         floor_us = weight_bytes / bandwidth * 1e6

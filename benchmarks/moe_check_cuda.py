@@ -15,7 +15,8 @@ Then, at T = 1, 8, 64, the decode path without the sort (`triton_moe.fused_moe_s
 `moe.fused_moe` runs when T*K <= SMALL_PAIRS) beside the sorted one, both from CUDA graphs: its error
 against the reference, its ms with the default tiles (`benchmarks/moe_bench.py` sweeps them), and the
 whole routed layer (router GEMM + routing + experts) with torch's routing and the sorted
-kernels vs the one-launch router and the small path -- each beside the bandwidth floor.
+kernels vs `moe.routed_moe` (the small path with the routing inside its gate-up launch) -- each
+beside the bandwidth floor.
 """
 
 from __future__ import annotations
@@ -144,8 +145,7 @@ def small_path(w13: torch.Tensor, w2: torch.Tensor) -> None:
             return triton_moe.fused_moe(x, w13, w2, w / w.sum(dim=-1, keepdim=True), i)
 
         def layer_new():
-            w, i = triton_moe.route(x @ gate.T, K, True)
-            return triton_moe.fused_moe_small(x, w13, w2, w, i)
+            return moe.routed_moe(x, x @ gate.T, w13, w2, K, True)
 
         floor_ms = ids.unique().numel() * 3 * I * H * 2 / 4e12 * 1e3 + E * H * 2 / 4e12 * 1e3
         print(f"{t:>3} {err:>8.1e} {ref.float().abs().max().item():>6.2f} {ms_sorted:>8.3f} {ms_small:>8.3f} "

@@ -148,13 +148,24 @@ if triton is not None:
         tl.store(out_ptr + pair64[:, None] * stride_out + cols[None, :], y.to(dt), mask=valid[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _pair_gate_up_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, top_k, hidden, inter, stride_x, stride_we, stride_wn,
-                             stride_out, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _pair_gate_up_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, logits_ptr, weights_ptr, num_experts, stride_l, hidden,
+                             inter, stride_x, stride_we, stride_wn, stride_out, TOP_K: tl.constexpr,
+                             ROUTE: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pair = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < inter
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_x
+        token = pair // TOP_K
+        if ROUTE:                               # the pair's expert from the router logits (`_top_k`); the
+            w_all, ids_all = _top_k(logits_ptr, token, num_experts, stride_l, TOP_K, NORM, BLOCK_E, BLOCK_S)
+            this = tl.arange(0, BLOCK_S) == pair % TOP_K
+            expert = tl.sum(tl.where(this, ids_all, 0), axis=0).to(tl.int64)
+            if tl.program_id(1) == 0:           # first column block stores it for the down launch
+                tl.store(ids_ptr + pair, expert)
+                tl.store(weights_ptr + pair, tl.sum(tl.where(this, w_all, 0.0), axis=0))
+        else:
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+        x_row = x_ptr + token.to(tl.int64) * stride_x
         w_base = w_ptr + expert * stride_we
         ks = tl.arange(0, BLOCK_K)
         acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -202,9 +213,11 @@ if triton is not None:
         tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, tl.sum(y, axis=0).to(dt), mask=col_ok)
 
     @triton.jit
-    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
-                      NORM: tl.constexpr, BLOCK_E: tl.constexpr):
-        row = tl.program_id(0)
+    def _top_k(logits_ptr, row, num_experts, stride_l, TOP_K: tl.constexpr, NORM: tl.constexpr,
+               BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+        """Row `row` of the router logits -> (weights float32 [BLOCK_S], expert ids int32 [BLOCK_S]), slots
+        past TOP_K zero: float32 softmax, the top k by repeated argmax (descending, as torch.topk), the
+        renormalisation when NORM."""
         es = tl.arange(0, BLOCK_E)
         ok = es < num_experts
         z = tl.load(logits_ptr + row.to(tl.int64) * stride_l + es, mask=ok, other=-float("inf")).to(tl.float32)
@@ -219,12 +232,25 @@ if triton is not None:
                 q = tl.where(es == tl.argmax(q, axis=0, tie_break_left=True), -2.0, q)
         else:
             total = 1.0
-        base = row.to(tl.int64) * TOP_K
-        for slot in tl.static_range(TOP_K):     # descending, as torch.topk gives them
+        slots = tl.arange(0, BLOCK_S)
+        weights = tl.zeros((BLOCK_S,), dtype=tl.float32)
+        ids = tl.zeros((BLOCK_S,), dtype=tl.int32)
+        for slot in tl.static_range(TOP_K):
             best = tl.argmax(p, axis=0, tie_break_left=True)
-            tl.store(weights_ptr + base + slot, tl.max(p, axis=0) / total)
-            tl.store(ids_ptr + base + slot, best.to(tl.int64))
+            weights = tl.where(slots == slot, tl.max(p, axis=0) / total, weights)
+            ids = tl.where(slots == slot, best.to(tl.int32), ids)
             p = tl.where(es == best, -2.0, p)
+        return weights, ids
+
+    @triton.jit
+    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
+                      NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+        row = tl.program_id(0)
+        weights, ids = _top_k(logits_ptr, row, num_experts, stride_l, TOP_K, NORM, BLOCK_E, BLOCK_S)
+        slots = tl.arange(0, BLOCK_S)
+        base = row.to(tl.int64) * TOP_K
+        tl.store(weights_ptr + base + slots, weights, mask=slots < TOP_K)
+        tl.store(ids_ptr + base + slots, ids.to(tl.int64), mask=slots < TOP_K)
 
 
 SMALL_PAIRS = 64                                # T*K at most for `fused_moe_small` (decode sizes)
@@ -267,7 +293,7 @@ def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tupl
     weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     _route_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k, NORM=bool(norm_topk_prob),
-                        BLOCK_E=triton.next_power_of_2(e))
+                        BLOCK_E=triton.next_power_of_2(e), BLOCK_S=triton.next_power_of_2(top_k))
     return weights, ids
 
 
@@ -275,22 +301,39 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
                     topk_ids: torch.Tensor, tiles: SmallTiles | None = None) -> torch.Tensor:
     """`fused_moe` without the sort (see the module docstring); `tiles` None: `small_tiles` of this shape."""
     t, k = topk_ids.shape
-    if tiles is None:
-        tiles = small_tiles(t, k, w13.shape[2], w2.shape[2], triton_gemv._num_sms(x.device))
+    tiles = tiles or small_tiles(t, k, w13.shape[2], w2.shape[2], triton_gemv._num_sms(x.device))
     mid = small_gate_up(x, w13, topk_ids, tiles)
     return small_down(mid, w2, topk_weights, topk_ids, tiles)
 
 
-def small_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, tiles: SmallTiles) -> torch.Tensor:
-    """`fused_moe_small`'s first launch: SiLU(gate) * up of every (token, slot) pair [T*K, I]."""
+def routed_moe_small(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+                     norm_topk_prob: bool, tiles: SmallTiles | None = None) -> torch.Tensor:
+    """`route` + `fused_moe_small` in two launches: the gate-up kernel routes its pair itself (the same
+    `_top_k` as `route`) and hands the weights and ids to the down kernel."""
+    t, e = router_logits.shape
+    tiles = tiles or small_tiles(t, top_k, w13.shape[2], w2.shape[2], triton_gemv._num_sms(x.device))
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
+    mid = small_gate_up(x, w13, ids, tiles, routing=(router_logits.contiguous(), weights, bool(norm_topk_prob)))
+    return small_down(mid, w2, weights, ids, tiles)
+
+
+def small_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, tiles: SmallTiles,
+                  routing: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> torch.Tensor:
+    """`fused_moe_small`'s first launch: SiLU(gate) * up of every (token, slot) pair [T*K, I]. With
+    `routing` = (router logits [T, E], weights out [T, K], norm_topk_prob), the kernel routes and
+    writes `topk_ids` and the weights instead of reading the ids."""
     t, k = topk_ids.shape
     inter, h = w13.shape[1] // 2, w13.shape[2]
     x, w13 = x.contiguous(), w13.contiguous()
     mid = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
+    logits, weights, norm = routing if routing is not None else (topk_ids, topk_ids, False)
+    e = logits.shape[1] if routing is not None else 1
     _pair_gate_up_kernel[(t * k, triton.cdiv(inter, tiles.up_n))](
-        x, w13, mid, topk_ids.reshape(-1).contiguous(), k, h, inter, x.stride(0), w13.stride(0), w13.stride(1),
-        mid.stride(0), BLOCK_N=tiles.up_n, BLOCK_K=tiles.up_k, num_warps=tiles.up_warps,
-        num_stages=tiles.up_stages)
+        x, w13, mid, topk_ids.reshape(-1).contiguous(), logits, weights, e, logits.stride(0), h, inter, x.stride(0), w13.stride(0),
+        w13.stride(1), mid.stride(0), TOP_K=k, ROUTE=routing is not None, NORM=norm,
+        BLOCK_E=triton.next_power_of_2(e), BLOCK_S=triton.next_power_of_2(k), BLOCK_N=tiles.up_n,
+        BLOCK_K=tiles.up_k, num_warps=tiles.up_warps, num_stages=tiles.up_stages)
     return mid
 
 

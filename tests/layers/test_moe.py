@@ -101,6 +101,9 @@ for t, e, k, h, i, dt in [(1, 8, 2, 64, 32, torch.float32), (5, 8, 3, 40, 24, to
     for tiles in (None, triton_moe.SmallTiles(up_n=8, up_k=32, down_n=4, down_k=16)):
         got = triton_moe.fused_moe_small(x, w13, w2, w, ids, tiles=tiles)
         small.append(((got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item(), str(dt)))
+    # the routing inside the gate-up launch (logits in, as the block calls it; w, ids above: norm off)
+    got = triton_moe.routed_moe_small(x, logits, w13, w2, k, False)
+    small.append(((got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item(), str(dt)))
 print(json.dumps({"grouped": grouped, "small": small, "routes": routes}))
 """
 
@@ -121,7 +124,7 @@ def test_triton_fused_moe_equals_reference_in_the_interpreter(interpreted):
 def test_small_t_moe_and_router_equal_reference_in_the_interpreter(interpreted):
     """The decode path (T*K <= SMALL_PAIRS): float32 to rounding of sums; 16-bit within 4e-3 of the
     peak (the K slots are summed in float32, the reference adds them in the model dtype)."""
-    assert len(interpreted["small"]) == 6
+    assert len(interpreted["small"]) == 9
     for err, peak, dtype in interpreted["small"]:
         assert err <= (1e-5 if dtype == "torch.float32" else 4e-3) * peak, (err, peak, dtype)
     for same_ids, err in interpreted["routes"]:

@@ -31,6 +31,13 @@ code2wav's compute is left out, so the true floor is higher). Prints a markdown 
 a folder of config + tokenizer only under --work, served with `load_format="dummy"` -- random weights
 drawn on the GPU, no checkpoint written -- and the request settings; levels 1, 8, 32; frames at 12.5
 per second of audio; no transformers reference or floor row); with `--tiny` (= --smoke) on the tiny one.
+
+Per layout and level it also prints where the first audio's time goes (mean seconds from arrival, from
+the orchestrator's stamps, `RequestMetrics.stage_first_output` / `edge_first_input`): each stage's
+first output (thinker: first token; talker: first frame; code2wav: first chunk), each edge's first
+piece handed over (e.g. the first thinker rows given to the talker), and the first audio at the
+caller. `--warm-each-level` runs a short untimed round at each level's concurrency first, so the
+difference to a run without it is what first-use shapes (compiles, library plans) cost.
 """
 
 from __future__ import annotations
@@ -201,8 +208,11 @@ async def concurrent(engine, prompt: dict, n: int, params: list) -> dict[str, An
 
 def bench_ours(path: str, device: str, dtype: str, levels: list[int], thinker_tokens: int,
                talker_codes: int, deploy: Optional[dict] = None, params_for=None,
-               load_format: str = "auto") -> list[dict]:
-    """`params_for(thinker_tokens, talker_codes)`: the stages' params (default: Qwen2.5-Omni's `stage_params`)."""
+               load_format: str = "auto", warm_each_level: bool = False) -> list[dict]:
+    """`params_for(thinker_tokens, talker_codes)`: the stages' params (default: Qwen2.5-Omni's `stage_params`).
+    `warm_each_level`: before each level's timed round, a short round at the same concurrency (the
+    level's batch shapes seen once: first-use costs such as kernel compiles or library plans leave the
+    timings; without it only a 2-stream round runs first)."""
     from omnistage.entrypoints.async_omni import AsyncOmni
 
     params_for = params_for or stage_params
@@ -211,8 +221,12 @@ def bench_ours(path: str, device: str, dtype: str, levels: list[int], thinker_to
         prompt = engine.render_chat(MESSAGES)
         warm = params_for(8, 48)
         asyncio.run(concurrent(engine, prompt, 2, warm))      # compile / allocate outside the timings
-        return [asyncio.run(concurrent(engine, prompt, n, params_for(thinker_tokens, talker_codes)))
-                for n in levels]
+        runs = []
+        for n in levels:
+            if warm_each_level:
+                asyncio.run(concurrent(engine, prompt, n, warm))
+            runs.append(asyncio.run(concurrent(engine, prompt, n, params_for(thinker_tokens, talker_codes))))
+        return runs
     finally:
         engine.close()
 
@@ -320,6 +334,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     help="Qwen2.5-Omni code2wav's dit_dtype (default: the pipeline's, float32 with TF32)")
     ap.add_argument("--ar-runner", choices=("inline", "shared", "process"), default=None,
                     help="thinker's and talker's runner in every layout measured (default: the layout's)")
+    ap.add_argument("--warm-each-level", action="store_true",
+                    help="a short untimed round at each level's concurrency before its timed one")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers reference")
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     args = ap.parse_args(argv)
@@ -380,10 +396,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if bad or not layouts:
         ap.error(f"--layouts must list shared, process or inline; got {args.layouts!r}")
     deploys = {layout: {"stage_layout": layout, "stages": stages} for layout in layouts}
-    measured = {layout: bench_ours(path, device, dtype, levels, tokens, codes, deploy, params_for, load_format)
+    measured = {layout: bench_ours(path, device, dtype, levels, tokens, codes, deploy, params_for, load_format,
+                                   args.warm_each_level)
                 for layout, deploy in deploys.items()}
     res = {"shape": shape, "device": torch.cuda.get_device_name() if device == "cuda" else "CPU",
            "thinker_tokens": tokens, "talker_codes": codes, "deploy_configs": deploys, "layouts": measured,
+           "warm_each_level": args.warm_each_level,
            "ours": measured[layouts[0]],
            "hf": [] if args.skip_hf else [bench_hf(path, device, getattr(torch, dtype), tokens, codes)],
            "floor": (floor(path, tokens, codes, _copy_bandwidth())

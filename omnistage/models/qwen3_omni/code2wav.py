@@ -12,7 +12,9 @@ runs on that code with two differences, declared here:
 Weights: the checkpoint's `code2wav.*` tensors, config.json `code2wav_config`; decoded in float32.
 Streaming, batching and chunk sizes are the Qwen3-TTS decoder stage's (`Qwen3TTSDecoderStage`): a
 small first chunk, then larger ones, each with left context and one frame of look-ahead, batched
-across requests with right padding.
+across requests with right padding -- here always to one of two window lengths (the first chunk's;
+context + chunk + look-ahead), each decoded once per batch size at start-up on a GPU, so no request
+waits for a first-use shape.
 """
 
 from __future__ import annotations
@@ -72,6 +74,23 @@ class Code2WavStage(Qwen3TTSDecoderStage):
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
             speakers = json.load(f)["talker_config"].get("speaker_id") or {}
         self.speakers = sorted(name.lower() for name in speakers)
+        ahead = self.decoder.look_ahead
+        # the two window lengths every decode is padded to: a first chunk's, a later (full) chunk's
+        self.windows = sorted({self.first_chunk + ahead, self.context + self.chunk + ahead})
+        if torch.device(device).type == "cuda":
+            self._warm_up()
+
+    def window_frames(self, longest: int) -> int:
+        """The smallest of `windows` that holds `longest` frames: a GPU then sees a few decode shapes
+        only, each first met at start-up (`_warm_up`), not by a waiting listener (a new conv shape costs
+        a library plan / kernel selection on its first call)."""
+        return next((w for w in self.windows if w >= longest), longest)
+
+    def _warm_up(self) -> None:
+        """One decode of every window length at every batch size up to `max_batch` (zero codes)."""
+        for rows in range(1, self.max_batch + 1):
+            for frames in self.windows:
+                self.decoder(torch.zeros(rows, self.decoder.groups, frames, dtype=torch.long))
 
     def voices(self) -> list[dict[str, Any]]:
         # any_case: the talker looks speakers up lowercased, so "Ethan" names "ethan" (HTTP checks agree)

@@ -151,7 +151,7 @@ class Qwen3TTSDecoderStage:
             contexts.append(ctx)
             tail = end + ahead > len(state.frames)  # the answer's last chunk: ends as the whole decode does
             keep.append((end - start) * up - (self.decoder.tail_loss if tail else 0))
-        longest = max(len(w) for w in windows)
+        longest = self.window_frames(max(len(w) for w in windows))
         codes = torch.zeros(len(windows), self.decoder.groups, longest, dtype=torch.long)
         for i, w in enumerate(windows):
             codes[i, :, :len(w)] = torch.tensor(w, dtype=torch.long).T
@@ -163,6 +163,10 @@ class Qwen3TTSDecoderStage:
         for state, (_, end) in zip(states, chunks):    # only once every chunk is decoded (engine retries)
             state.done = end
         return audio
+
+    def window_frames(self, longest: int) -> int:
+        """Frames a decode's windows are padded to on the right (the decoder is causal): the longest."""
+        return longest
 
     def sample_rate(self, state: DecoderState) -> int:
         return SAMPLE_RATE

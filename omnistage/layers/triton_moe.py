@@ -23,13 +23,16 @@ the grouped GEMM's tiles mostly padding, and align's torch ops cost more launche
                                 [K, BLOCK_N, BLOCK_K] tile per step (K experts' loads in flight at once),
                                 times the routing weights, summed over the slots in float32 and stored
                                 once [T, H] (the weighted sum fused; deterministic, no atomics)
-  The launch shapes (`SmallTiles`) come from `TUNED` (an H200 sweep of `benchmarks/moe_bench.py` per
-  (T, K, H, I)) or `small_tiles`' default: column tiles narrow enough for ~4 programs per SM, since a
-  decode MoE layer is a weight read (75 MB at T=1 for the 30B-A3B thinker) and only many loads in
-  flight on every SM reach copy bandwidth.
+  routed_moe_small(x, logits, ...)   the same two launches from router logits: each gate-up program routes
+                                its token itself (`_top_k`, the route kernel's code) and the first column
+                                block stores the pair's expert id and weight for the down launch
   route(logits, top_k, norm)    one program per row: float32 softmax over the experts, the top k by
                                 repeated argmax (descending, as torch.topk), the renormalisation; one launch
                                 for what takes torch four or five.
+The decode launch shapes (`SmallTiles`) come from `TUNED` (an H200 sweep of `benchmarks/moe_bench.py`
+per (T, K, H, I)) or `small_tiles`' default: column tiles narrow enough for ~4 programs per SM, since a
+decode MoE layer is a weight read (75 MB at T=1 for the 30B-A3B thinker) and only many loads in flight
+on every SM reach copy bandwidth.
 
 Arithmetic is float32 in the tiles; results are rounded to the model dtype where the reference rounds
 (the product SiLU(gate) * up, the weighted down output), so the two differ by the order of sums only.

@@ -137,7 +137,7 @@ class Qwen3TTSDecoderStage:
 
     def ready(self, state: DecoderState, input_done: bool) -> Optional[tuple[int, int]]:
         pending = len(state.frames) - state.done
-        size = self.first_chunk if state.done == (state.start or 0) else self.chunk
+        size = self.chunk_frames_next(state)
         if pending >= size + self.decoder.look_ahead or (input_done and pending > 0):
             return state.done, state.done + min(pending, size)
         return None
@@ -163,6 +163,10 @@ class Qwen3TTSDecoderStage:
         for state, (_, end) in zip(states, chunks):    # only once every chunk is decoded (engine retries)
             state.done = end
         return audio
+
+    def chunk_frames_next(self, state: DecoderState) -> int:
+        """Frames of the request's next chunk: `first_chunk_frames` for its first, then `chunk_frames`."""
+        return self.first_chunk if state.done == (state.start or 0) else self.chunk
 
     def window_frames(self, longest: int) -> int:
         """Frames a decode's windows are padded to on the right (the decoder is causal): the longest."""

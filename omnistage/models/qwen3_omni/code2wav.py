@@ -106,10 +106,12 @@ class Code2WavStage(Qwen3TTSDecoderStage):
         return next((w for w in self.windows if w >= longest), longest)
 
     def _warm_up(self) -> None:
-        """One decode of every window length at every batch size up to `max_batch` (zero codes)."""
+        """One decode of every window length at every batch size up to `max_batch` (zero codes); the
+        activations' memory goes back to the device after (stages sharing the GPU plan on what is free)."""
         for rows in range(1, self.max_batch + 1):
             for frames in self.windows:
                 self.decoder(torch.zeros(rows, self.decoder.groups, frames, dtype=torch.long))
+        torch.cuda.empty_cache()
 
     def voices(self) -> list[dict[str, Any]]:
         # any_case: the talker looks speakers up lowercased, so "Ethan" names "ethan" (HTTP checks agree)

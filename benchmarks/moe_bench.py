@@ -80,15 +80,22 @@ def per_call_us(launch, calls: int = CALLS) -> float:
 def sweep(time_with, base: SmallTiles, prefix: str, nk: list, k_bound: int, slots: int) -> tuple[float, SmallTiles]:
     """Two phases over one kernel's fields (`prefix` up / down): (n, k) at base's warps / stages, then
     (warps, stages) at the best (n, k). Returns (us, tiles) of the fastest."""
+    def timed_or_inf(tiles: SmallTiles) -> float:
+        try:
+            return time_with(tiles)
+        except Exception as e:                  # e.g. a tile the compiler refuses: skipped, said
+            print(f"skipped {tiles}: {type(e).__name__}: {str(e)[:200]}")
+            return float("inf")
+
     best = (float("inf"), base)
     for n, k in nk:
         if k > 2 * k_bound or slots * n * k > MAX_TILE:
             continue
         tiles = dataclasses.replace(base, **{f"{prefix}_n": n, f"{prefix}_k": k})
-        best = min(best, (time_with(tiles), tiles), key=lambda r: r[0])
+        best = min(best, (timed_or_inf(tiles), tiles), key=lambda r: r[0])
     for w, s in WARPS_STAGES:
         tiles = dataclasses.replace(best[1], **{f"{prefix}_warps": w, f"{prefix}_stages": s})
-        best = min(best, (time_with(tiles), tiles), key=lambda r: r[0])
+        best = min(best, (timed_or_inf(tiles), tiles), key=lambda r: r[0])
     return best
 
 

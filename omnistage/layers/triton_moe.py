@@ -333,8 +333,8 @@ def small_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, ti
     logits, weights, norm = routing if routing is not None else (topk_ids, topk_ids, False)
     e = logits.shape[1] if routing is not None else 1
     _pair_gate_up_kernel[(t * k, triton.cdiv(inter, tiles.up_n))](
-        x, w13, mid, topk_ids.reshape(-1).contiguous(), logits, weights, e, logits.stride(0), h, inter, x.stride(0), w13.stride(0),
-        w13.stride(1), mid.stride(0), TOP_K=k, ROUTE=routing is not None, NORM=norm,
+        x, w13, mid, topk_ids.reshape(-1).contiguous(), logits, weights, e, logits.stride(0), h, inter, x.stride(0),
+        w13.stride(0), w13.stride(1), mid.stride(0), TOP_K=k, ROUTE=routing is not None, NORM=norm,
         BLOCK_E=triton.next_power_of_2(e), BLOCK_S=triton.next_power_of_2(k), BLOCK_N=tiles.up_n,
         BLOCK_K=tiles.up_k, num_warps=tiles.up_warps, num_stages=tiles.up_stages)
     return mid

@@ -246,7 +246,7 @@ class Orchestrator:
                     changed[out.request_id] = None
                     continue
                 route.latest[spec.name] = out.output
-                if spec.name not in route.first_output and _has_content(out.output):
+                if spec.name not in route.first_output and out.output is not None and _has_content(out.output):
                     route.first_output[spec.name] = time.time()
                 if out.finished:
                     route.done.add(spec.name)

@@ -48,7 +48,7 @@ SHAPES = {"thinker": (THINKER_30B["hidden_size"], THINKER_30B["num_experts"], TH
 TS = (1, 2, 4, 8)
 DEVICE = "cuda"
 CALLS = 16                                   # calls per graph, each on other experts
-MAX_TILE = 16384                             # elements of one weight tile (beyond: register spills at 4 warps)
+MAX_TILE = 8192                              # elements of one weight tile (beyond: ~200+ registers or spills at 4 warps, sm_90)
 UP_NK = [(n, k) for n in (2, 4, 8, 16, 32) for k in (256, 512, 1024) if 2 * n * k <= MAX_TILE]
 DOWN_NK = [(n, k) for n in (2, 4, 8, 16) for k in (64, 128, 256, 512)]
 WARPS_STAGES = [(w, s) for w in (4, 8) for s in (1, 2, 3)]     # phase 2 (each new pair compiles once)

@@ -262,15 +262,15 @@ _PROGRAMS_PER_SM = 4                            # the default tiles' target: loa
 
 @dataclass(frozen=True)
 class SmallTiles:
-    """Launch shapes of `fused_moe_small`'s two kernels (`benchmarks/moe_bench.py` sweeps them)."""
+    """Launch shapes of `fused_moe_small`'s two kernels (`benchmarks/moe_bench.py` sweeps them). No
+    num_stages: Triton does not pipeline these loops' plain loads (the same PTX at 1..3 stages, sm_90),
+    so the loads in flight come from the programs resident per SM (tile size against registers)."""
     up_n: int = 4              # gate-up: output columns of I per program (each also reads the matching up rows)
     up_k: int = 512            # gate-up: elements of H per loop step
     up_warps: int = 4          # gate-up: num_warps
-    up_stages: int = 2         # gate-up: num_stages (software pipelining of the weight loads)
     down_n: int = 2            # down: output columns of H per program (all K slots of the token in one tile)
     down_k: int = 256          # down: elements of I per loop step
     down_warps: int = 4        # down: num_warps
-    down_stages: int = 2       # down: num_stages
 
 
 # (T, top_k, hidden, moe_intermediate) -> the fastest tiles of `benchmarks/moe_bench.py` on an H200;
@@ -336,7 +336,7 @@ def small_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, ti
         x, w13, mid, topk_ids.reshape(-1).contiguous(), logits, weights, e, logits.stride(0), h, inter, x.stride(0),
         w13.stride(0), w13.stride(1), mid.stride(0), TOP_K=k, ROUTE=routing is not None, NORM=norm,
         BLOCK_E=triton.next_power_of_2(e), BLOCK_S=triton.next_power_of_2(k), BLOCK_N=tiles.up_n,
-        BLOCK_K=tiles.up_k, num_warps=tiles.up_warps, num_stages=tiles.up_stages)
+        BLOCK_K=tiles.up_k, num_warps=tiles.up_warps)
     return mid
 
 
@@ -350,7 +350,7 @@ def small_down(mid: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, 
     _token_down_kernel[(t, triton.cdiv(h, tiles.down_n))](
         mid, w2, out, topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1).contiguous(), k, inter, h,
         mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0), BLOCK_S=triton.next_power_of_2(k),
-        BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k, num_warps=tiles.down_warps, num_stages=tiles.down_stages)
+        BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k, num_warps=tiles.down_warps)
     return out
 
 

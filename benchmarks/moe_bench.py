@@ -10,7 +10,7 @@ Every time is per call, from a CUDA graph of CALLS calls, each call with its own
 experts (so the L2 cache, 50 MB on an H200, does not hold the previous call's experts, as in a decode step
 that goes through 48 layers). Per (shape, T):
   * the gate-up and the down kernel alone, default tiles (`small_tiles`) and the best of a two-phase sweep
-    (column tile x K step at 4 warps, then num_warps at the best of those);
+    (column tile x K step at 4 warps, then num_warps, then the K-loop unroll factor at the best so far);
   * the whole MoE block (`moe.SparseMoeBlock`: router GEMM, the one-launch router, both kernels, the
     shared expert where there is one) with the default tiles and with the best ones;
   * the floor: the bytes the block must read (distinct experts hit, router, shared expert) at the copy
@@ -52,6 +52,7 @@ MAX_TILE = 8192                              # elements of one weight tile (beyo
 UP_NK = [(n, k) for n in (2, 4, 8, 16, 32) for k in (256, 512, 1024) if 2 * n * k <= MAX_TILE]
 DOWN_NK = [(n, k) for n in (2, 4, 8, 16) for k in (64, 128, 256, 512)]
 WARPS = (2, 4, 8)                            # phase 2 (num_warps; num_stages changes nothing here)
+UNROLLS = (2, 4)                             # phase 3: K-loop unroll factors (1 is phases 1-2)
 
 
 def per_call_us(launch, calls: int = CALLS) -> float:
@@ -78,8 +79,8 @@ def per_call_us(launch, calls: int = CALLS) -> float:
 
 
 def sweep(time_with, base: SmallTiles, prefix: str, nk: list, k_bound: int, slots: int) -> tuple[float, SmallTiles]:
-    """Two phases over one kernel's fields (`prefix` up / down): (n, k) at base's warps, then the warps
-    at the best (n, k). Returns (us, tiles) of the fastest."""
+    """Three phases over one kernel's fields (`prefix` up / down): (n, k) at base's warps, then the warps
+    at the best (n, k), then the K-loop unroll factor. Returns (us, tiles) of the fastest."""
     def timed_or_inf(tiles: SmallTiles) -> float:
         try:
             return time_with(tiles)
@@ -95,6 +96,9 @@ def sweep(time_with, base: SmallTiles, prefix: str, nk: list, k_bound: int, slot
         best = min(best, (timed_or_inf(tiles), tiles), key=lambda r: r[0])
     for w in WARPS:
         tiles = dataclasses.replace(best[1], **{f"{prefix}_warps": w})
+        best = min(best, (timed_or_inf(tiles), tiles), key=lambda r: r[0])
+    for u in UNROLLS:
+        tiles = dataclasses.replace(best[1], **{f"{prefix}_unroll": u})
         best = min(best, (timed_or_inf(tiles), tiles), key=lambda r: r[0])
     return best
 
@@ -132,7 +136,7 @@ def run_shape(name: str, bandwidth: float) -> tuple[list, dict]:
         up_best, up_tiles = sweep(up_us, default, "up", UP_NK, h, 2)
         down_best, down_tiles = sweep(down_us, default, "down", DOWN_NK, inter, triton_moe.triton.next_power_of_2(k))
         best = dataclasses.replace(up_tiles, **{f: getattr(down_tiles, f) for f in
-                                                ("down_n", "down_k", "down_warps")})
+                                                ("down_n", "down_k", "down_warps", "down_unroll")})
         with torch.no_grad():
             layer_default = per_call_us(lambda i: block(xs[i]))
             triton_moe.TUNED[(t, k, h, inter)] = best

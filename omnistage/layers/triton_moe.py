@@ -154,7 +154,7 @@ if triton is not None:
     def _pair_gate_up_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, logits_ptr, weights_ptr, num_experts, stride_l, hidden,
                              inter, stride_x, stride_we, stride_wn, stride_out, TOP_K: tl.constexpr,
                              ROUTE: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
         pair = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < inter
@@ -173,7 +173,7 @@ if triton is not None:
         ks = tl.arange(0, BLOCK_K)
         acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
+        for k0 in tl.range(0, hidden, BLOCK_K, loop_unroll_factor=UNROLL):   # unrolled: more loads in flight
             k_ok = (k0 + ks) < hidden
             a = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
             wmask = col_ok[:, None] & k_ok[None, :]
@@ -190,7 +190,7 @@ if triton is not None:
     @triton.jit
     def _token_down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, ids_ptr, top_k, inter, hidden, stride_h, stride_we,
                            stride_wn, stride_out, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
         # all K slots of the token in one [slots, BLOCK_N, BLOCK_K] tile: K experts' loads in flight at once
         token = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -203,7 +203,7 @@ if triton is not None:
         w_rows = w_ptr + expert * stride_we
         ks = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
+        for k0 in tl.range(0, inter, BLOCK_K, loop_unroll_factor=UNROLL):
             kk = k0 + ks
             k_ok = kk < inter
             a = tl.load(h_rows[:, None] + kk[None, :], mask=s_ok[:, None] & k_ok[None, :], other=0.0)
@@ -264,13 +264,16 @@ _PROGRAMS_PER_SM = 4                            # the default tiles' target: loa
 class SmallTiles:
     """Launch shapes of `fused_moe_small`'s two kernels (`benchmarks/moe_bench.py` sweeps them). No
     num_stages: Triton does not pipeline these loops' plain loads (the same PTX at 1..3 stages, sm_90),
-    so the loads in flight come from the programs resident per SM (tile size against registers)."""
+    so the loads in flight come from the programs resident per SM (tile size against registers) and
+    from unrolling the K loop (`*_unroll`: the next steps' loads issued before this one's sums)."""
     up_n: int = 4              # gate-up: output columns of I per program (each also reads the matching up rows)
     up_k: int = 512            # gate-up: elements of H per loop step
     up_warps: int = 4          # gate-up: num_warps
+    up_unroll: int = 1         # gate-up: K-loop unroll factor (more weight loads in flight per program)
     down_n: int = 2            # down: output columns of H per program (all K slots of the token in one tile)
     down_k: int = 256          # down: elements of I per loop step
     down_warps: int = 4        # down: num_warps
+    down_unroll: int = 1       # down: K-loop unroll factor
 
 
 # (T, top_k, hidden, moe_intermediate) -> the fastest tiles of `benchmarks/moe_bench.py` on an H200;
@@ -336,7 +339,7 @@ def small_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, ti
         x, w13, mid, topk_ids.reshape(-1).contiguous(), logits, weights, e, logits.stride(0), h, inter, x.stride(0),
         w13.stride(0), w13.stride(1), mid.stride(0), TOP_K=k, ROUTE=routing is not None, NORM=norm,
         BLOCK_E=triton.next_power_of_2(e), BLOCK_S=triton.next_power_of_2(k), BLOCK_N=tiles.up_n,
-        BLOCK_K=tiles.up_k, num_warps=tiles.up_warps)
+        BLOCK_K=tiles.up_k, UNROLL=tiles.up_unroll, num_warps=tiles.up_warps)
     return mid
 
 
@@ -350,7 +353,7 @@ def small_down(mid: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, 
     _token_down_kernel[(t, triton.cdiv(h, tiles.down_n))](
         mid, w2, out, topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1).contiguous(), k, inter, h,
         mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0), BLOCK_S=triton.next_power_of_2(k),
-        BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k, num_warps=tiles.down_warps)
+        BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k, UNROLL=tiles.down_unroll, num_warps=tiles.down_warps)
     return out
 
 

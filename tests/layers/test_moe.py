@@ -97,8 +97,9 @@ for t, e, k, h, i, dt in [(1, 8, 2, 64, 32, torch.float32), (5, 8, 3, 40, 24, to
         w_k, ids_k = triton_moe.route(logits, k, norm)
         routes.append((torch.equal(ids, ids_k), (w - w_k).abs().max().item()))
     ref = moe.fused_moe_ref(x, w13, w2, w, ids)
-    # default tiles, then K steps that leave H and I remainders and narrow column tiles of several programs
-    for tiles in (None, triton_moe.SmallTiles(up_n=8, up_k=32, down_n=4, down_k=16)):
+    # default tiles, then K steps that leave H and I remainders, narrow column tiles, unrolled K loops
+    tiles_b = triton_moe.SmallTiles(up_n=8, up_k=32, up_unroll=2, down_n=4, down_k=16, down_unroll=2)
+    for tiles in (None, tiles_b):
         got = triton_moe.fused_moe_small(x, w13, w2, w, ids, tiles=tiles)
         small.append(((got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item(), str(dt)))
     # the routing inside the gate-up launch (logits in, as the block calls it; w, ids above: norm off)

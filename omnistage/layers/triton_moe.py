@@ -226,23 +226,16 @@ if triton is not None:
         z = tl.load(logits_ptr + row.to(tl.int64) * stride_l + es, mask=ok, other=-float("inf")).to(tl.float32)
         e = tl.exp(z - tl.max(z, axis=0))
         p = tl.where(ok, e / tl.sum(e, axis=0), -1.0)   # below every probability: never picked while any is left
-        total = 0.0
-        if NORM:                                # the sum of the k largest, found first
-            q = p
-            for _ in tl.static_range(TOP_K):
-                top = tl.max(q, axis=0)
-                total += top
-                q = tl.where(es == tl.argmax(q, axis=0, tie_break_left=True), -2.0, q)
-        else:
-            total = 1.0
         slots = tl.arange(0, BLOCK_S)
         weights = tl.zeros((BLOCK_S,), dtype=tl.float32)
         ids = tl.zeros((BLOCK_S,), dtype=tl.int32)
-        for slot in tl.static_range(TOP_K):
+        for slot in tl.static_range(TOP_K):     # one pass: a gate-up program waits on this for its expert
             best = tl.argmax(p, axis=0, tie_break_left=True)
-            weights = tl.where(slots == slot, tl.max(p, axis=0) / total, weights)
+            weights = tl.where(slots == slot, tl.max(p, axis=0), weights)
             ids = tl.where(slots == slot, best.to(tl.int32), ids)
             p = tl.where(es == best, -2.0, p)
+        if NORM:
+            weights = weights / tl.sum(weights, axis=0)
         return weights, ids
 
     @triton.jit
@@ -276,9 +269,19 @@ class SmallTiles:
     down_unroll: int = 1       # down: K-loop unroll factor
 
 
-# (T, top_k, hidden, moe_intermediate) -> the fastest tiles of `benchmarks/moe_bench.py` on an H200;
-# shapes not listed get `small_tiles`' default (enough programs for every SM)
-TUNED: dict[tuple[int, int, int, int], SmallTiles] = {}
+# (T, top_k, hidden, moe_intermediate) -> the fastest tiles of `benchmarks/moe_bench.py` on an H200
+# (session 7 run 2, Qwen3-Omni-30B-A3B thinker / talker shapes; benchmarks/RESULTS.md); shapes not
+# listed get `small_tiles`' default (enough programs for every SM)
+TUNED: dict[tuple[int, int, int, int], SmallTiles] = {
+    (1, 8, 2048, 768): SmallTiles(up_n=4, up_k=1024, down_n=8, down_k=256),
+    (2, 8, 2048, 768): SmallTiles(up_n=4, up_k=1024, down_n=2, down_k=128),
+    (4, 8, 2048, 768): SmallTiles(up_n=4, up_k=1024, down_n=8, down_k=64),
+    (8, 8, 2048, 768): SmallTiles(up_n=4, up_k=1024, down_n=8, down_k=64),
+    (1, 8, 1024, 384): SmallTiles(up_n=4, up_k=1024, down_n=2, down_k=512, down_warps=8),
+    (2, 8, 1024, 384): SmallTiles(up_n=4, up_k=256, down_n=2, down_k=128, down_warps=8),
+    (4, 8, 1024, 384): SmallTiles(up_n=4, up_k=1024, down_n=2, down_k=128),
+    (8, 8, 1024, 384): SmallTiles(up_n=4, up_k=1024, down_n=8, down_k=64),
+}
 
 
 def small_tiles(t: int, k: int, hidden: int, inter: int, sms: int) -> SmallTiles:

@@ -9,7 +9,7 @@ plus a shared expert of 768), at T = 1, 2, 4, 8 rows (T * top-k <= `triton_moe.S
 Every time is per call, from a CUDA graph of CALLS calls, each call with its own rows and its own random
 experts (so the L2 cache, 50 MB on an H200, does not hold the previous call's experts, as in a decode step
 that goes through 48 layers). Per (shape, T):
-  * the gate-up and the down kernel alone, default tiles (`small_tiles`) and the best of a two-phase sweep
+  * the gate-up kernel (routing inside, as the block runs it) and the down kernel alone, default tiles (`small_tiles`) and the best of a two-phase sweep
     (column tile x K step at 4 warps, then num_warps, then the K-loop unroll factor at the best so far);
   * the whole MoE block (`moe.SparseMoeBlock`: router GEMM, the one-launch router, both kernels, the
     shared expert where there is one) with the default tiles and with the best ones;
@@ -123,12 +123,17 @@ def run_shape(name: str, bandwidth: float) -> tuple[list, dict]:
     rows, tuned = [], {}
     for t in TS:
         xs = [torch.randn(t, h, device=DEVICE, dtype=torch.bfloat16) for _ in range(CALLS)]
-        routed = [moe.route(torch.randn(t, e, device=DEVICE), k, norm) for _ in range(CALLS)]
+        logits = [torch.randn(t, e, device=DEVICE) for _ in range(CALLS)]
+        routed = [moe.route(z, k, norm) for z in logits]
         default = triton_moe.small_tiles(t, k, h, inter, torch.cuda.get_device_properties(DEVICE).multi_processor_count)
         mids = [triton_moe.small_gate_up(xs[i], w13, routed[i][1], default) for i in range(CALLS)]
 
-        def up_us(tiles):
-            return per_call_us(lambda i: triton_moe.small_gate_up(xs[i], w13, routed[i][1], tiles))
+        ids_out = torch.empty(t, k, dtype=torch.int64, device=DEVICE)
+        weights_out = torch.empty(t, k, dtype=torch.float32, device=DEVICE)
+
+        def up_us(tiles):                        # with the routing inside, as the block runs it
+            return per_call_us(lambda i: triton_moe.small_gate_up(xs[i], w13, ids_out, tiles,
+                                                                   routing=(logits[i], weights_out, norm)))
 
         def down_us(tiles):
             return per_call_us(lambda i: triton_moe.small_down(mids[i], w2, routed[i][0], routed[i][1], tiles))

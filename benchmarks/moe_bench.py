@@ -150,9 +150,8 @@ def run_shape(name: str, bandwidth: float) -> tuple[list, dict]:
         dense = per_call_us(lambda i: (xs[i] @ dense_a)[:, :inter * k] @ dense_b)
         sorted_path = per_call_us(lambda i: triton_moe.fused_moe(xs[i], w13, w2, *routed[i]))
         # the path the block runs (routing inside the gate-up launch) on router logits, best tiles
-        logits = torch.randn(t, e, device=DEVICE)
-        ref = moe.fused_moe_ref(xs[0], w13, w2, *moe.route(logits, k, norm))
-        got = triton_moe.routed_moe_small(xs[0], logits, w13, w2, k, norm, tiles=best)
+        ref = moe.fused_moe_ref(xs[0], w13, w2, *routed[0])
+        got = triton_moe.routed_moe_small(xs[0], logits[0], w13, w2, k, norm, tiles=best)
         hit = sum(r[1].unique().numel() for r in routed) / CALLS
         weight_bytes = 2 * (hit * 3 * inter * h + e * h + (3 * shared * h + h if shared else 0))
         floor_us = weight_bytes / bandwidth * 1e6

@@ -60,14 +60,18 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 
 def routed_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-               norm_topk_prob: bool) -> torch.Tensor:
-    """`route` then `fused_moe`; at decode sizes on CUDA the routing runs inside the experts' first launch
-    (`triton_moe.routed_moe_small`: one launch fewer per layer)."""
+               norm_topk_prob: bool, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """`route` then `fused_moe`, plus sigmoid(gate) * shared for `shared` = (a shared expert's output
+    [T, H], its gate logits [T, 1]); at decode sizes on CUDA the routing runs inside the experts' first
+    launch and the shared term inside the second (`triton_moe.routed_moe_small`)."""
     if (fused.use_triton(x) and triton_moe.triton is not None
             and router_logits.shape[0] * top_k <= triton_moe.SMALL_PAIRS):
-        return triton_moe.routed_moe_small(x, router_logits, w13, w2, top_k, norm_topk_prob)
+        return triton_moe.routed_moe_small(x, router_logits, w13, w2, top_k, norm_topk_prob, shared=shared)
     weights, ids = route(router_logits, top_k, norm_topk_prob)
-    return fused_moe(x, w13, w2, weights, ids)
+    out = fused_moe(x, w13, w2, weights, ids)
+    if shared is not None:
+        out = out + torch.sigmoid(shared[1]) * shared[0]
+    return out
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -122,10 +126,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        out = routed_moe(x, self.gate(x), self.w13, self.w2, self.top_k, self.norm_topk_prob)
+        shared = None
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+            shared = (self.shared_expert(x), self.shared_expert_gate(x))
+        return routed_moe(x, self.gate(x), self.w13, self.w2, self.top_k, self.norm_topk_prob, shared)
 
     # ---- loading -------------------------------------------------------------------------------
     def expected_weights(self) -> set[str]:

@@ -25,7 +25,9 @@ the grouped GEMM's tiles mostly padding, and align's torch ops cost more launche
                                 once [T, H] (the weighted sum fused; deterministic, no atomics)
   routed_moe_small(x, logits, ...)   the same two launches from router logits: each gate-up program routes
                                 its token itself (`_top_k`, the route kernel's code) and the first column
-                                block stores the pair's expert id and weight for the down launch
+                                block stores the pair's expert id and weight for the down launch; with
+                                a shared expert's output and gate logit, the down launch also adds
+                                sigmoid(gate) * shared (no sigmoid / mul / add launches)
   route(logits, top_k, norm)    one program per row: float32 softmax over the experts, the top k by
                                 repeated argmax (descending, as torch.topk), the renormalisation; one launch
                                 for what takes torch four or five.
@@ -188,9 +190,10 @@ if triton is not None:
         tl.store(out_ptr + pair.to(tl.int64) * stride_out + cols, (s * u).to(dt), mask=col_ok)
 
     @triton.jit
-    def _token_down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, ids_ptr, top_k, inter, hidden, stride_h, stride_we,
-                           stride_wn, stride_out, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
+    def _token_down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, ids_ptr, shared_ptr, gate_ptr, top_k, inter, hidden,
+                           stride_h, stride_we, stride_wn, stride_out, stride_s, stride_g, SHARED: tl.constexpr,
+                           BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           UNROLL: tl.constexpr):
         # all K slots of the token in one [slots, BLOCK_N, BLOCK_K] tile: K experts' loads in flight at once
         token = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -213,7 +216,13 @@ if triton is not None:
         dt = out_ptr.dtype.element_ty
         rw = tl.load(weight_ptr + pair, mask=s_ok, other=0.0).to(dt).to(tl.float32)
         y = (acc.to(dt).to(tl.float32) * rw[:, None]).to(dt).to(tl.float32)   # per slot, as the reference rounds
-        tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, tl.sum(y, axis=0).to(dt), mask=col_ok)
+        total = tl.sum(y, axis=0).to(dt)
+        if SHARED:                              # + sigmoid(gate logit) * the shared expert's row, rounded as torch
+            g = tl.load(gate_ptr + token.to(tl.int64) * stride_g).to(tl.float32)
+            sh = tl.load(shared_ptr + token.to(tl.int64) * stride_s + cols, mask=col_ok, other=0.0).to(tl.float32)
+            sig = (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+            total = (total.to(tl.float32) + (sig * sh).to(dt).to(tl.float32)).to(dt)
+        tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, total, mask=col_ok)
 
     @triton.jit
     def _top_k(logits_ptr, row, num_experts, stride_l, TOP_K: tl.constexpr, NORM: tl.constexpr,
@@ -316,15 +325,17 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
 
 
 def routed_moe_small(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-                     norm_topk_prob: bool, tiles: SmallTiles | None = None) -> torch.Tensor:
+                     norm_topk_prob: bool, tiles: SmallTiles | None = None,
+                     shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`route` + `fused_moe_small` in two launches: the gate-up kernel routes its pair itself (the same
-    `_top_k` as `route`) and hands the weights and ids to the down kernel."""
+    `_top_k` as `route`) and hands the weights and ids to the down kernel. `shared` = (a shared expert's
+    output [T, H], its gate logits [T, 1]): the down launch also adds sigmoid(gate) * shared."""
     t, e = router_logits.shape
     tiles = tiles or small_tiles(t, top_k, w13.shape[2], w2.shape[2], triton_gemv._num_sms(x.device))
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     mid = small_gate_up(x, w13, ids, tiles, routing=(router_logits.contiguous(), weights, bool(norm_topk_prob)))
-    return small_down(mid, w2, weights, ids, tiles)
+    return small_down(mid, w2, weights, ids, tiles, shared)
 
 
 def small_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, tiles: SmallTiles,
@@ -347,15 +358,18 @@ def small_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, ti
 
 
 def small_down(mid: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-               tiles: SmallTiles) -> torch.Tensor:
-    """`fused_moe_small`'s second launch: per token, the K down GEMVs times their weights, summed [T, H]."""
+               tiles: SmallTiles, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """`fused_moe_small`'s second launch: per token, the K down GEMVs times their weights, summed [T, H]
+    (plus sigmoid(gate) * shared, see `routed_moe_small`)."""
     t, k = topk_ids.shape
     h, inter = w2.shape[1], w2.shape[2]
     w2 = w2.contiguous()
     out = torch.empty(t, h, dtype=mid.dtype, device=mid.device)
+    rows, gate = shared if shared is not None else (out, out)
     _token_down_kernel[(t, triton.cdiv(h, tiles.down_n))](
-        mid, w2, out, topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1).contiguous(), k, inter, h,
-        mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0), BLOCK_S=triton.next_power_of_2(k),
+        mid, w2, out, topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1).contiguous(), rows, gate, k, inter,
+        h, mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0), rows.stride(0), gate.stride(0),
+        SHARED=shared is not None, BLOCK_S=triton.next_power_of_2(k),
         BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k, UNROLL=tiles.down_unroll, num_warps=tiles.down_warps)
     return out
 

@@ -105,6 +105,11 @@ for t, e, k, h, i, dt in [(1, 8, 2, 64, 32, torch.float32), (5, 8, 3, 40, 24, to
     # the routing inside the gate-up launch (logits in, as the block calls it; w, ids above: norm off)
     got = triton_moe.routed_moe_small(x, logits, w13, w2, k, False)
     small.append(((got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item(), str(dt)))
+    # with a shared expert's output and gate logit added in the down launch (the talker's block)
+    shared = (torch.randn(t, h).to(dt), torch.randn(t, 1).to(dt))
+    want = ref + torch.sigmoid(shared[1]) * shared[0]
+    got = triton_moe.routed_moe_small(x, logits, w13, w2, k, False, shared=shared)
+    small.append(((got.float() - want.float()).abs().max().item(), want.float().abs().max().item(), str(dt)))
 print(json.dumps({"grouped": grouped, "small": small, "routes": routes}))
 """
 
@@ -125,7 +130,7 @@ def test_triton_fused_moe_equals_reference_in_the_interpreter(interpreted):
 def test_small_t_moe_and_router_equal_reference_in_the_interpreter(interpreted):
     """The decode path (T*K <= SMALL_PAIRS): float32 to rounding of sums; 16-bit within 4e-3 of the
     peak (the K slots are summed in float32, the reference adds them in the model dtype)."""
-    assert len(interpreted["small"]) == 9
+    assert len(interpreted["small"]) == 12
     for err, peak, dtype in interpreted["small"]:
         assert err <= (1e-5 if dtype == "torch.float32" else 4e-3) * peak, (err, peak, dtype)
     for same_ids, err in interpreted["routes"]:

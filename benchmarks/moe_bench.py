@@ -18,7 +18,9 @@ that goes through 48 layers). Per (shape, T):
   * a dense GEMM pair of the same active FLOPs (x @ [H, 2*I*K], then [T, I*K] @ [I*K, H]; cuBLAS) and
     the sorted grouped-GEMM path (`triton_moe.fused_moe`) on the same inputs;
   * the max abs error of `triton_moe.routed_moe_small` (routing in the gate-up launch, best tiles) against
-    `moe.route` + `moe.fused_moe_ref` on the same router logits, beside the reference's peak.
+    `moe.route` + `moe.fused_moe_ref` on the same router logits, beside the reference's peak; and of the
+    whole block (the talker's shared expert term fused into the down launch) against its PyTorch path
+    (`fused.ENABLED` off).
 Then it prints `TUNED = {...}`: the best tiles per (T, top_k, hidden, width), to paste into
 `omnistage/layers/triton_moe.py`.
 """
@@ -34,7 +36,7 @@ import time
 
 import torch
 
-from omnistage.layers import moe, triton_moe
+from omnistage.layers import fused, moe, triton_moe
 from omnistage.layers.triton_moe import SmallTiles
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -150,6 +152,12 @@ def run_shape(name: str, bandwidth: float) -> tuple[list, dict]:
         dense = per_call_us(lambda i: (xs[i] @ dense_a)[:, :inter * k] @ dense_b)
         sorted_path = per_call_us(lambda i: triton_moe.fused_moe(xs[i], w13, w2, *routed[i]))
         # the path the block runs (routing inside the gate-up launch) on router logits, best tiles
+        with torch.no_grad():                   # the whole block (shared expert included) vs its PyTorch path
+            fast_block = block(xs[0])
+            fused.ENABLED = False
+            ref_block = block(xs[0])
+            fused.ENABLED = True
+        block_err = (fast_block.float() - ref_block.float()).abs().max().item()
         ref = moe.fused_moe_ref(xs[0], w13, w2, *routed[0])
         got = triton_moe.routed_moe_small(xs[0], logits[0], w13, w2, k, norm, tiles=best)
         hit = sum(r[1].unique().numel() for r in routed) / CALLS
@@ -160,6 +168,7 @@ def run_shape(name: str, bandwidth: float) -> tuple[list, dict]:
                          layer_default_us=layer_default, layer_best_us=layer_best, floor_us=floor_us,
                          floor_share=floor_us / layer_best, dense_same_flops_us=dense, sorted_path_us=sorted_path,
                          err=(got.float() - ref.float()).abs().max().item(), peak=ref.float().abs().max().item(),
+                         block_err=block_err, block_peak=ref_block.float().abs().max().item(),
                          best=dataclasses.asdict(best)))
         tuned[(t, k, h, inter)] = best
     return rows, tuned
@@ -179,12 +188,14 @@ def main() -> None:
         tuned.update(t)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; us per call from CUDA graphs")
     print(f"{'shape':<8} {'T':>2} {'up def':>7} {'up best':>7} {'dn def':>7} {'dn best':>7} {'layer def':>9} "
-          f"{'layer best':>10} {'floor':>6} {'% floor':>7} {'dense':>6} {'sorted':>7} {'err':>8} {'peak':>6}")
+          f"{'layer best':>10} {'floor':>6} {'% floor':>7} {'dense':>6} {'sorted':>7} {'err':>8} {'peak':>6} "
+          f"{'block err':>9} {'peak':>6}")
     for r in rows:
         print(f"{r['shape']:<8} {r['T']:>2} {r['up_default_us']:>7.1f} {r['up_best_us']:>7.1f} "
               f"{r['down_default_us']:>7.1f} {r['down_best_us']:>7.1f} {r['layer_default_us']:>9.1f} "
               f"{r['layer_best_us']:>10.1f} {r['floor_us']:>6.1f} {100 * r['floor_share']:>6.0f}% "
-              f"{r['dense_same_flops_us']:>6.1f} {r['sorted_path_us']:>7.1f} {r['err']:>8.1e} {r['peak']:>6.2f}")
+              f"{r['dense_same_flops_us']:>6.1f} {r['sorted_path_us']:>7.1f} {r['err']:>8.1e} {r['peak']:>6.2f} "
+              f"{r['block_err']:>9.1e} {r['block_peak']:>6.2f}")
     print("\nTUNED = {")
     for key, tiles in tuned.items():
         print(f"    {key}: {tiles!r},")

@@ -13,9 +13,10 @@ T = 1, 8, 64, 256, 2048 rows. Per T it prints:
   * the weight bytes the step must read (the distinct experts hit) over 4 TB/s: the bandwidth floor.
 Then, at T = 1, 8, 64, the decode path without the sort (`triton_moe.fused_moe_small`, what
 `moe.fused_moe` runs when T*K <= SMALL_PAIRS) beside the sorted one, both from CUDA graphs: its error
-against the reference, its ms with the default tiles and with the best of a small sweep of tile widths,
-and the whole routed layer (router GEMM + routing + experts) with torch's routing and the sorted
-kernels vs the one-launch router and the small path -- each beside the bandwidth floor.
+against the reference, its ms with the default tiles (`benchmarks/moe_bench.py` sweeps them), and the
+whole routed layer (router GEMM + routing + experts) with torch's routing and the sorted
+kernels vs `moe.routed_moe` (the small path with the routing inside its gate-up launch) -- each
+beside the bandwidth floor.
 """
 
 from __future__ import annotations
@@ -30,9 +31,6 @@ from omnistage.layers import moe, triton_moe
 H, E, K, I = 2048, 128, 8, 768
 TS = (1, 8, 64, 256, 2048)
 SMALL_TS = (1, 8, 64)
-# (gate-up, down) tile widths and (gate-up, down) K-chunks the small path is swept over
-SWEEP = [((bn_up, bn_down), bk) for bn_up in (16, 32) for bn_down in (8, 16, 32)
-         for bk in ((128, 128), (256, 256), (512, 256))]
 
 
 def timed(fn, iters: int = 50) -> float:
@@ -131,7 +129,7 @@ def main() -> None:
 def small_path(w13: torch.Tensor, w2: torch.Tensor) -> None:
     """The decode path's table (see the module docstring)."""
     gate = torch.randn(E, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5
-    print(f"\n{'T':>3} {'err':>8} {'peak':>6} {'sorted':>8} {'small':>8} {'best':>8}  {'best tiles':<22} "
+    print(f"\n{'T':>3} {'err':>8} {'peak':>6} {'sorted':>8} {'small':>8} "
           f"{'layer old':>9} {'layer new':>9} {'bw floor':>8}  (ms, CUDA graphs)")
     for t in SMALL_TS:
         x = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
@@ -140,11 +138,6 @@ def small_path(w13: torch.Tensor, w2: torch.Tensor) -> None:
         err = (triton_moe.fused_moe_small(x, w13, w2, weights, ids).float() - ref.float()).abs().max().item()
         ms_sorted = timed(graphed(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids)))
         ms_small = timed(graphed(lambda: triton_moe.fused_moe_small(x, w13, w2, weights, ids)))
-        swept = []
-        for bn, bk in SWEEP:
-            fn = graphed(lambda: triton_moe.fused_moe_small(x, w13, w2, weights, ids, block_n=bn, block_k=bk))
-            swept.append((timed(fn, iters=20), bn, bk))
-        best = min(swept)
 
         def layer_old():
             probs = torch.softmax(x @ gate.T, dim=-1, dtype=torch.float32)
@@ -152,12 +145,11 @@ def small_path(w13: torch.Tensor, w2: torch.Tensor) -> None:
             return triton_moe.fused_moe(x, w13, w2, w / w.sum(dim=-1, keepdim=True), i)
 
         def layer_new():
-            w, i = triton_moe.route(x @ gate.T, K, True)
-            return triton_moe.fused_moe_small(x, w13, w2, w, i)
+            return moe.routed_moe(x, x @ gate.T, w13, w2, K, True)
 
         floor_ms = ids.unique().numel() * 3 * I * H * 2 / 4e12 * 1e3 + E * H * 2 / 4e12 * 1e3
         print(f"{t:>3} {err:>8.1e} {ref.float().abs().max().item():>6.2f} {ms_sorted:>8.3f} {ms_small:>8.3f} "
-              f"{best[0]:>8.3f}  {str(best[1]) + ' ' + str(best[2]):<22} {timed(graphed(layer_old)):>9.3f} "
+              f"{timed(graphed(layer_old)):>9.3f} "
               f"{timed(graphed(layer_new)):>9.3f} {floor_ms:>8.3f}")
 
 

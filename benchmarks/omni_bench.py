@@ -31,6 +31,13 @@ code2wav's compute is left out, so the true floor is higher). Prints a markdown 
 a folder of config + tokenizer only under --work, served with `load_format="dummy"` -- random weights
 drawn on the GPU, no checkpoint written -- and the request settings; levels 1, 8, 32; frames at 12.5
 per second of audio; no transformers reference or floor row); with `--tiny` (= --smoke) on the tiny one.
+
+Per layout and level it also prints where the first audio's time goes (mean seconds from arrival, from
+the orchestrator's stamps, `RequestMetrics.stage_first_output` / `edge_first_input`): each stage's
+first output (thinker: first token; talker: first frame; code2wav: first chunk), each edge's first
+piece handed over (e.g. the first thinker rows given to the talker), and the first audio at the
+caller. `--warm-each-level` runs a short untimed round at each level's concurrency first, so the
+difference to a run without it is what first-use shapes (compiles, library plans) cost.
 """
 
 from __future__ import annotations
@@ -125,18 +132,34 @@ async def one_request(engine, prompt: dict, params: list, voice: str) -> dict[st
     start = time.perf_counter()
     pieces: list[tuple[float, int]] = []        # (arrival time, samples) of each new piece of audio
     samples = text = 0
+    first_audio_wall = metrics = None
     async for out in engine.generate(dict(prompt, modalities=["text", "audio"], voice=voice), params[0],
                                      sampling_params_list=params):
         n = 0 if out.audio is None else out.audio.samples.size
         if n > samples:
             pieces.append((time.perf_counter(), n - samples))
+            first_audio_wall = first_audio_wall or time.time()
             samples = n
         text = len(out.outputs[0].token_ids)
+        metrics = out.metrics or metrics
     audio_s = samples / SAMPLE_RATE
     last = pieces[-1][0]
     dry, dry_s = underruns(pieces)
     return {"ttfa_s": pieces[0][0] - start, "rtf": (last - start) / audio_s, "audio_s": audio_s,
-            "text_tokens": text, "seconds": last - start, "underruns": dry, "underrun_s": dry_s}
+            "text_tokens": text, "seconds": last - start, "underruns": dry, "underrun_s": dry_s,
+            "ttfa_breakdown_s": ttfa_breakdown(metrics, first_audio_wall)}
+
+
+def ttfa_breakdown(metrics, first_audio_wall: float) -> dict[str, float]:
+    """Seconds from the request's arrival to each stage's first output (thinker: first token; talker:
+    first frame; code2wav: first audio chunk), to each edge's first piece handed over ("thinker->talker":
+    the first thinker rows given to the talker), and to the first audio at the caller; in time order."""
+    if metrics is None:
+        return {}
+    marks = {f"first {name}": t for name, t in metrics.stage_first_output.items()}
+    marks.update({f"first {edge}": t for edge, t in metrics.edge_first_input.items()})
+    marks["first audio at caller"] = first_audio_wall
+    return {k: t - metrics.arrival_time for k, t in sorted(marks.items(), key=lambda kv: kv[1])}
 
 
 def underruns(pieces: list[tuple[float, int]]) -> tuple[int, float]:
@@ -174,7 +197,10 @@ async def concurrent(engine, prompt: dict, n: int, params: list) -> dict[str, An
     # where the time went: each stage's busy seconds (and steps) during this level
     busy = {name: round(after.get(key, 0) - before.get(key, 0), 3) for name, key in BUSY_KEYS.items()}
     ttfa = [r["ttfa_s"] for r in runs]
+    keys = [k for k in runs[0]["ttfa_breakdown_s"] if all(k in r["ttfa_breakdown_s"] for r in runs)]
+    breakdown = {k: statistics.mean(r["ttfa_breakdown_s"][k] for r in runs) for k in keys}
     return {"concurrency": n, "ttfa_mean_s": statistics.mean(ttfa), "ttfa_p90_s": p90(ttfa), "ttfa_max_s": max(ttfa),
+            "ttfa_breakdown_mean_s": dict(sorted(breakdown.items(), key=lambda kv: kv[1])),
             "rtf_mean": statistics.mean(r["rtf"] for r in runs), "rtf_max": max(r["rtf"] for r in runs),
             "underruns": sum(r["underruns"] for r in runs), "underrun_s": sum(r["underrun_s"] for r in runs),
             "audio_s_per_request": runs[0]["audio_s"], "audio_s_per_wall_s": sum(r["audio_s"] for r in runs) / wall,
@@ -183,8 +209,11 @@ async def concurrent(engine, prompt: dict, n: int, params: list) -> dict[str, An
 
 def bench_ours(path: str, device: str, dtype: str, levels: list[int], thinker_tokens: int,
                talker_codes: int, deploy: Optional[dict] = None, params_for=None,
-               load_format: str = "auto") -> list[dict]:
-    """`params_for(thinker_tokens, talker_codes)`: the stages' params (default: Qwen2.5-Omni's `stage_params`)."""
+               load_format: str = "auto", warm_each_level: bool = False) -> list[dict]:
+    """`params_for(thinker_tokens, talker_codes)`: the stages' params (default: Qwen2.5-Omni's `stage_params`).
+    `warm_each_level`: before each level's timed round, a short round at the same concurrency (the
+    level's batch shapes seen once: first-use costs such as kernel compiles or library plans leave the
+    timings; without it only a 2-stream round runs first)."""
     from omnistage.entrypoints.async_omni import AsyncOmni
 
     params_for = params_for or stage_params
@@ -193,8 +222,12 @@ def bench_ours(path: str, device: str, dtype: str, levels: list[int], thinker_to
         prompt = engine.render_chat(MESSAGES)
         warm = params_for(8, 48)
         asyncio.run(concurrent(engine, prompt, 2, warm))      # compile / allocate outside the timings
-        return [asyncio.run(concurrent(engine, prompt, n, params_for(thinker_tokens, talker_codes)))
-                for n in levels]
+        runs = []
+        for n in levels:
+            if warm_each_level:
+                asyncio.run(concurrent(engine, prompt, n, warm))
+            runs.append(asyncio.run(concurrent(engine, prompt, n, params_for(thinker_tokens, talker_codes))))
+        return runs
     finally:
         engine.close()
 
@@ -266,6 +299,19 @@ def table(res: dict) -> str:
     return "\n".join(rows)
 
 
+def breakdown_table(res: dict) -> str:
+    """Mean seconds from arrival to each stage's first output, edge's first piece and the caller's first audio."""
+    runs = [(layout, r) for layout, rs in res["layouts"].items() for r in rs]
+    columns = list(runs[0][1].get("ttfa_breakdown_mean_s") or {}) if runs else []
+    rows = [f"| mean s from arrival to the ... ({res['shape']}) | " + " | ".join(columns) + " |",
+            "|---|" + "---|" * len(columns)]
+    for layout, r in runs:
+        marks = r.get("ttfa_breakdown_mean_s") or {}
+        rows.append(f"| {layout}, {r['concurrency']} streams | "
+                    + " | ".join(f"{marks[c]:.3f}" if c in marks else "-" for c in columns) + " |")
+    return "\n".join(rows)
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", default="/tmp/omnibench", help="where the random checkpoint is kept")
@@ -289,6 +335,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     help="Qwen2.5-Omni code2wav's dit_dtype (default: the stage's, bfloat16 on CUDA)")
     ap.add_argument("--ar-runner", choices=("inline", "shared", "process"), default=None,
                     help="thinker's and talker's runner in every layout measured (default: the layout's)")
+    ap.add_argument("--warm-each-level", action="store_true",
+                    help="a short untimed round at each level's concurrency before its timed one")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers reference")
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     args = ap.parse_args(argv)
@@ -349,10 +397,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if bad or not layouts:
         ap.error(f"--layouts must list shared, process or inline; got {args.layouts!r}")
     deploys = {layout: {"stage_layout": layout, "stages": stages} for layout in layouts}
-    measured = {layout: bench_ours(path, device, dtype, levels, tokens, codes, deploy, params_for, load_format)
+    measured = {layout: bench_ours(path, device, dtype, levels, tokens, codes, deploy, params_for, load_format,
+                                   args.warm_each_level)
                 for layout, deploy in deploys.items()}
     res = {"shape": shape, "device": torch.cuda.get_device_name() if device == "cuda" else "CPU",
            "thinker_tokens": tokens, "talker_codes": codes, "deploy_configs": deploys, "layouts": measured,
+           "warm_each_level": args.warm_each_level,
            "ours": measured[layouts[0]],
            "hf": [] if args.skip_hf else [bench_hf(path, device, getattr(torch, dtype), tokens, codes)],
            "floor": (floor(path, tokens, codes, _copy_bandwidth())
@@ -364,6 +414,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     rate = 12.5 if args.model == "qwen3-omni" else 50
     print(f"\nEach request: a chat prompt, {tokens} text tokens, {codes} codec ids = {codes / rate:.1f} s of audio.\n")
     print(table(res))
+    print()
+    print(breakdown_table(res))
     return res
 
 

@@ -87,6 +87,11 @@ class RequestMetrics:
     audio: Optional[AudioTiming] = None         # speech: when its audio reached the pipeline's output (a stage's
     # own output, for a request that runs one stage)
     stage_audio: dict[str, AudioTiming] = field(default_factory=dict)  # stage name -> when that stage's audio came out
+    # multi-stage requests, for a time-to-first-audio breakdown (time.time(), as `arrival_time`):
+    stage_first_output: dict[str, float] = field(default_factory=dict)  # stage name -> its first output with
+    # tokens or audio reached the orchestrator (thinker: first token; talker: first frame; code2wav: first chunk)
+    edge_first_input: dict[str, float] = field(default_factory=dict)    # "src->dst" -> the edge's first piece
+    # was handed to dst (e.g. the first thinker rows given to the talker)
 
 
 @dataclass

@@ -13,6 +13,9 @@ In: hidden rows x [T, H] of one engine step. Out: [T, H], the weighted sum of ea
         (no sort: one GEMV program per pair, then one per token summing its K experts); the router is
         then one Triton launch too (`triton_moe.route`); elsewhere `fused_moe_ref`, the PyTorch reference: the rows sorted by
         expert and one matmul pair per expert that has rows
+  routed_moe(x, router_logits, w13, w2, top_k, norm_topk_prob) -> [T, H]
+        `route` + `fused_moe`, what the block runs; at decode sizes on CUDA `triton_moe.routed_moe_small`
+        (the routing inside the gate-up launch: two launches for router softmax, top-k and experts)
   SparseMoeBlock(hidden, num_experts, top_k, moe_intermediate, norm_topk_prob, shared_expert_intermediate=0)
         the module; `load_weights` takes the checkpoint's names relative to the block
         (`experts.{e}.gate_proj|up_proj|down_proj.weight`, `gate.weight`, `shared_expert.*`,
@@ -54,6 +57,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             return triton_moe.fused_moe_small(x, w13, w2, topk_weights, topk_ids)
         return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+
+
+def routed_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+               norm_topk_prob: bool, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """`route` then `fused_moe`, plus sigmoid(gate) * shared for `shared` = (a shared expert's output
+    [T, H], its gate logits [T, 1]); at decode sizes on CUDA the routing runs inside the experts' first
+    launch and the shared term inside the second (`triton_moe.routed_moe_small`)."""
+    if (fused.use_triton(x) and triton_moe.triton is not None
+            and router_logits.shape[0] * top_k <= triton_moe.SMALL_PAIRS):
+        return triton_moe.routed_moe_small(x, router_logits, w13, w2, top_k, norm_topk_prob, shared=shared)
+    weights, ids = route(router_logits, top_k, norm_topk_prob)
+    out = fused_moe(x, w13, w2, weights, ids)
+    if shared is not None:
+        out = out + torch.sigmoid(shared[1]) * shared[0]
+    return out
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -108,11 +126,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        weights, ids = route(self.gate(x), self.top_k, self.norm_topk_prob)
-        out = fused_moe(x, self.w13, self.w2, weights, ids)
+        shared = None
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+            shared = (self.shared_expert(x), self.shared_expert_gate(x))
+        return routed_moe(x, self.gate(x), self.w13, self.w2, self.top_k, self.norm_topk_prob, shared)
 
     # ---- loading -------------------------------------------------------------------------------
     def expected_weights(self) -> set[str]:

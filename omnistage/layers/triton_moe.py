@@ -19,12 +19,22 @@ Decode sizes (T*K <= SMALL_PAIRS, `fused_moe_small`) skip the sort and align: fe
 the grouped GEMM's tiles mostly padding, and align's torch ops cost more launches than the GEMMs.
   _pair_gate_up_kernel          grid (T*K pairs, column blocks of I): the pair's expert id read from
                                 topk_ids, gate | up GEMV over its x row, SiLU(gate) * up stored [T*K, I]
-  _token_down_kernel            grid (T, column blocks of H): per token, a loop over its K experts: the
-                                down GEMV times the routing weight, summed over the slots in float32 and
-                                stored once [T, H] (deterministic, no atomics)
+  _token_down_kernel            grid (T, column blocks of H): per token, all K experts' down rows in one
+                                [K, BLOCK_N, BLOCK_K] tile per step (K experts' loads in flight at once),
+                                times the routing weights, summed over the slots in float32 and stored
+                                once [T, H] (the weighted sum fused; deterministic, no atomics)
+  routed_moe_small(x, logits, ...)   the same two launches from router logits: each gate-up program routes
+                                its token itself (`_top_k`, the route kernel's code) and the first column
+                                block stores the pair's expert id and weight for the down launch; with
+                                a shared expert's output and gate logit, the down launch also adds
+                                sigmoid(gate) * shared (no sigmoid / mul / add launches)
   route(logits, top_k, norm)    one program per row: float32 softmax over the experts, the top k by
                                 repeated argmax (descending, as torch.topk), the renormalisation; one launch
                                 for what takes torch four or five.
+The decode launch shapes (`SmallTiles`) come from `TUNED` (an H200 sweep of `benchmarks/moe_bench.py`
+per (T, K, H, I)) or `small_tiles`' default: column tiles narrow enough for ~4 programs per SM, since a
+decode MoE layer is a weight read (75 MB at T=1 for the 30B-A3B thinker) and only many loads in flight
+on every SM reach copy bandwidth.
 
 Arithmetic is float32 in the tiles; results are rounded to the model dtype where the reference rounds
 (the product SiLU(gate) * up, the weighted down output), so the two differ by the order of sums only.
@@ -32,7 +42,11 @@ Arithmetic is float32 in the tiles; results are rounded to the model dtype where
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from omnistage.layers import triton_gemv
 
 try:
     import triton
@@ -139,18 +153,29 @@ if triton is not None:
         tl.store(out_ptr + pair64[:, None] * stride_out + cols[None, :], y.to(dt), mask=valid[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _pair_gate_up_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, top_k, hidden, inter, stride_x, stride_we, stride_wn,
-                             stride_out, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _pair_gate_up_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, logits_ptr, weights_ptr, num_experts, stride_l, hidden,
+                             inter, stride_x, stride_we, stride_wn, stride_out, TOP_K: tl.constexpr,
+                             ROUTE: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
         pair = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < inter
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_x
+        token = pair // TOP_K
+        if ROUTE:                               # the pair's expert from the router logits (`_top_k`); the
+            w_all, ids_all = _top_k(logits_ptr, token, num_experts, stride_l, TOP_K, NORM, BLOCK_E, BLOCK_S)
+            this = tl.arange(0, BLOCK_S) == pair % TOP_K
+            expert = tl.sum(tl.where(this, ids_all, 0), axis=0).to(tl.int64)
+            if tl.program_id(1) == 0:           # first column block stores it for the down launch
+                tl.store(ids_ptr + pair, expert)
+                tl.store(weights_ptr + pair, tl.sum(tl.where(this, w_all, 0.0), axis=0))
+        else:
+            expert = tl.load(ids_ptr + pair).to(tl.int64)
+        x_row = x_ptr + token.to(tl.int64) * stride_x
         w_base = w_ptr + expert * stride_we
         ks = tl.arange(0, BLOCK_K)
         acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
+        for k0 in tl.range(0, hidden, BLOCK_K, loop_unroll_factor=UNROLL):   # unrolled: more loads in flight
             k_ok = (k0 + ks) < hidden
             a = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
             wmask = col_ok[:, None] & k_ok[None, :]
@@ -165,57 +190,118 @@ if triton is not None:
         tl.store(out_ptr + pair.to(tl.int64) * stride_out + cols, (s * u).to(dt), mask=col_ok)
 
     @triton.jit
-    def _token_down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, ids_ptr, top_k, inter, hidden, stride_h, stride_we,
-                           stride_wn, stride_out, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _token_down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, ids_ptr, shared_ptr, gate_ptr, top_k, inter, hidden,
+                           stride_h, stride_we, stride_wn, stride_out, stride_s, stride_g, SHARED: tl.constexpr,
+                           BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           UNROLL: tl.constexpr):
+        # all K slots of the token in one [slots, BLOCK_N, BLOCK_K] tile: K experts' loads in flight at once
         token = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < hidden
+        slots = tl.arange(0, BLOCK_S)
+        s_ok = slots < top_k
+        pair = (token * top_k + slots).to(tl.int64)
+        expert = tl.load(ids_ptr + pair, mask=s_ok, other=0).to(tl.int64)
+        h_rows = h_ptr + pair * stride_h
+        w_rows = w_ptr + expert * stride_we
         ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(0, inter, BLOCK_K, loop_unroll_factor=UNROLL):
+            kk = k0 + ks
+            k_ok = kk < inter
+            a = tl.load(h_rows[:, None] + kk[None, :], mask=s_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows[:, None, None] + cols[None, :, None] * stride_wn + kk[None, None, :],
+                        mask=s_ok[:, None, None] & col_ok[None, :, None] & k_ok[None, None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], axis=2)
         dt = out_ptr.dtype.element_ty
-        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for slot in range(0, top_k):
-            pair = token * top_k + slot
-            expert = tl.load(ids_ptr + pair).to(tl.int64)
-            h_row = h_ptr + pair.to(tl.int64) * stride_h
-            w_base = w_ptr + expert * stride_we
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for k0 in range(0, inter, BLOCK_K):
-                k_ok = (k0 + ks) < inter
-                a = tl.load(h_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-                w = tl.load(w_base + cols[:, None] * stride_wn + (k0 + ks)[None, :],
-                            mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-            rw = tl.load(weight_ptr + pair).to(dt).to(tl.float32)
-            total += (acc.to(dt).to(tl.float32) * rw).to(dt).to(tl.float32)
-        tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, total.to(dt), mask=col_ok)
+        rw = tl.load(weight_ptr + pair, mask=s_ok, other=0.0).to(dt).to(tl.float32)
+        y = (acc.to(dt).to(tl.float32) * rw[:, None]).to(dt).to(tl.float32)   # per slot, as the reference rounds
+        total = tl.sum(y, axis=0).to(dt)
+        if SHARED:                              # + sigmoid(gate logit) * the shared expert's row, rounded as torch
+            g = tl.load(gate_ptr + token.to(tl.int64) * stride_g).to(tl.float32)
+            sh = tl.load(shared_ptr + token.to(tl.int64) * stride_s + cols, mask=col_ok, other=0.0).to(tl.float32)
+            sig = (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+            total = (total.to(tl.float32) + (sig * sh).to(dt).to(tl.float32)).to(dt)
+        tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, total, mask=col_ok)
 
     @triton.jit
-    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
-                      NORM: tl.constexpr, BLOCK_E: tl.constexpr):
-        row = tl.program_id(0)
+    def _top_k(logits_ptr, row, num_experts, stride_l, TOP_K: tl.constexpr, NORM: tl.constexpr,
+               BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+        """Row `row` of the router logits -> (weights float32 [BLOCK_S], expert ids int32 [BLOCK_S]), slots
+        past TOP_K zero: float32 softmax, the top k by repeated argmax (descending, as torch.topk), the
+        renormalisation when NORM."""
         es = tl.arange(0, BLOCK_E)
         ok = es < num_experts
         z = tl.load(logits_ptr + row.to(tl.int64) * stride_l + es, mask=ok, other=-float("inf")).to(tl.float32)
         e = tl.exp(z - tl.max(z, axis=0))
         p = tl.where(ok, e / tl.sum(e, axis=0), -1.0)   # below every probability: never picked while any is left
-        total = 0.0
-        if NORM:                                # the sum of the k largest, found first
-            q = p
-            for _ in tl.static_range(TOP_K):
-                top = tl.max(q, axis=0)
-                total += top
-                q = tl.where(es == tl.argmax(q, axis=0, tie_break_left=True), -2.0, q)
-        else:
-            total = 1.0
-        base = row.to(tl.int64) * TOP_K
-        for slot in tl.static_range(TOP_K):     # descending, as torch.topk gives them
+        slots = tl.arange(0, BLOCK_S)
+        weights = tl.zeros((BLOCK_S,), dtype=tl.float32)
+        ids = tl.zeros((BLOCK_S,), dtype=tl.int32)
+        for slot in tl.static_range(TOP_K):     # one pass: a gate-up program waits on this for its expert
             best = tl.argmax(p, axis=0, tie_break_left=True)
-            tl.store(weights_ptr + base + slot, tl.max(p, axis=0) / total)
-            tl.store(ids_ptr + base + slot, best.to(tl.int64))
+            weights = tl.where(slots == slot, tl.max(p, axis=0), weights)
+            ids = tl.where(slots == slot, best.to(tl.int32), ids)
             p = tl.where(es == best, -2.0, p)
+        if NORM:
+            weights = weights / tl.sum(weights, axis=0)
+        return weights, ids
+
+    @triton.jit
+    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
+                      NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+        row = tl.program_id(0)
+        weights, ids = _top_k(logits_ptr, row, num_experts, stride_l, TOP_K, NORM, BLOCK_E, BLOCK_S)
+        slots = tl.arange(0, BLOCK_S)
+        base = row.to(tl.int64) * TOP_K
+        tl.store(weights_ptr + base + slots, weights, mask=slots < TOP_K)
+        tl.store(ids_ptr + base + slots, ids.to(tl.int64), mask=slots < TOP_K)
 
 
 SMALL_PAIRS = 64                                # T*K at most for `fused_moe_small` (decode sizes)
+_PROGRAMS_PER_SM = 4                            # the default tiles' target: loads of ~4 programs in flight per SM
+
+
+@dataclass(frozen=True)
+class SmallTiles:
+    """Launch shapes of `fused_moe_small`'s two kernels (`benchmarks/moe_bench.py` sweeps them). No
+    num_stages: Triton does not pipeline these loops' plain loads (the same PTX at 1..3 stages, sm_90),
+    so the loads in flight come from the programs resident per SM (tile size against registers) and
+    from unrolling the K loop (`*_unroll`: the next steps' loads issued before this one's sums)."""
+    up_n: int = 4              # gate-up: output columns of I per program (each also reads the matching up rows)
+    up_k: int = 512            # gate-up: elements of H per loop step
+    up_warps: int = 4          # gate-up: num_warps
+    up_unroll: int = 1         # gate-up: K-loop unroll factor (more weight loads in flight per program)
+    down_n: int = 2            # down: output columns of H per program (all K slots of the token in one tile)
+    down_k: int = 256          # down: elements of I per loop step
+    down_warps: int = 4        # down: num_warps
+    down_unroll: int = 1       # down: K-loop unroll factor
+
+
+# (T, top_k, hidden, moe_intermediate) -> the fastest tiles of `benchmarks/moe_bench.py` on an H200
+# (session 7 run 2, Qwen3-Omni-30B-A3B thinker / talker shapes; benchmarks/RESULTS.md); shapes not
+# listed get `small_tiles`' default (enough programs for every SM)
+TUNED: dict[tuple[int, int, int, int], SmallTiles] = {
+    (1, 8, 2048, 768): SmallTiles(up_n=4, up_k=1024, down_n=8, down_k=256),
+    (2, 8, 2048, 768): SmallTiles(up_n=4, up_k=1024, down_n=2, down_k=128),
+    (4, 8, 2048, 768): SmallTiles(up_n=4, up_k=1024, down_n=8, down_k=64),
+    (8, 8, 2048, 768): SmallTiles(up_n=4, up_k=1024, down_n=8, down_k=64),
+    (1, 8, 1024, 384): SmallTiles(up_n=4, up_k=1024, down_n=2, down_k=512, down_warps=8),
+    (2, 8, 1024, 384): SmallTiles(up_n=4, up_k=256, down_n=2, down_k=128, down_warps=8),
+    (4, 8, 1024, 384): SmallTiles(up_n=4, up_k=1024, down_n=2, down_k=128),
+    (8, 8, 1024, 384): SmallTiles(up_n=4, up_k=1024, down_n=8, down_k=64),
+}
+
+
+def small_tiles(t: int, k: int, hidden: int, inter: int, sms: int) -> SmallTiles:
+    """The tuned tiles of this shape, else the defaults, gate-up's column tile halved when 8 leaves fewer
+    than ~`_PROGRAMS_PER_SM` programs per SM. (sm_90 compiles of the defaults, cuobjdump: gate-up ~96
+    registers, down ~109 at [8, 2, 256]: 4-5 programs per SM resident, no spills; down at [8, 4, 256]
+    takes 212, [8, 8, 128] spills.)"""
+    if (t, k, hidden, inter) in TUNED:
+        return TUNED[(t, k, hidden, inter)]
+    up_n = 8 if t * k * triton.cdiv(inter, 8) >= _PROGRAMS_PER_SM * sms else 4
+    return SmallTiles(up_n=up_n)
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,30 +311,66 @@ def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tupl
     weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     _route_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k, NORM=bool(norm_topk_prob),
-                        BLOCK_E=triton.next_power_of_2(e))
+                        BLOCK_E=triton.next_power_of_2(e), BLOCK_S=triton.next_power_of_2(top_k))
     return weights, ids
 
 
 def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor, block_n: tuple[int, int] | None = None,
-                    block_k: tuple[int, int] = (256, 256)) -> torch.Tensor:
-    """`fused_moe` without the sort (see the module docstring); `block_n` / `block_k`: the (gate-up, down)
-    kernels' tile widths (None: enough programs to fill the GPU at this T; benchmarks sweep them)."""
+                    topk_ids: torch.Tensor, tiles: SmallTiles | None = None) -> torch.Tensor:
+    """`fused_moe` without the sort (see the module docstring); `tiles` None: `small_tiles` of this shape."""
     t, k = topk_ids.shape
-    e, two_i, h = w13.shape
-    inter = two_i // 2
-    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    ids = topk_ids.reshape(-1).contiguous()
-    weights = topk_weights.reshape(-1).contiguous()
-    bn_up, bn_down = block_n or (32 if t * k >= 32 else 16, 64 if t >= 8 else 16 if t >= 2 else 8)
+    tiles = tiles or small_tiles(t, k, w13.shape[2], w2.shape[2], triton_gemv._num_sms(x.device))
+    mid = small_gate_up(x, w13, topk_ids, tiles)
+    return small_down(mid, w2, topk_weights, topk_ids, tiles)
+
+
+def routed_moe_small(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+                     norm_topk_prob: bool, tiles: SmallTiles | None = None,
+                     shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """`route` + `fused_moe_small` in two launches: the gate-up kernel routes its pair itself (the same
+    `_top_k` as `route`) and hands the weights and ids to the down kernel. `shared` = (a shared expert's
+    output [T, H], its gate logits [T, 1]): the down launch also adds sigmoid(gate) * shared."""
+    t, e = router_logits.shape
+    tiles = tiles or small_tiles(t, top_k, w13.shape[2], w2.shape[2], triton_gemv._num_sms(x.device))
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
+    mid = small_gate_up(x, w13, ids, tiles, routing=(router_logits.contiguous(), weights, bool(norm_topk_prob)))
+    return small_down(mid, w2, weights, ids, tiles, shared)
+
+
+def small_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, tiles: SmallTiles,
+                  routing: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> torch.Tensor:
+    """`fused_moe_small`'s first launch: SiLU(gate) * up of every (token, slot) pair [T*K, I]. With
+    `routing` = (router logits [T, E], weights out [T, K], norm_topk_prob), the kernel routes and
+    writes `topk_ids` and the weights instead of reading the ids."""
+    t, k = topk_ids.shape
+    inter, h = w13.shape[1] // 2, w13.shape[2]
+    x, w13 = x.contiguous(), w13.contiguous()
     mid = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
-    _pair_gate_up_kernel[(t * k, triton.cdiv(inter, bn_up))](
-        x, w13, mid, ids, k, h, inter, x.stride(0), w13.stride(0), w13.stride(1), mid.stride(0),
-        BLOCK_N=bn_up, BLOCK_K=block_k[0])
-    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    _token_down_kernel[(t, triton.cdiv(h, bn_down))](
-        mid, w2, out, weights, ids, k, inter, h, mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_N=bn_down, BLOCK_K=block_k[1])
+    logits, weights, norm = routing if routing is not None else (topk_ids, topk_ids, False)
+    e = logits.shape[1] if routing is not None else 1
+    _pair_gate_up_kernel[(t * k, triton.cdiv(inter, tiles.up_n))](
+        x, w13, mid, topk_ids.reshape(-1).contiguous(), logits, weights, e, logits.stride(0), h, inter, x.stride(0),
+        w13.stride(0), w13.stride(1), mid.stride(0), TOP_K=k, ROUTE=routing is not None, NORM=norm,
+        BLOCK_E=triton.next_power_of_2(e), BLOCK_S=triton.next_power_of_2(k), BLOCK_N=tiles.up_n,
+        BLOCK_K=tiles.up_k, UNROLL=tiles.up_unroll, num_warps=tiles.up_warps)
+    return mid
+
+
+def small_down(mid: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+               tiles: SmallTiles, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """`fused_moe_small`'s second launch: per token, the K down GEMVs times their weights, summed [T, H]
+    (plus sigmoid(gate) * shared, see `routed_moe_small`)."""
+    t, k = topk_ids.shape
+    h, inter = w2.shape[1], w2.shape[2]
+    w2 = w2.contiguous()
+    out = torch.empty(t, h, dtype=mid.dtype, device=mid.device)
+    rows, gate = shared if shared is not None else (out, out)
+    _token_down_kernel[(t, triton.cdiv(h, tiles.down_n))](
+        mid, w2, out, topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1).contiguous(), rows, gate, k, inter,
+        h, mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0), rows.stride(0), gate.stride(0),
+        SHARED=shared is not None, BLOCK_S=triton.next_power_of_2(k),
+        BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k, UNROLL=tiles.down_unroll, num_warps=tiles.down_warps)
     return out
 
 

@@ -71,6 +71,13 @@ def payload_bytes(obj: Any) -> int:
     return 0
 
 
+def _has_content(out: RequestOutput) -> bool:
+    """The output carries generated tokens or audio samples (not just a prompt's echo or progress)."""
+    if out.audio is not None and len(out.audio.samples):
+        return True
+    return any(len(c.token_ids) for c in out.outputs)
+
+
 def _build_stage(spec: StageSpec, pipeline: PipelineSpec) -> Any:
     if spec.engine.num_replicas > 1:
         from omnistage.pipeline.replicas import ReplicaSet
@@ -108,6 +115,10 @@ class _Route:
     memory: dict[tuple[str, str], dict] = field(default_factory=dict)  # (src, dst) -> edge adapter's state
     audio: AudioTiming = field(default_factory=AudioTiming)          # its audio as it leaves the pipeline
     audio_samples: int = 0                                           # audio samples merged so far
+    first_output: dict[str, float] = field(default_factory=dict)    # stage -> time.time() of its first output
+                                                                     # with tokens or audio
+    first_input: dict[str, float] = field(default_factory=dict)     # "src->dst" -> time.time() of the edge's
+                                                                     # first piece handed over
 
 
 class Orchestrator:
@@ -235,6 +246,8 @@ class Orchestrator:
                     changed[out.request_id] = None
                     continue
                 route.latest[spec.name] = out.output
+                if spec.name not in route.first_output and out.output is not None and _has_content(out.output):
+                    route.first_output[spec.name] = time.time()
                 if out.finished:
                     route.done.add(spec.name)
                 for edge in self.spec.edges_from(spec.name):
@@ -339,6 +352,7 @@ class Orchestrator:
             route.started.add(dst)
         else:
             stage.add_input(request_id, piece)
+        route.first_input.setdefault(f"{src}->{dst}", time.time())
         totals = self.edge_totals.get((src, dst))
         if totals is not None:
             totals[0] += time.perf_counter() - started
@@ -370,9 +384,11 @@ class Orchestrator:
         if n > route.audio_samples:             # the audio's arrival at the pipeline's output
             route.audio.add(time.time(), (n - route.audio_samples) / merged.audio.sample_rate)
             route.audio_samples = n
-        if route.audio.first_audio_time is not None or stage_audio:   # a copy: the entry's metrics stay its own
-            merged.metrics = dataclasses.replace(merged.metrics or RequestMetrics(arrival_time=route.arrival),
-                                                 audio=dataclasses.replace(route.audio), stage_audio=stage_audio)
+        # a copy: the entry's metrics stay its own
+        extra = dict(stage_first_output=dict(route.first_output), edge_first_input=dict(route.first_input))
+        if route.audio.first_audio_time is not None or stage_audio:
+            extra.update(audio=dataclasses.replace(route.audio), stage_audio=stage_audio)
+        merged.metrics = dataclasses.replace(merged.metrics or RequestMetrics(arrival_time=route.arrival), **extra)
         return merged
 
     def reset_prefix_cache(self) -> dict[str, int]:

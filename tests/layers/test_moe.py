@@ -97,8 +97,19 @@ for t, e, k, h, i, dt in [(1, 8, 2, 64, 32, torch.float32), (5, 8, 3, 40, 24, to
         w_k, ids_k = triton_moe.route(logits, k, norm)
         routes.append((torch.equal(ids, ids_k), (w - w_k).abs().max().item()))
     ref = moe.fused_moe_ref(x, w13, w2, w, ids)
-    got = triton_moe.fused_moe_small(x, w13, w2, w, ids, block_k=(32, 16))
+    # default tiles, then K steps that leave H and I remainders, narrow column tiles, unrolled K loops
+    tiles_b = triton_moe.SmallTiles(up_n=8, up_k=32, up_unroll=2, down_n=4, down_k=16, down_unroll=2)
+    for tiles in (None, tiles_b):
+        got = triton_moe.fused_moe_small(x, w13, w2, w, ids, tiles=tiles)
+        small.append(((got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item(), str(dt)))
+    # the routing inside the gate-up launch (logits in, as the block calls it; w, ids above: norm off)
+    got = triton_moe.routed_moe_small(x, logits, w13, w2, k, False)
     small.append(((got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item(), str(dt)))
+    # with a shared expert's output and gate logit added in the down launch (the talker's block)
+    shared = (torch.randn(t, h).to(dt), torch.randn(t, 1).to(dt))
+    want = ref + torch.sigmoid(shared[1]) * shared[0]
+    got = triton_moe.routed_moe_small(x, logits, w13, w2, k, False, shared=shared)
+    small.append(((got.float() - want.float()).abs().max().item(), want.float().abs().max().item(), str(dt)))
 print(json.dumps({"grouped": grouped, "small": small, "routes": routes}))
 """
 
@@ -119,7 +130,7 @@ def test_triton_fused_moe_equals_reference_in_the_interpreter(interpreted):
 def test_small_t_moe_and_router_equal_reference_in_the_interpreter(interpreted):
     """The decode path (T*K <= SMALL_PAIRS): float32 to rounding of sums; 16-bit within 4e-3 of the
     peak (the K slots are summed in float32, the reference adds them in the model dtype)."""
-    assert len(interpreted["small"]) == 3
+    assert len(interpreted["small"]) == 12
     for err, peak, dtype in interpreted["small"]:
         assert err <= (1e-5 if dtype == "torch.float32" else 4e-3) * peak, (err, peak, dtype)
     for same_ids, err in interpreted["routes"]:

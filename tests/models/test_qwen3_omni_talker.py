@@ -267,3 +267,23 @@ def test_code2wav_whole_and_streamed_equal_transformers(folder, ref, run):
         short = ref.code2wav(torch.as_tensor(b[:, :7])[None]).reshape(-1).numpy()
     assert streamed["b"].shape == short.shape
     np.testing.assert_allclose(streamed["b"], short, atol=WAV_ATOL)
+
+
+def test_code2wav_chunks_grow_from_a_small_first_one_and_pad_to_few_windows(folder):
+    """The pipeline's code2wav options: chunks of 2, 2, 4, 8, 16 frames (each as long as the audio so
+    far), then 24; every decode window is padded to the longest of its place in that schedule."""
+    from omnistage.models.qwen3_omni.code2wav import Code2WavStage
+    from omnistage.models.qwen3_omni.pipeline import CODE2WAV_OPTIONS
+    from omnistage.models.qwen3_tts.codec import DecoderState
+
+    stage = Code2WavStage(folder, **CODE2WAV_OPTIONS)
+    state = DecoderState()
+    state.frames, state.start = [[0] * stage.decoder.groups] * 100, 0
+    sizes = []
+    while (chunk := stage.ready(state, input_done=False)) is not None:
+        sizes.append(chunk[1] - chunk[0])
+        state.done = chunk[1]
+    assert sizes[:7] == [2, 2, 4, 8, 16, 24, 24]
+    ahead = stage.decoder.look_ahead
+    assert stage.windows == [w + ahead for w in (2, 2 + 2, 4 + 4, 8 + 8, 16 + 16, 25 + 24)]
+    assert stage.window_frames(29 + ahead) == 32 + ahead and stage.window_frames(80) == 80

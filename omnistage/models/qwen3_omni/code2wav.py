@@ -12,7 +12,10 @@ runs on that code with two differences, declared here:
 Weights: the checkpoint's `code2wav.*` tensors, config.json `code2wav_config`; decoded in float32.
 Streaming, batching and chunk sizes are the Qwen3-TTS decoder stage's (`Qwen3TTSDecoderStage`): a
 small first chunk, then larger ones, each with left context and one frame of look-ahead, batched
-across requests with right padding.
+across requests with right padding. Here each chunk after the first is as long as the audio decoded
+so far (up to `chunk_frames`), and every decode is padded to the longest window of its place in that
+schedule (`windows`), each decoded once per batch size at start-up on a GPU, so no request waits for a
+first-use shape.
 """
 
 from __future__ import annotations
@@ -72,6 +75,46 @@ class Code2WavStage(Qwen3TTSDecoderStage):
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
             speakers = json.load(f)["talker_config"].get("speaker_id") or {}
         self.speakers = sorted(name.lower() for name in speakers)
+        self.windows = self._schedule_windows()     # the window lengths every decode is padded to
+        if torch.device(device).type == "cuda" and self.graphs is None:
+            self._warm_up()                         # with graphs, their capture met every shape already
+
+    def graph_lengths(self) -> list[int]:
+        return self._schedule_windows()
+
+    def chunk_frames_next(self, state) -> int:
+        """The first chunk, then each as long as the audio decoded so far, up to `chunk_frames`
+        (first 2: 2, 2, 4, 8, 16, 24, 24, ...): a small first chunk for an early first packet, and
+        the audio a listener holds doubles with each chunk, so the larger ones never leave it dry
+        while the talker runs faster than real time."""
+        return self._size_after(state.done - (state.start or 0))
+
+    def _size_after(self, done: int) -> int:
+        return self.first_chunk if done == 0 else min(self.chunk, max(self.first_chunk, done))
+
+    def _schedule_windows(self) -> list[int]:
+        """The longest window (context + chunk + look-ahead) of each chunk of the schedule above."""
+        ahead, done, windows = self.decoder.look_ahead, 0, set()
+        while True:
+            size = self._size_after(done)
+            windows.add(min(self.context, done) + size + ahead)
+            if size == self.chunk and done >= self.context:
+                return sorted(windows)
+            done += size
+
+    def window_frames(self, longest: int) -> int:
+        """The smallest of `windows` that holds `longest` frames: a GPU then sees a few decode shapes
+        only, each first met at start-up (`_warm_up`), not by a waiting listener (a new conv shape costs
+        a library plan / kernel selection on its first call)."""
+        return next((w for w in self.windows if w >= longest), longest)
+
+    def _warm_up(self) -> None:
+        """One decode of every window length at every batch size up to `max_batch` (zero codes); the
+        activations' memory goes back to the device after (stages sharing the GPU plan on what is free)."""
+        for rows in range(1, self.max_batch + 1):
+            for frames in self.windows:
+                self.decoder(torch.zeros(rows, self.decoder.groups, frames, dtype=torch.long))
+        torch.cuda.empty_cache()
 
     def voices(self) -> list[dict[str, Any]]:
         # any_case: the talker looks speakers up lowercased, so "Ethan" names "ethan" (HTTP checks agree)

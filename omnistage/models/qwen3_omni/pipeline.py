@@ -46,9 +46,10 @@ from omnistage.spec import EdgeSpec, PipelineSpec, StageSpec
 THINKER_WEIGHTS = ["thinker.model.", "thinker.lm_head."]
 TALKER_WEIGHTS = ["talker."]
 CODE2WAV_WEIGHTS = ["code2wav."]
-# 4 frames (320 ms of audio) first for a quick first packet, then 24 (fewer, larger decodes); 25
-# frames of left context as transformers' chunked_decode.
-CODE2WAV_OPTIONS = {"first_chunk_frames": 4, "chunk_frames": 24, "left_context_frames": 25}
+# 2 frames (160 ms of audio) first for a quick first packet, then chunks as long as the audio so far
+# (2, 4, 8, 16) up to 24 (fewer, larger decodes; code2wav.Code2WavStage); 25 frames of left context as
+# transformers' chunked_decode.
+CODE2WAV_OPTIONS = {"first_chunk_frames": 2, "chunk_frames": 24, "left_context_frames": 25}
 
 
 def talker_params(config) -> dict[str, Any]:

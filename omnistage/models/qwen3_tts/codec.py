@@ -115,8 +115,7 @@ class Qwen3TTSDecoderStage:
         self.capture_seconds = 0.0
         if cuda_graphs and self.decoder.device.type == "cuda":
             buckets = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch] + [max_batch]
-            lengths = sorted({first_chunk_frames + ahead, chunk_frames + left_context_frames + ahead,
-                              max(first_chunk_frames, chunk_frames) + left_context_frames + ahead})
+            lengths = self.graph_lengths()
             self.graph_shapes = (buckets, lengths)
             self.graphs = GraphCache(max_graphs=len(buckets) * len(lengths))
             start = time.perf_counter()
@@ -168,7 +167,7 @@ class Qwen3TTSDecoderStage:
 
     def ready(self, state: DecoderState, input_done: bool) -> Optional[tuple[int, int]]:
         pending = len(state.frames) - state.done
-        size = self.first_chunk if state.done == (state.start or 0) else self.chunk
+        size = self.chunk_frames_next(state)
         if pending >= size + self.decoder.look_ahead or (input_done and pending > 0):
             return state.done, state.done + min(pending, size)
         return None
@@ -182,7 +181,7 @@ class Qwen3TTSDecoderStage:
             contexts.append(ctx)
             tail = end + ahead > len(state.frames)  # the answer's last chunk: ends as the whole decode does
             keep.append((end - start) * up - (self.decoder.tail_loss if tail else 0))
-        longest = max(len(w) for w in windows)
+        longest = self.window_frames(max(len(w) for w in windows))
         codes = torch.zeros(len(windows), self.decoder.groups, longest, dtype=torch.long)
         for i, w in enumerate(windows):
             codes[i, :, :len(w)] = torch.tensor(w, dtype=torch.long).T
@@ -214,6 +213,21 @@ class Qwen3TTSDecoderStage:
             wav = self.graphs.run(shape, [padded], self.decoder)
             self._graphed += 1
         return wav[:b, :t * self.decoder.upsample]
+
+    def chunk_frames_next(self, state: DecoderState) -> int:
+        """Frames of the request's next chunk: `first_chunk_frames` for its first, then `chunk_frames`."""
+        return self.first_chunk if state.done == (state.start or 0) else self.chunk
+
+    def graph_lengths(self) -> list[int]:
+        """Every window length a decode can have (`chunk_frames_next`'s schedule, with context and
+        look-ahead): a first chunk's, a later chunk's."""
+        ahead = self.decoder.look_ahead
+        return sorted({self.first_chunk + ahead, self.chunk + self.context + ahead,
+                       max(self.first_chunk, self.chunk) + self.context + ahead})
+
+    def window_frames(self, longest: int) -> int:
+        """Frames a decode's windows are padded to on the right (the decoder is causal): the longest."""
+        return longest
 
     def sample_rate(self, state: DecoderState) -> int:
         return SAMPLE_RATE

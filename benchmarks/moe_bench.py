@@ -1,0 +1,210 @@
+"""Tile sweep of the Triton MoE decode path (`triton_moe.fused_moe_small`) on one GPU, against the floor.
+
+Run on the GPU machine:  PYTHONPATH=$PWD python benchmarks/moe_bench.py [--json out.json]   (< 60 s on an H200)
+
+Shapes (bf16, random weights; Qwen3-Omni-30B-A3B, `qwen3_omni_bench.py`'s config): the thinker's MoE
+(hidden 2048, 128 experts top-8, width 768) and the talker's (hidden 1024, 128 experts top-8, width 384,
+plus a shared expert of 768), at T = 1, 2, 4, 8 rows (T * top-k <= `triton_moe.SMALL_PAIRS`).
+
+Every time is per call, from a CUDA graph of CALLS calls, each call with its own rows and its own random
+experts (so the L2 cache, 50 MB on an H200, does not hold the previous call's experts, as in a decode step
+that goes through 48 layers). Per (shape, T):
+  * the gate-up kernel (routing inside, as the block runs it) and the down kernel alone, default tiles (`small_tiles`) and the best of a two-phase sweep
+    (column tile x K step at 4 warps, then num_warps, then the K-loop unroll factor at the best so far);
+  * the whole MoE block (`moe.SparseMoeBlock`: router GEMM, the one-launch router, both kernels, the
+    shared expert where there is one) with the default tiles and with the best ones;
+  * the floor: the bytes the block must read (distinct experts hit, router, shared expert) at the copy
+    bandwidth measured in the same run, and the block's share of it;
+  * a dense GEMM pair of the same active FLOPs (x @ [H, 2*I*K], then [T, I*K] @ [I*K, H]; cuBLAS) and
+    the sorted grouped-GEMM path (`triton_moe.fused_moe`) on the same inputs;
+  * the max abs error of `triton_moe.routed_moe_small` (routing in the gate-up launch, best tiles) against
+    `moe.route` + `moe.fused_moe_ref` on the same router logits, beside the reference's peak; and of the
+    whole block (the talker's shared expert term fused into the down launch) against its PyTorch path
+    (`fused.ENABLED` off).
+Then it prints `TUNED = {...}`: the best tiles per (T, top_k, hidden, width), to paste into
+`omnistage/layers/triton_moe.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+
+from omnistage.layers import fused, moe, triton_moe
+from omnistage.layers.triton_moe import SmallTiles
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ar_bench import copy_bandwidth  # noqa: E402  (one way of measuring it for every benchmark)
+from qwen3_omni_bench import TALKER_30B, THINKER_30B  # noqa: E402
+
+SHAPES = {"thinker": (THINKER_30B["hidden_size"], THINKER_30B["num_experts"], THINKER_30B["num_experts_per_tok"],
+                      THINKER_30B["moe_intermediate_size"], 0, True),
+          "talker": (TALKER_30B["hidden_size"], TALKER_30B["num_experts"], TALKER_30B["num_experts_per_tok"],
+                     TALKER_30B["moe_intermediate_size"], TALKER_30B["shared_expert_intermediate_size"], False)}
+TS = (1, 2, 4, 8)
+DEVICE = "cuda"
+CALLS = 16                                   # calls per graph, each on other experts
+MAX_TILE = 8192                              # elements of one weight tile (beyond: ~200+ registers or spills at 4 warps, sm_90)
+UP_NK = [(n, k) for n in (2, 4, 8, 16, 32) for k in (256, 512, 1024) if 2 * n * k <= MAX_TILE]
+DOWN_NK = [(n, k) for n in (2, 4, 8, 16) for k in (64, 128, 256, 512)]
+WARPS = (2, 4, 8)                            # phase 2 (num_warps; num_stages changes nothing here)
+UNROLLS = (2, 4)                             # phase 3: K-loop unroll factors (1 is phases 1-2)
+
+
+def per_call_us(launch, calls: int = CALLS) -> float:
+    """Median us per call of `launch(i)` for i < calls, replayed from one CUDA graph."""
+    for i in range(calls):                   # compiles, and proves there is no host sync below
+        launch(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            launch(i)
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(7):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(4):
+            graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / (4 * calls))
+    return sorted(times)[len(times) // 2]
+
+
+def sweep(time_with, base: SmallTiles, prefix: str, nk: list, k_bound: int, slots: int) -> tuple[float, SmallTiles]:
+    """Three phases over one kernel's fields (`prefix` up / down): (n, k) at base's warps, then the warps
+    at the best (n, k), then the K-loop unroll factor. Returns (us, tiles) of the fastest."""
+    def timed_or_inf(tiles: SmallTiles) -> float:
+        try:
+            return time_with(tiles)
+        except Exception as e:                  # e.g. a tile the compiler refuses: skipped, said
+            print(f"skipped {tiles}: {type(e).__name__}: {str(e)[:200]}")
+            return float("inf")
+
+    best = (float("inf"), base)
+    for n, k in nk:
+        if k > 2 * k_bound or slots * n * k > MAX_TILE:
+            continue
+        tiles = dataclasses.replace(base, **{f"{prefix}_n": n, f"{prefix}_k": k})
+        best = min(best, (timed_or_inf(tiles), tiles), key=lambda r: r[0])
+    for w in WARPS:
+        tiles = dataclasses.replace(best[1], **{f"{prefix}_warps": w})
+        best = min(best, (timed_or_inf(tiles), tiles), key=lambda r: r[0])
+    for u in UNROLLS:
+        tiles = dataclasses.replace(best[1], **{f"{prefix}_unroll": u})
+        best = min(best, (timed_or_inf(tiles), tiles), key=lambda r: r[0])
+    return best
+
+
+def block_of(h: int, e: int, k: int, inter: int, shared: int, norm: bool, w13, w2) -> moe.SparseMoeBlock:
+    block = moe.SparseMoeBlock(h, e, k, inter, norm, shared).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, h ** -0.5)
+        block.w13.copy_(w13)
+        block.w2.copy_(w2)
+    return block
+
+
+def run_shape(name: str, bandwidth: float) -> tuple[list, dict]:
+    h, e, k, inter, shared, norm = SHAPES[name]
+    w13 = (torch.randn(e, 2 * inter, h, device=DEVICE) * h ** -0.5).bfloat16()
+    w2 = (torch.randn(e, h, inter, device=DEVICE) * inter ** -0.5).bfloat16()
+    block = block_of(h, e, k, inter, shared, norm, w13, w2)
+    dense_a = torch.randn(h, 2 * inter * k, device=DEVICE, dtype=torch.bfloat16)
+    dense_b = torch.randn(inter * k, h, device=DEVICE, dtype=torch.bfloat16)
+    rows, tuned = [], {}
+    for t in TS:
+        xs = [torch.randn(t, h, device=DEVICE, dtype=torch.bfloat16) for _ in range(CALLS)]
+        logits = [torch.randn(t, e, device=DEVICE) for _ in range(CALLS)]
+        routed = [moe.route(z, k, norm) for z in logits]
+        default = triton_moe.small_tiles(t, k, h, inter, torch.cuda.get_device_properties(DEVICE).multi_processor_count)
+        mids = [triton_moe.small_gate_up(xs[i], w13, routed[i][1], default) for i in range(CALLS)]
+
+        ids_out = torch.empty(t, k, dtype=torch.int64, device=DEVICE)
+        weights_out = torch.empty(t, k, dtype=torch.float32, device=DEVICE)
+
+        def up_us(tiles):                        # with the routing inside, as the block runs it
+            return per_call_us(lambda i: triton_moe.small_gate_up(xs[i], w13, ids_out, tiles,
+                                                                   routing=(logits[i], weights_out, norm)))
+
+        def down_us(tiles):
+            return per_call_us(lambda i: triton_moe.small_down(mids[i], w2, routed[i][0], routed[i][1], tiles))
+
+        up_best, up_tiles = sweep(up_us, default, "up", UP_NK, h, 2)
+        down_best, down_tiles = sweep(down_us, default, "down", DOWN_NK, inter, triton_moe.triton.next_power_of_2(k))
+        best = dataclasses.replace(up_tiles, **{f: getattr(down_tiles, f) for f in
+                                                ("down_n", "down_k", "down_warps", "down_unroll")})
+        with torch.no_grad():
+            layer_default = per_call_us(lambda i: block(xs[i]))
+            triton_moe.TUNED[(t, k, h, inter)] = best
+            layer_best = per_call_us(lambda i: block(xs[i]))
+            del triton_moe.TUNED[(t, k, h, inter)]
+        dense = per_call_us(lambda i: (xs[i] @ dense_a)[:, :inter * k] @ dense_b)
+        sorted_path = per_call_us(lambda i: triton_moe.fused_moe(xs[i], w13, w2, *routed[i]))
+        # the path the block runs (routing inside the gate-up launch) on router logits, best tiles
+        with torch.no_grad():                   # the whole block (shared expert included) vs its PyTorch path
+            fast_block = block(xs[0])
+            fused.ENABLED = False
+            ref_block = block(xs[0])
+            fused.ENABLED = True
+        block_err = (fast_block.float() - ref_block.float()).abs().max().item()
+        ref = moe.fused_moe_ref(xs[0], w13, w2, *routed[0])
+        got = triton_moe.routed_moe_small(xs[0], logits[0], w13, w2, k, norm, tiles=best)
+        hit = sum(r[1].unique().numel() for r in routed) / CALLS
+        weight_bytes = 2 * (hit * 3 * inter * h + e * h + (3 * shared * h + h if shared else 0))
+        floor_us = weight_bytes / bandwidth * 1e6
+        rows.append(dict(shape=name, T=t, up_default_us=up_us(default), up_best_us=up_best,
+                         down_default_us=down_us(default), down_best_us=down_best,
+                         layer_default_us=layer_default, layer_best_us=layer_best, floor_us=floor_us,
+                         floor_share=floor_us / layer_best, dense_same_flops_us=dense, sorted_path_us=sorted_path,
+                         err=(got.float() - ref.float()).abs().max().item(), peak=ref.float().abs().max().item(),
+                         block_err=block_err, block_peak=ref_block.float().abs().max().item(),
+                         best=dataclasses.asdict(best)))
+        tuned[(t, k, h, inter)] = best
+    return rows, tuned
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    bandwidth = copy_bandwidth()
+    rows, tuned = [], {}
+    for name in SHAPES:
+        r, t = run_shape(name, bandwidth)
+        rows += r
+        tuned.update(t)
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; us per call from CUDA graphs")
+    print(f"{'shape':<8} {'T':>2} {'up def':>7} {'up best':>7} {'dn def':>7} {'dn best':>7} {'layer def':>9} "
+          f"{'layer best':>10} {'floor':>6} {'% floor':>7} {'dense':>6} {'sorted':>7} {'err':>8} {'peak':>6} "
+          f"{'block err':>9} {'peak':>6}")
+    for r in rows:
+        print(f"{r['shape']:<8} {r['T']:>2} {r['up_default_us']:>7.1f} {r['up_best_us']:>7.1f} "
+              f"{r['down_default_us']:>7.1f} {r['down_best_us']:>7.1f} {r['layer_default_us']:>9.1f} "
+              f"{r['layer_best_us']:>10.1f} {r['floor_us']:>6.1f} {100 * r['floor_share']:>6.0f}% "
+              f"{r['dense_same_flops_us']:>6.1f} {r['sorted_path_us']:>7.1f} {r['err']:>8.1e} {r['peak']:>6.2f} "
+              f"{r['block_err']:>9.1e} {r['block_peak']:>6.2f}")
+    print("\nTUNED = {")
+    for key, tiles in tuned.items():
+        print(f"    {key}: {tiles!r},")
+    print("}")
+    print(f"\n({time.perf_counter() - start:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

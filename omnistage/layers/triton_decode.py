@@ -1,0 +1,285 @@
+"""Fused small-M GEMVs for decode steps: a decoder layer in ~6 launches (CUDA; the Triton interpreter runs
+them on CPU tensors in tests; `reference` is the PyTorch maths everywhere else).
+
+In: activation rows x [M, K] (bf16 / fp16, M <= MAX_M: a decode step's tokens), a weight w [N, K] in x's
+dtype or float8_e4m3fn with one float32 scale per output row, an optional bias, and what rides along:
+  prologue  `residual`: h = x + residual first (h is also returned: the residual stream), and/or
+            `norm_weight`: RMSNorm(h) * norm_weight (each program recomputes the row's norm: the row
+            is only hidden-size long)
+  epilogue  `gated`: w holds [gate | up] rows and the output is silu(gate) * up (each program owns the
+            gate and the up rows of its columns); `add`: out + add (the residual add after o / down)
+Out: [M, N] (gated: [M, N / 2]) in x's dtype, and h with `residual`.
+
+A decoder layer at M <= MAX_M (models/llama.py) then runs: input RMSNorm + qkv (+ bias), rotary and
+KV write (`fused.rotary_and_cache`), paged decode attention, o_proj + residual, post-attention RMSNorm +
+gate_up + SiLU*mul, down + residual.
+
+How the weight is read at bandwidth: each program owns BLOCK_N output columns and one of SPLIT_K slices
+of K, so a small-N matrix (o, down: N = hidden) still gives every SM several programs. With SPLIT_K > 1
+each program stores its float32 partial sums and takes a ticket from a per-column-block counter; the
+program that takes the last ticket adds the SPLIT_K partials in slice order (deterministic: the same
+sum whichever program finishes last), runs the epilogue and resets the counter to 0 (so a CUDA graph
+replays it as captured). M == 1 multiplies and reduces on CUDA cores; M > 1 uses `tl.dot` on a 16-row
+tile (rows masked, never padded in memory). FP8 weights take the same kernel: converted in registers,
+scaled per output row after the sum, so they read half the bytes. No host syncs; the grid depends only
+on the shapes (captured in the AR engine's decode graphs). Tiles: `TILES` (an H200 sweep of
+benchmarks/decode_layer_bench.py --sweep) or `tiles`' rule.
+
+Rounding follows the unfused path (what the model runs on CPU and for M > MAX_M): h, the normed rows,
+the linear's output, silu(gate) and the sums are rounded to x's dtype where the unfused path stores
+them, so outputs differ from `reference` by float32 summation order only. `ENABLED` is read from
+`OMNISTAGE_DECODE_KERNELS` ("0": off) at import; benchmarks flip it to time the unfused layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnistage.layers import fused
+from omnistage.layers.fp8_linear import Fp8Linear
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:                             # CPU-only installs: the unfused path
+    triton = None
+
+ENABLED = os.environ.get("OMNISTAGE_DECODE_KERNELS", "1") != "0"
+MAX_M = 8                                       # rows these kernels serve (decode steps up to batch 8)
+MAX_SPLIT = 16                                  # most K slices per column block
+# (M, N, K, weight bytes, gated) -> (BLOCK_N, BLOCK_K, SPLIT_K, use_dot, num_warps, num_stages); filled from
+# `benchmarks/decode_layer_bench.py --sweep` on an H200 (N: weight rows; M: the rows of the captured batch)
+TILES: dict[tuple[int, int, int, int, bool], tuple[int, int, int, bool, int, int]] = {}
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None,
+              bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
+              norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6, gated: bool = False,
+              add: Optional[torch.Tensor] = None):
+    """The unfused path's maths: the same arguments and results as `decode_gemv`."""
+    h = x if residual is None else x + residual
+    xn = h if norm_weight is None else fused.rms_norm_ref(h, norm_weight, eps).to(x.dtype)
+    wf = w.float() if scale is None else w.float() * scale.float()
+    y = xn.float() @ wf.t()
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(x.dtype)
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    if add is not None:
+        y = y + add
+    return y if residual is None else (y, h)
+
+
+if triton is not None:
+    @triton.jit
+    def _rows_in(x_ptr, r_ptr, h_ptr, rm, k, mask, stride_x, stride_r, stride_h, HAS_RES: tl.constexpr, store_h):
+        """x rows (plus the residual, rounded, stored once as h) [BLOCK_M, BLOCK_K]."""
+        x = tl.load(x_ptr + rm[:, None] * stride_x + k[None, :], mask=mask, other=0.0)
+        if HAS_RES:
+            r = tl.load(r_ptr + rm[:, None] * stride_r + k[None, :], mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            tl.store(h_ptr + rm[:, None] * stride_h + k[None, :], x, mask=mask & store_h)
+        return x
+
+    @triton.jit
+    def _partial(x, w_ptr, rn, k, w_mask, stride_w, USE_DOT: tl.constexpr):
+        w = tl.load(w_ptr + rn[:, None] * stride_w + k[None, :], mask=w_mask, other=0.0)
+        if USE_DOT:
+            return tl.dot(x, tl.trans(w.to(x.dtype)))
+        return tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+
+    @triton.jit
+    def _finish(acc, acc_up, scale_ptr, bias_ptr, add_ptr, out_ptr, rm, rn, m_ok, n_ok, N, stride_add, stride_out,
+                HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_ADD: tl.constexpr):
+        """Scale, bias (the linear's output rounded), silu(gate) * up, + add; store [BLOCK_M, BLOCK_N]."""
+        dt = out_ptr.dtype.element_ty
+        if HAS_SCALE:
+            acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
+            if GATED:
+                acc_up = acc_up * tl.load(scale_ptr + N + rn, mask=n_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_up = acc_up + tl.load(bias_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y = acc.to(dt).to(tl.float32)
+        if GATED:
+            y = (y / (1.0 + tl.exp(-y))).to(dt).to(tl.float32) * acc_up.to(dt).to(tl.float32)
+        mask = m_ok[:, None] & n_ok[None, :]
+        if HAS_ADD:
+            y = y.to(dt).to(tl.float32) + tl.load(add_ptr + rm[:, None] * stride_add + rn[None, :], mask=mask,
+                                                  other=0.0).to(tl.float32)
+        tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], y.to(dt), mask=mask)
+
+    # M is not specialized on: one compile serves every decode batch bucket of a shape
+    @triton.jit(do_not_specialize=["M"])
+    def _decode_gemv_kernel(x_ptr, r_ptr, h_ptr, nw_ptr, w_ptr, scale_ptr, bias_ptr, add_ptr, out_ptr, part_ptr,
+                            count_ptr, M, N, K, eps, stride_x, stride_r, stride_h, stride_w, stride_add, stride_out,
+                            HAS_RES: tl.constexpr, NORM: tl.constexpr, HAS_SCALE: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_ADD: tl.constexpr,
+                            USE_DOT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        n_ok = rn < N
+        m_ok = rm < M
+        if NORM:                                        # the whole rows' mean square, in every program
+            ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + rk
+                xm = m_ok[:, None] & (k < K)[None, :]
+                h = _rows_in(x_ptr, r_ptr, h_ptr, rm, k, xm, stride_x, stride_r, stride_h, HAS_RES, False)
+                h = h.to(tl.float32)
+                ss += tl.sum(h * h, axis=1)
+            rstd = tl.rsqrt(ss / K + eps)
+        k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_lo = pid_k * k_per
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_lo, tl.minimum(K, k_lo + k_per), BLOCK_K):
+            k = k0 + rk
+            k_ok = k < K
+            xm = m_ok[:, None] & k_ok[None, :]
+            x = _rows_in(x_ptr, r_ptr, h_ptr, rm, k, xm, stride_x, stride_r, stride_h, HAS_RES, pid_n == 0)
+            if NORM:
+                dt = x.dtype
+                nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+                x = ((x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32) * nw[None, :]).to(dt)
+            w_mask = n_ok[:, None] & k_ok[None, :]
+            acc += _partial(x, w_ptr, rn, k, w_mask, stride_w, USE_DOT)
+            if GATED:
+                acc_up += _partial(x, w_ptr + N * stride_w, rn, k, w_mask, stride_w, USE_DOT)
+        if SPLIT_K == 1:
+            _finish(acc, acc_up, scale_ptr, bias_ptr, add_ptr, out_ptr, rm, rn, m_ok, n_ok, N, stride_add, stride_out,
+                    HAS_SCALE, HAS_BIAS, GATED, HAS_ADD)
+        else:
+            # partials [SPLIT_K, 2, BLOCK_M, N] float32; the last program of the column block reduces them
+            tile = rm[:, None] * N + rn[None, :]
+            pmask = m_ok[:, None] & n_ok[None, :]
+            slab = 2 * BLOCK_M * N
+            tl.store(part_ptr + pid_k * slab + tile, acc, mask=pmask)
+            if GATED:
+                tl.store(part_ptr + pid_k * slab + BLOCK_M * N + tile, acc_up, mask=pmask)
+            tl.debug_barrier()                          # every thread's partials before the ticket
+            ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+            if ticket == SPLIT_K - 1:
+                tl.debug_barrier()
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for s in range(0, SPLIT_K):
+                    acc += tl.load(part_ptr + s * slab + tile, mask=pmask, other=0.0, cache_modifier=".cg")
+                    if GATED:
+                        acc_up += tl.load(part_ptr + s * slab + BLOCK_M * N + tile, mask=pmask, other=0.0,
+                                          cache_modifier=".cg")
+                _finish(acc, acc_up, scale_ptr, bias_ptr, add_ptr, out_ptr, rm, rn, m_ok, n_ok, N, stride_add,
+                        stride_out, HAS_SCALE, HAS_BIAS, GATED, HAS_ADD)
+                tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4                                # the interpreter: small grids, split-K still exercised
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTER_SLOTS = 1 << 16
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The split-K tickets, one int32 per column block, zero between launches (each launch resets its own).
+    One buffer per device serves every call: launches on a stream run one after another. Made on the first
+    call (the decode graphs' warm-up steps run before capture)."""
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
+def tiles(m: int, n: int, k: int, weight_bytes: int, gated: bool, sms: int) -> tuple[int, int, int, bool, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, use_dot, num_warps, num_stages) for an [m, k] x [n, k]^T product (n:
+    the weight's rows). The swept `TILES` entry when there is one; else M == 1: CUDA-core reduce over 8
+    weight rows (4 per half when gated) and 1 KiB of each row per step; M > 1: a 16-row `tl.dot` tile of 16
+    columns and 512 B of each row per step; then the fewest K slices (a power of two, each at least two
+    K steps) that give every SM 4 programs."""
+    hit = TILES.get((m, n, k, weight_bytes, gated))
+    if hit is not None:
+        return hit
+    use_dot = m > 1
+    cols = n // 2 if gated else n
+    block_n = 16 if use_dot else (4 if gated else 8)
+    block_k = max(16, min((512 if use_dot else 1024) // weight_bytes, triton.next_power_of_2(k)))
+    blocks = triton.cdiv(cols, block_n)
+    split = 1
+    while split < MAX_SPLIT and blocks * split < 4 * sms and k >= 4 * split * block_k:
+        split *= 2
+    return block_n, block_k, split, use_dot, 4, 2
+
+
+def decode_gemv(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None,
+                bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
+                norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6, gated: bool = False,
+                add: Optional[torch.Tensor] = None, config: Optional[tuple] = None):
+    """x [M, K] (M <= MAX_M), w [N, K] contiguous (x's dtype with scale None, or fp8 with `scale` [N, 1] float32),
+    bias [N], residual [M, K], norm_weight [K], add [M, N or N / 2] or None -> out [M, N] ([M, N / 2] gated),
+    and with `residual` (out, x + residual). `config`: `tiles`' tuple, overriding it (the tile sweep)."""
+    m, k = x.shape
+    n = w.shape[0]
+    if m > MAX_M or w.shape[1] != k or (gated and n % 2):
+        raise ValueError(f"decode_gemv: x {tuple(x.shape)} and w {tuple(w.shape)} need M <= {MAX_M}, equal K "
+                         "and (gated) an even N")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    cols = n // 2 if gated else n
+    out = torch.empty(m, cols, device=x.device, dtype=x.dtype)
+    h = torch.empty_like(x) if residual is not None else x
+    r = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
+    a = add if add is None or add.stride(-1) == 1 else add.contiguous()
+    block_n, block_k, split, use_dot, warps, stages = config or tiles(m, n, k, w.element_size(), gated,
+                                                                      _num_sms(x.device))
+    block_m = 16 if use_dot else triton.next_power_of_2(m)
+    grid = (triton.cdiv(cols, block_n), split)
+    part = torch.empty(split * 2 * block_m * cols if split > 1 else 1, device=x.device, dtype=torch.float32)
+    count = _counters(x.device)
+    if grid[0] > count.numel():
+        raise ValueError(f"decode_gemv: {grid[0]} column blocks, more than the {count.numel()} split-K counters")
+    _decode_gemv_kernel[grid](
+        x, x if r is None else r, h, x if norm_weight is None else norm_weight, w, w if scale is None else scale,
+        w if bias is None else bias, x if a is None else a, out, part, count, m, cols, k, eps,
+        x.stride(0), 0 if r is None else r.stride(0), h.stride(0), w.stride(0), 0 if a is None else a.stride(0),
+        out.stride(0), HAS_RES=r is not None, NORM=norm_weight is not None, HAS_SCALE=scale is not None,
+        HAS_BIAS=bias is not None, GATED=gated, HAS_ADD=a is not None, USE_DOT=use_dot, SPLIT_K=split,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    return out if residual is None else (out, h)
+
+
+def weights(linear: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(weight, per-row scale or None, bias or None) of an `nn.Linear` or `Fp8Linear`."""
+    if isinstance(linear, Fp8Linear):
+        return linear.weight_fp8, linear.weight_scale, linear.bias
+    return linear.weight, None, linear.bias
+
+
+def serves(x: torch.Tensor, *linears: nn.Module) -> bool:
+    """Whether the fused kernels run rows like `x` through `linears`: CUDA with Triton, both switches on
+    (`ENABLED`, fused.ENABLED), at most MAX_M 16-bit rows, every linear a plain `nn.Linear` in x's dtype
+    or an `Fp8Linear` (tensor-parallel shards are other types: they keep the unfused path)."""
+    if not (ENABLED and fused.use_triton(x) and x.dim() == 2 and x.shape[0] <= MAX_M
+            and x.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    for lin in linears:
+        if type(lin) is nn.Linear:
+            if lin.weight.dtype != x.dtype or not lin.weight.is_contiguous():
+                return False
+        elif type(lin) is not Fp8Linear:
+            return False
+    return True

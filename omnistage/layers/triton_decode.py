@@ -118,13 +118,13 @@ if triton is not None:
                                                   other=0.0).to(tl.float32)
         tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], y.to(dt), mask=mask)
 
-    # M is not specialized on: one compile serves every decode batch bucket of a shape
-    @triton.jit(do_not_specialize=["M"])
+    # M and SPLIT_K are not specialized on: one compile serves every decode batch bucket and K split of a shape
+    @triton.jit(do_not_specialize=["M", "SPLIT_K"])
     def _decode_gemv_kernel(x_ptr, r_ptr, h_ptr, nw_ptr, w_ptr, scale_ptr, bias_ptr, add_ptr, out_ptr, part_ptr,
-                            count_ptr, M, N, K, eps, stride_x, stride_r, stride_h, stride_w, stride_add, stride_out,
+                            count_ptr, M, N, K, SPLIT_K, eps, stride_x, stride_r, stride_h, stride_w, stride_add, stride_out,
                             HAS_RES: tl.constexpr, NORM: tl.constexpr, HAS_SCALE: tl.constexpr,
                             HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_ADD: tl.constexpr,
-                            USE_DOT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                            USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -254,10 +254,10 @@ def decode_gemv(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] 
         raise ValueError(f"decode_gemv: {grid[0]} column blocks, more than the {count.numel()} split-K counters")
     _decode_gemv_kernel[grid](
         x, x if r is None else r, h, x if norm_weight is None else norm_weight, w, w if scale is None else scale,
-        w if bias is None else bias, x if a is None else a, out, part, count, m, cols, k, eps,
+        w if bias is None else bias, x if a is None else a, out, part, count, m, cols, k, split, eps,
         x.stride(0), 0 if r is None else r.stride(0), h.stride(0), w.stride(0), 0 if a is None else a.stride(0),
         out.stride(0), HAS_RES=r is not None, NORM=norm_weight is not None, HAS_SCALE=scale is not None,
-        HAS_BIAS=bias is not None, GATED=gated, HAS_ADD=a is not None, USE_DOT=use_dot, SPLIT_K=split,
+        HAS_BIAS=bias is not None, GATED=gated, HAS_ADD=a is not None, USE_DOT=use_dot,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out if residual is None else (out, h)
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -53,15 +54,37 @@ except ImportError:                             # CPU-only installs: the unfused
 ENABLED = os.environ.get("OMNISTAGE_DECODE_KERNELS", "1") != "0"
 MAX_M = 8                                       # rows these kernels serve (decode steps up to batch 8)
 MAX_SPLIT = 16                                  # most K slices per column block
-# (M, N, K, weight bytes, gated) -> (BLOCK_N, BLOCK_K, SPLIT_K, use_dot, num_warps, num_stages); filled from
+# (M, N, K, weight bytes, two rows per column: gated or rotary pairs) -> (BLOCK_N, BLOCK_K, SPLIT_K, use_dot, num_warps, num_stages); filled from
 # `benchmarks/decode_layer_bench.py --sweep` on an H200 (N: weight rows; M: the rows of the captured batch)
 TILES: dict[tuple[int, int, int, int, bool], tuple[int, int, int, bool, int, int]] = {}
+
+
+@dataclass
+class Rope:
+    """The qkv GEMV's epilogue (`decode_gemv(..., rope=)`): what `fused.rotary_and_cache` does after it."""
+
+    cos: torch.Tensor                           # [M, D] float32: each row's rotary cos (`RotaryEmbedding.tables`)
+    sin: torch.Tensor                           # [M, D] float32: each row's rotary sin
+    heads: int                                  # query heads H (the weight's rows: (H + 2 KVH) * D)
+    kv_heads: int                               # key / value heads KVH
+    head_dim: int                               # D, even
+    cache: Optional[torch.Tensor]               # [2, blocks, block_size, KVH, D] KV cache, or None: no write
+    slots: Optional[torch.Tensor]               # [M] long: each row's cache slot (block * block_size + offset)
+    q_norm: Optional[nn.Module] = None          # per-head RMSNorm of q (Qwen3; with k_norm) or None
+    k_norm: Optional[nn.Module] = None          # per-head RMSNorm of k or None
+
+
+def rope_fuses(head_dim: int, qk_norm: bool) -> bool:
+    """Whether the qkv epilogue takes the rotary: D even, and with q / k norms D / 2 a power of two (one
+    head per program)."""
+    half = head_dim // 2
+    return head_dim % 2 == 0 and (not qk_norm or half & (half - 1) == 0)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None,
               bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
               norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6, gated: bool = False,
-              add: Optional[torch.Tensor] = None):
+              add: Optional[torch.Tensor] = None, rope: Optional[Rope] = None):
     """The unfused path's maths: the same arguments and results as `decode_gemv`."""
     h = x if residual is None else x + residual
     xn = h if norm_weight is None else fused.rms_norm_ref(h, norm_weight, eps).to(x.dtype)
@@ -75,6 +98,13 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = 
         y = F.silu(gate) * up
     if add is not None:
         y = y + add
+    if rope is not None:
+        t, d = y.shape[0], rope.head_dim
+        q, k, v = y.split([rope.heads * d, rope.kv_heads * d, rope.kv_heads * d], dim=-1)
+        v = v.reshape(t, -1, d)
+        q, k = fused.rotary_and_cache(q.reshape(t, -1, d), k.reshape(t, -1, d), v, rope.cos, rope.sin, rope.cache,
+                                      rope.slots, rope.q_norm, rope.k_norm)
+        y = (q, k, v)
     return y if residual is None else (y, h)
 
 
@@ -97,42 +127,103 @@ if triton is not None:
         return tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
     @triton.jit
-    def _finish(acc, acc_up, scale_ptr, bias_ptr, add_ptr, out_ptr, rm, rn, m_ok, n_ok, N, stride_add, stride_out,
-                HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_ADD: tl.constexpr):
-        """Scale, bias (the linear's output rounded), silu(gate) * up, + add; store [BLOCK_M, BLOCK_N]."""
+    def _finish(acc, acc2, scale_ptr, bias_ptr, add_ptr, out_ptr, M, rm, rn, row1, row2, m_ok, n_ok, stride_add,
+                stride_out, cos_ptr, sin_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, stride_cs, q_eps, k_eps,
+                HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                GATED: tl.constexpr, ROPE: tl.constexpr, HAS_ADD: tl.constexpr, H: tl.constexpr,
+                KVH: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, WRITE: tl.constexpr):
+        """Scale, bias (the linear's output rounded), then silu(gate) * up, + add, or the rotary; store."""
         dt = out_ptr.dtype.element_ty
         if HAS_SCALE:
-            acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
-            if GATED:
-                acc_up = acc_up * tl.load(scale_ptr + N + rn, mask=n_ok, other=0.0)[None, :]
+            acc = acc * tl.load(scale_ptr + row1, mask=n_ok, other=0.0)[None, :]
+            if GATED or ROPE:
+                acc2 = acc2 * tl.load(scale_ptr + row2, mask=n_ok, other=0.0)[None, :]
         if HAS_BIAS:
-            acc = acc + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            if GATED:
-                acc_up = acc_up + tl.load(bias_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc = acc + tl.load(bias_ptr + row1, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if GATED or ROPE:
+                acc2 = acc2 + tl.load(bias_ptr + row2, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         y = acc.to(dt).to(tl.float32)
-        if GATED:
-            y = (y / (1.0 + tl.exp(-y))).to(dt).to(tl.float32) * acc_up.to(dt).to(tl.float32)
         mask = m_ok[:, None] & n_ok[None, :]
-        if HAS_ADD:
-            y = y.to(dt).to(tl.float32) + tl.load(add_ptr + rm[:, None] * stride_add + rn[None, :], mask=mask,
-                                                  other=0.0).to(tl.float32)
-        tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], y.to(dt), mask=mask)
+        if ROPE:
+            _rope(y, acc2.to(dt).to(tl.float32), out_ptr, M, rm, rn, row1, m_ok, n_ok, cos_ptr, sin_ptr,
+                  qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, stride_cs, q_eps, k_eps, H, KVH, HALF, QK_NORM, WRITE)
+        else:
+            if GATED:
+                y = (y / (1.0 + tl.exp(-y))).to(dt).to(tl.float32) * acc2.to(dt).to(tl.float32)
+            if HAS_ADD:
+                y = y.to(dt).to(tl.float32) + tl.load(add_ptr + rm[:, None] * stride_add + rn[None, :], mask=mask,
+                                                      other=0.0).to(tl.float32)
+            tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], y.to(dt), mask=mask)
+
+    @triton.jit
+    def _rope(y1, y2, out_ptr, M, rm, rn, row1, m_ok, n_ok, cos_ptr, sin_ptr, qw_ptr, kw_ptr, kc_ptr,
+              vc_ptr, slot_ptr, stride_cs, q_eps, k_eps, H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
+              QK_NORM: tl.constexpr, WRITE: tl.constexpr):
+        """q|k|v columns (i, i + HALF) of heads in y1, y2 [BLOCK_M, BLOCK_N]: per-head RMSNorm of q and k
+        (QK_NORM: the program holds one whole head), the rotation of q and k, stores, k and v into their slots."""
+        dt = out_ptr.dtype.element_ty
+        mask = m_ok[:, None] & n_ok[None, :]
+        head = rn // HALF
+        i = rn % HALF
+        is_q = head < H
+        is_k = (head >= H) & (head < H + KVH)
+        rot = (is_q | is_k)[None, :]
+        if QK_NORM:
+            eps = tl.where(is_q, q_eps, k_eps)[None, :]
+            rstd = tl.rsqrt(tl.sum(y1 * y1 + y2 * y2, axis=1)[:, None] / (2 * HALF) + eps)
+            w1 = tl.where(is_q, tl.load(qw_ptr + i, mask=n_ok & is_q, other=0.0),
+                          tl.load(kw_ptr + i, mask=n_ok & is_k, other=0.0)).to(tl.float32)[None, :]
+            w2 = tl.where(is_q, tl.load(qw_ptr + HALF + i, mask=n_ok & is_q, other=0.0),
+                          tl.load(kw_ptr + HALF + i, mask=n_ok & is_k, other=0.0)).to(tl.float32)[None, :]
+            y1 = tl.where(rot, ((y1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32), y1)
+            y2 = tl.where(rot, ((y2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32), y2)
+        cs = rm[:, None] * stride_cs + i[None, :]
+        c1 = tl.load(cos_ptr + cs, mask=mask, other=0.0)
+        c2 = tl.load(cos_ptr + cs + HALF, mask=mask, other=0.0)
+        s1 = tl.load(sin_ptr + cs, mask=mask, other=0.0)
+        s2 = tl.load(sin_ptr + cs + HALF, mask=mask, other=0.0)
+        o1 = tl.where(rot, y1 * c1 - y2 * s1, y1).to(dt)
+        o2 = tl.where(rot, y2 * c2 + y1 * s2, y2).to(dt)
+        # out: q [M, H * D] contiguous (what the attention kernels read), then k | v [M, 2 * KVH * D]
+        q_off = rm[:, None] * (H * 2 * HALF) + row1[None, :]
+        kv_off = M * (H * 2 * HALF) + rm[:, None] * (2 * KVH * 2 * HALF) + (row1 - H * 2 * HALF)[None, :]
+        off = tl.where(is_q[None, :], q_off, kv_off)
+        tl.store(out_ptr + off, o1, mask=mask)
+        tl.store(out_ptr + off + HALF, o2, mask=mask)
+        if WRITE:
+            kvd = KVH * 2 * HALF                        # one slot's k (or v) row: [KVH, D]
+            slot = tl.load(slot_ptr + rm, mask=m_ok, other=0).to(tl.int64)[:, None] * kvd
+            k_off = slot + (row1 - H * 2 * HALF)[None, :]
+            kmask = mask & is_k[None, :]
+            vmask = mask & (head >= H + KVH)[None, :]
+            tl.store(kc_ptr + k_off, o1.to(kc_ptr.dtype.element_ty), mask=kmask)
+            tl.store(kc_ptr + k_off + HALF, o2.to(kc_ptr.dtype.element_ty), mask=kmask)
+            tl.store(vc_ptr + k_off - kvd, o1.to(vc_ptr.dtype.element_ty), mask=vmask)
+            tl.store(vc_ptr + k_off - kvd + HALF, o2.to(vc_ptr.dtype.element_ty), mask=vmask)
 
     # M and SPLIT_K are not specialized on: one compile serves every decode batch bucket and K split of a shape
     @triton.jit(do_not_specialize=["M", "SPLIT_K"])
     def _decode_gemv_kernel(x_ptr, r_ptr, h_ptr, nw_ptr, w_ptr, scale_ptr, bias_ptr, add_ptr, out_ptr, part_ptr,
-                            count_ptr, M, N, K, SPLIT_K, eps, stride_x, stride_r, stride_h, stride_w, stride_add, stride_out,
-                            HAS_RES: tl.constexpr, NORM: tl.constexpr, HAS_SCALE: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_ADD: tl.constexpr,
-                            USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            count_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr,
+                            M, N, K, SPLIT_K, eps, q_eps, k_eps, stride_x, stride_r, stride_h, stride_w, stride_add,
+                            stride_out, stride_cs, HAS_RES: tl.constexpr, NORM: tl.constexpr,
+                            HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                            HAS_ADD: tl.constexpr, ROPE: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr,
+                            HALF: tl.constexpr, QK_NORM: tl.constexpr, WRITE: tl.constexpr, USE_DOT: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)   # output columns (ROPE: rotary pairs (i, i + HALF) of heads)
         rm = tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         n_ok = rn < N
         m_ok = rm < M
+        if ROPE:
+            row1 = (rn // HALF) * (2 * HALF) + rn % HALF
+            row2 = row1 + HALF
+        else:
+            row1 = rn
+            row2 = rn + N                               # GATED: the up row of each gate row
         if NORM:                                        # the whole rows' mean square, in every program
             ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -145,7 +236,7 @@ if triton is not None:
         k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
         k_lo = pid_k * k_per
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_lo, tl.minimum(K, k_lo + k_per), BLOCK_K):
             k = k0 + rk
             k_ok = k < K
@@ -156,33 +247,35 @@ if triton is not None:
                 nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
                 x = ((x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32) * nw[None, :]).to(dt)
             w_mask = n_ok[:, None] & k_ok[None, :]
-            acc += _partial(x, w_ptr, rn, k, w_mask, stride_w, USE_DOT)
-            if GATED:
-                acc_up += _partial(x, w_ptr + N * stride_w, rn, k, w_mask, stride_w, USE_DOT)
+            acc += _partial(x, w_ptr, row1, k, w_mask, stride_w, USE_DOT)
+            if GATED or ROPE:
+                acc2 += _partial(x, w_ptr, row2, k, w_mask, stride_w, USE_DOT)
         if SPLIT_K == 1:
-            _finish(acc, acc_up, scale_ptr, bias_ptr, add_ptr, out_ptr, rm, rn, m_ok, n_ok, N, stride_add, stride_out,
-                    HAS_SCALE, HAS_BIAS, GATED, HAS_ADD)
+            _finish(acc, acc2, scale_ptr, bias_ptr, add_ptr, out_ptr, M, rm, rn, row1, row2, m_ok, n_ok, stride_add,
+                    stride_out, cos_ptr, sin_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, stride_cs, q_eps, k_eps,
+                    HAS_SCALE, HAS_BIAS, GATED, ROPE, HAS_ADD, H, KVH, HALF, QK_NORM, WRITE)
         else:
             # partials [SPLIT_K, 2, BLOCK_M, N] float32; the last program of the column block reduces them
             tile = rm[:, None] * N + rn[None, :]
             pmask = m_ok[:, None] & n_ok[None, :]
             slab = 2 * BLOCK_M * N
             tl.store(part_ptr + pid_k * slab + tile, acc, mask=pmask)
-            if GATED:
-                tl.store(part_ptr + pid_k * slab + BLOCK_M * N + tile, acc_up, mask=pmask)
+            if GATED or ROPE:
+                tl.store(part_ptr + pid_k * slab + BLOCK_M * N + tile, acc2, mask=pmask)
             tl.debug_barrier()                          # every thread's partials before the ticket
             ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
             if ticket == SPLIT_K - 1:
                 tl.debug_barrier()
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for s in range(0, SPLIT_K):
                     acc += tl.load(part_ptr + s * slab + tile, mask=pmask, other=0.0, cache_modifier=".cg")
-                    if GATED:
-                        acc_up += tl.load(part_ptr + s * slab + BLOCK_M * N + tile, mask=pmask, other=0.0,
-                                          cache_modifier=".cg")
-                _finish(acc, acc_up, scale_ptr, bias_ptr, add_ptr, out_ptr, rm, rn, m_ok, n_ok, N, stride_add,
-                        stride_out, HAS_SCALE, HAS_BIAS, GATED, HAS_ADD)
+                    if GATED or ROPE:
+                        acc2 += tl.load(part_ptr + s * slab + BLOCK_M * N + tile, mask=pmask, other=0.0,
+                                        cache_modifier=".cg")
+                _finish(acc, acc2, scale_ptr, bias_ptr, add_ptr, out_ptr, M, rm, rn, row1, row2, m_ok, n_ok, stride_add,
+                        stride_out, cos_ptr, sin_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, stride_cs, q_eps, k_eps,
+                        HAS_SCALE, HAS_BIAS, GATED, ROPE, HAS_ADD, H, KVH, HALF, QK_NORM, WRITE)
                 tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
@@ -206,18 +299,18 @@ def _counters(device: torch.device) -> torch.Tensor:
     return _COUNTERS[device]
 
 
-def tiles(m: int, n: int, k: int, weight_bytes: int, gated: bool, sms: int) -> tuple[int, int, int, bool, int, int]:
+def tiles(m: int, n: int, k: int, weight_bytes: int, two: bool, sms: int) -> tuple[int, int, int, bool, int, int]:
     """(BLOCK_N, BLOCK_K, SPLIT_K, use_dot, num_warps, num_stages) for an [m, k] x [n, k]^T product (n:
-    the weight's rows). The swept `TILES` entry when there is one; else M == 1: CUDA-core reduce over 8
-    weight rows (4 per half when gated) and 1 KiB of each row per step; M > 1: a 16-row `tl.dot` tile of 16
+    the weight's rows; `two`: each output column reads two of them: gate and up, or a rotary pair). The swept
+    `TILES` entry when there is one; else M == 1: CUDA-core reduce over 8 weight rows (4 pairs when `two`) and 1 KiB of each row per step; M > 1: a 16-row `tl.dot` tile of 16
     columns and 512 B of each row per step; then the fewest K slices (a power of two, each at least two
     K steps) that give every SM 4 programs."""
-    hit = TILES.get((m, n, k, weight_bytes, gated))
+    hit = TILES.get((m, n, k, weight_bytes, two))
     if hit is not None:
         return hit
     use_dot = m > 1
-    cols = n // 2 if gated else n
-    block_n = 16 if use_dot else (4 if gated else 8)
+    cols = n // 2 if two else n
+    block_n = 16 if use_dot else (4 if two else 8)
     block_k = max(16, min((512 if use_dot else 1024) // weight_bytes, triton.next_power_of_2(k)))
     blocks = triton.cdiv(cols, block_n)
     split = 1
@@ -229,37 +322,63 @@ def tiles(m: int, n: int, k: int, weight_bytes: int, gated: bool, sms: int) -> t
 def decode_gemv(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None,
                 bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
                 norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6, gated: bool = False,
-                add: Optional[torch.Tensor] = None, config: Optional[tuple] = None):
+                add: Optional[torch.Tensor] = None, rope: Optional[Rope] = None, config: Optional[tuple] = None):
     """x [M, K] (M <= MAX_M), w [N, K] contiguous (x's dtype with scale None, or fp8 with `scale` [N, 1] float32),
-    bias [N], residual [M, K], norm_weight [K], add [M, N or N / 2] or None -> out [M, N] ([M, N / 2] gated),
-    and with `residual` (out, x + residual). `config`: `tiles`' tuple, overriding it (the tile sweep)."""
+    bias [N], residual [M, K], norm_weight [K], add [M, N or N / 2] or None -> out [M, N] ([M, N / 2] gated;
+    with `rope`: (q [M, H, D], k, v [M, KVH, D]), q and k normed (Qwen3) and rotated, k and v also stored in
+    their cache slots),
+    and with `residual` (out, x + residual). `config`: `tiles`' tuple, overriding it (the tile sweep; with
+    q / k norms BLOCK_N is one head's pairs whatever it says)."""
     m, k = x.shape
     n = w.shape[0]
-    if m > MAX_M or w.shape[1] != k or (gated and n % 2):
+    two = gated or rope is not None                 # two weight rows per output column block entry
+    if m > MAX_M or w.shape[1] != k or (two and n % 2):
         raise ValueError(f"decode_gemv: x {tuple(x.shape)} and w {tuple(w.shape)} need M <= {MAX_M}, equal K "
-                         "and (gated) an even N")
+                         "and (gated, rope) an even N")
+    if rope is not None and (n != (rope.heads + 2 * rope.kv_heads) * rope.head_dim
+                             or not rope_fuses(rope.head_dim, rope.q_norm is not None)):
+        raise ValueError(f"decode_gemv: rope needs N = (heads + 2 kv_heads) * head_dim and `rope_fuses`; got N {n}")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    cols = n // 2 if gated else n
-    out = torch.empty(m, cols, device=x.device, dtype=x.dtype)
+    cols = n // 2 if two else n                     # gated: output columns; rope: rotary pairs
+    out = torch.empty(m * n if rope is not None else (m, cols), device=x.device, dtype=x.dtype)
     h = torch.empty_like(x) if residual is not None else x
     r = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
     a = add if add is None or add.stride(-1) == 1 else add.contiguous()
-    block_n, block_k, split, use_dot, warps, stages = config or tiles(m, n, k, w.element_size(), gated,
+    block_n, block_k, split, use_dot, warps, stages = config or tiles(m, n, k, w.element_size(), two,
                                                                       _num_sms(x.device))
+    qk_norm = rope is not None and rope.q_norm is not None
+    if qk_norm:
+        block_n = rope.head_dim // 2
     block_m = 16 if use_dot else triton.next_power_of_2(m)
     grid = (triton.cdiv(cols, block_n), split)
     part = torch.empty(split * 2 * block_m * cols if split > 1 else 1, device=x.device, dtype=torch.float32)
     count = _counters(x.device)
     if grid[0] > count.numel():
         raise ValueError(f"decode_gemv: {grid[0]} column blocks, more than the {count.numel()} split-K counters")
+    write = rope is not None and rope.cache is not None
+    cos, sin = (rope.cos.contiguous(), rope.sin.contiguous()) if rope is not None else (x, x)
+    kc, vc = (rope.cache[0], rope.cache[1]) if write else (x, x)
+    qw, kw = (rope.q_norm.weight, rope.k_norm.weight) if qk_norm else (x, x)
     _decode_gemv_kernel[grid](
         x, x if r is None else r, h, x if norm_weight is None else norm_weight, w, w if scale is None else scale,
-        w if bias is None else bias, x if a is None else a, out, part, count, m, cols, k, split, eps,
-        x.stride(0), 0 if r is None else r.stride(0), h.stride(0), w.stride(0), 0 if a is None else a.stride(0),
-        out.stride(0), HAS_RES=r is not None, NORM=norm_weight is not None, HAS_SCALE=scale is not None,
-        HAS_BIAS=bias is not None, GATED=gated, HAS_ADD=a is not None, USE_DOT=use_dot,
+        w if bias is None else bias, x if a is None else a, out, part, count, cos, sin, qw, kw, kc, vc,
+        rope.slots if write else x, m, cols, k, split, eps, rope.q_norm.eps if qk_norm else 0.0,
+        rope.k_norm.eps if qk_norm else 0.0, x.stride(0), 0 if r is None else r.stride(0), h.stride(0), w.stride(0),
+        0 if a is None else a.stride(0), out.stride(0) if rope is None else 0, cos.stride(0), HAS_RES=r is not None,
+        NORM=norm_weight is not None, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, GATED=gated,
+        HAS_ADD=a is not None, ROPE=rope is not None, H=rope.heads if rope else 0, KVH=rope.kv_heads if rope else 0,
+        HALF=rope.head_dim // 2 if rope else 1, QK_NORM=qk_norm, WRITE=write, USE_DOT=use_dot,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    if rope is not None:
+        out = _split_heads(out, m, rope)
     return out if residual is None else (out, h)
+
+
+def _split_heads(flat: torch.Tensor, m: int, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rope epilogue's output [M * H * D | M * 2 * KVH * D] -> q [M, H, D] contiguous, k and v [M, KVH, D]."""
+    d, q_len = rope.head_dim, m * rope.heads * rope.head_dim
+    kv = flat[q_len:].view(m, 2, rope.kv_heads, d)
+    return flat[:q_len].view(m, rope.heads, d), kv[:, 0], kv[:, 1]
 
 
 def weights(linear: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:

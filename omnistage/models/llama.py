@@ -63,21 +63,32 @@ class Attention(nn.Module):
         return self.o_proj(self._attend(self.qkv_proj(x), rope, meta))
 
     def fused_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: RMSNorm, rope, meta) -> torch.Tensor:
-        """A decode step's attention block at <= triton_decode.MAX_M rows: norm(x + residual) -> qkv (one
-        kernel), rotary + KV write, attention, o_proj + the residual add (one kernel) -> the residual stream."""
+        """A decode step's attention block at <= triton_decode.MAX_M rows: norm(x + residual) -> qkv + bias ->
+        (q / k norms) rotary, KV write (one kernel), attention, o_proj + the residual add (one kernel) -> the
+        residual stream."""
+        fuse_rope = triton_decode.rope_fuses(self.head_dim, self.q_norm is not None)
+        epilogue = triton_decode.Rope(*rope, self.num_heads, self.num_kv_heads, self.head_dim, self.kv_cache,
+                                      meta.slot_mapping, self.q_norm, self.k_norm) if fuse_rope else None
         qkv = triton_decode.decode_gemv(x, *triton_decode.weights(self.qkv_proj), norm_weight=norm.weight,
-                                        eps=norm.eps, residual=residual)
+                                        eps=norm.eps, residual=residual, rope=epilogue)
         qkv, h = (qkv, x) if residual is None else qkv
-        o = self._attend(qkv, rope, meta)
+        if fuse_rope:
+            o = attend(*qkv, self.kv_cache, meta, self.scale).reshape(x.shape[0], self.q_size)
+        else:
+            o = self._attend(qkv, rope, meta)
         return triton_decode.decode_gemv(o, *triton_decode.weights(self.o_proj), add=h)
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T, q + 2 kv] -> q [T, H, D], k and v [T, KVH, D] (views)."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+                v.view(t, self.num_kv_heads, self.head_dim))
 
     def _attend(self, qkv: torch.Tensor, rope, meta: AttentionMetadata) -> torch.Tensor:
         """qkv [T, q + 2 kv] -> rotary (+ q/k norms) and KV write, attention -> [T, q_size]."""
         t = qkv.shape[0]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self._heads(qkv)
         q, k = fused.rotary_and_cache(q, k, v, *rope, self.kv_cache, meta.slot_mapping, self.q_norm, self.k_norm)
         return attend(q, k, v, self.kv_cache, meta, self.scale).reshape(t, self.q_size)
 

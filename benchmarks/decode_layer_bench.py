@@ -5,7 +5,7 @@
         [--models 1.5B | 7B] [--rows 1,2,4,8] [--budget 55]      # one shape set per run keeps it under 60 s
 
 (i) For each decoder GEMV of the Qwen2.5-1.5B and -7B shapes with the fusions the layer runs (qkv: residual
-    add + RMSNorm prologue, bias; o: residual epilogue; gate_up: RMSNorm prologue, SiLU*mul; down: residual),
+    add + RMSNorm prologue, bias, rotary + KV write; o: residual epilogue; gate_up: RMSNorm prologue, SiLU*mul; down: residual),
     bf16 and FP8 weights, M = 1, 2, 4, 8: every candidate tile (BLOCK_N, BLOCK_K, SPLIT_K, dot, warps, stages)
     timed in a CUDA graph (checked against `triton_decode.reference` first), the best beside the default
     tiles, cuBLAS (bf16 F.linear, the GEMV alone) and the floor (weight bytes / copy bandwidth); then the
@@ -108,7 +108,7 @@ def gemv_cases(shape: dict):
     """(layer name, weight rows N, K, decode_gemv keyword arguments but the weights) per decoder GEMV."""
     h, inter = shape["hidden_size"], shape["intermediate_size"]
     qkv = h + 2 * shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
-    return [("qkv", qkv, h, dict(residual=True, norm=True, bias=True)), ("o", h, h, dict(add=True)),
+    return [("qkv", qkv, h, dict(residual=True, norm=True, bias=True, rope=True)), ("o", h, h, dict(add=True)),
             ("gate_up", 2 * inter, h, dict(norm=True, gated=True)), ("down", h, inter, dict(add=True))]
 
 
@@ -153,7 +153,8 @@ def sweep(models: list[str], rows: list[int], budget: float) -> None:
                               else None, gated=bool(flags.get("gated")),
                               add=torch.randn(m, out_cols, device="cuda", dtype=torch.bfloat16) if flags.get("add")
                               else None)
-                    first = lambda o: o[0] if isinstance(o, tuple) else o  # noqa: E731
+                    if flags.get("rope"):
+                        kw["rope"] = sweep_rope(MODELS[name], m)
                     ref = first(triton_decode.reference(x, w, scale, **kw))
                     default = graph_us(lambda: triton_decode.decode_gemv(x, w, scale, **kw))
                     best = (float("inf"), None)
@@ -167,11 +168,30 @@ def sweep(models: list[str], rows: list[int], budget: float) -> None:
                         best = min(best, (t, cfg))
                     cublas = graph_us(lambda: F.linear(x, w16))
                     floor = n * k * w.element_size() / bw * 1e6
-                    best_tiles[(m, n, k, w.element_size(), bool(flags.get("gated")))] = best[1]
+                    best_tiles[(m, n, k, w.element_size(), bool(flags.get("gated") or flags.get("rope")))] = best[1]
                     print(f"| {name} | {layer} ({n} x {k}) | {'fp8' if fp8 else 'bf16'} | {m} | {default:.1f} "
                           f"| {best[0]:.1f} | {best[1]} | {cublas:.1f} | {floor:.1f} | {100 * floor / best[0]:.0f}% |",
                           flush=True)
     print_tiles(best_tiles)
+
+
+def sweep_rope(shape: dict, m: int):
+    """The qkv epilogue's inputs for M rows: rotary angles, a KV cache and distinct slots (Qwen2: no q/k norms)."""
+    from omnistage.layers import triton_decode
+
+    heads, kvh = shape["num_attention_heads"], shape["num_key_value_heads"]
+    d = shape["hidden_size"] // heads
+    angle = torch.rand(m, d // 2, device="cuda") * 6
+    cache = torch.zeros(2, m, BLOCK, kvh, d, device="cuda", dtype=torch.bfloat16)
+    return triton_decode.Rope(torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1), heads, kvh, d,
+                              cache, torch.arange(m, device="cuda") * BLOCK)
+
+
+def first(out) -> torch.Tensor:
+    """decode_gemv's main output as one tensor: drops h (with a residual), joins the rope epilogue's q, k, v."""
+    if isinstance(out, tuple) and len(out) == 2:
+        out = out[0]
+    return torch.cat([t.reshape(t.shape[0], -1) for t in out], -1) if isinstance(out, tuple) else out
 
 
 def print_tiles(best: dict) -> None:

@@ -1,4 +1,4 @@
-"""Fused small-M GEMVs for decode steps: a decoder layer in ~6 launches (CUDA; the Triton interpreter runs
+"""Fused small-M GEMVs for decode steps: a decoder layer in 5 launches (CUDA; the Triton interpreter runs
 them on CPU tensors in tests; `reference` is the PyTorch maths everywhere else).
 
 In: activation rows x [M, K] (bf16 / fp16, M <= MAX_M: a decode step's tokens), a weight w [N, K] in x's
@@ -7,12 +7,15 @@ dtype or float8_e4m3fn with one float32 scale per output row, an optional bias, 
             `norm_weight`: RMSNorm(h) * norm_weight (each program recomputes the row's norm: the row
             is only hidden-size long)
   epilogue  `gated`: w holds [gate | up] rows and the output is silu(gate) * up (each program owns the
-            gate and the up rows of its columns); `add`: out + add (the residual add after o / down)
-Out: [M, N] (gated: [M, N / 2]) in x's dtype, and h with `residual`.
+            gate and the up rows of its columns); `add`: out + add (the residual add after o / down);
+            `rope` (`Rope`, the qkv projection): per-head q / k RMSNorm (Qwen3), the rotary on q and k,
+            k and v stored into their KV-cache slots (each program owns rotary pairs (i, i + D/2) of
+            heads; with q / k norms one whole head)
+Out: [M, N] (gated: [M, N / 2]; rope: q [M, H, D] contiguous, k and v [M, KVH, D]) in x's dtype, and h
+with `residual`. Called by models/llama.py's decoder layers, in the stage process.
 
-A decoder layer at M <= MAX_M (models/llama.py) then runs: input RMSNorm + qkv (+ bias), rotary and
-KV write (`fused.rotary_and_cache`), paged decode attention, o_proj + residual, post-attention RMSNorm +
-gate_up + SiLU*mul, down + residual.
+A decoder layer at M <= MAX_M (models/llama.py) then runs: input RMSNorm + qkv + bias + rotary + KV write,
+paged decode attention, o_proj + residual, post-attention RMSNorm + gate_up + SiLU*mul, down + residual.
 
 How the weight is read at bandwidth: each program owns BLOCK_N output columns and one of SPLIT_K slices
 of K, so a small-N matrix (o, down: N = hidden) still gives every SM several programs. With SPLIT_K > 1

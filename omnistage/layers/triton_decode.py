@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -289,17 +290,20 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_COUNTER_SLOTS = 1 << 16
+_OWN = SimpleNamespace()                        # owner of the tickets of calls that pass none
+_COUNTER_SLOTS = 1 << 14                         # column blocks a launch may have (7B gate_up at 4 per block: 4736)
 
 
-def _counters(device: torch.device) -> torch.Tensor:
-    """The split-K tickets, one int32 per column block, zero between launches (each launch resets its own).
-    One buffer per device serves every call: launches on a stream run one after another. Made on the first
-    call (the decode graphs' warm-up steps run before capture)."""
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
+def counters(owner, device: torch.device) -> torch.Tensor:
+    """`owner`'s split-K tickets, one int32 per column block, zero between launches (each launch resets its
+    own). Its launches run one after another on one stream, so one buffer serves all of them; callers that
+    may run side by side (stages sharing a GPU, each on its own stream) pass different owners. Made on
+    the first call (the decode graphs' warm-up steps run before capture)."""
+    if "_decode_counters" not in owner.__dict__:
+        owner._decode_counters = {}             # device -> tickets (a plain attribute: no state_dict entry)
+    if device not in owner._decode_counters:
+        owner._decode_counters[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return owner._decode_counters[device]
 
 
 def tiles(m: int, n: int, k: int, weight_bytes: int, two: bool, sms: int) -> tuple[int, int, int, bool, int, int]:
@@ -325,13 +329,15 @@ def tiles(m: int, n: int, k: int, weight_bytes: int, two: bool, sms: int) -> tup
 def decode_gemv(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None,
                 bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
                 norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6, gated: bool = False,
-                add: Optional[torch.Tensor] = None, rope: Optional[Rope] = None, config: Optional[tuple] = None):
+                add: Optional[torch.Tensor] = None, rope: Optional[Rope] = None, config: Optional[tuple] = None,
+                tickets: Optional[torch.Tensor] = None):
     """x [M, K] (M <= MAX_M), w [N, K] contiguous (x's dtype with scale None, or fp8 with `scale` [N, 1] float32),
     bias [N], residual [M, K], norm_weight [K], add [M, N or N / 2] or None -> out [M, N] ([M, N / 2] gated;
     with `rope`: (q [M, H, D], k, v [M, KVH, D]), q and k normed (Qwen3) and rotated, k and v also stored in
     their cache slots),
     and with `residual` (out, x + residual). `config`: `tiles`' tuple, overriding it (the tile sweep; with
-    q / k norms BLOCK_N is one head's pairs whatever it says)."""
+    q / k norms BLOCK_N is one head's pairs whatever it says). `tickets`: `counters(owner, device)` of the
+    caller (None: this module's own, for callers that never run on two streams at once)."""
     m, k = x.shape
     n = w.shape[0]
     two = gated or rope is not None                 # two weight rows per output column block entry
@@ -350,12 +356,13 @@ def decode_gemv(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] 
     block_n, block_k, split, use_dot, warps, stages = config or tiles(m, n, k, w.element_size(), two,
                                                                       _num_sms(x.device))
     qk_norm = rope is not None and rope.q_norm is not None
-    if qk_norm:
+    if qk_norm:                                     # one head per program; its weight tile kept in registers' reach
         block_n = rope.head_dim // 2
+        block_k = max(16, min(block_k, 8192 // block_n))
     block_m = 16 if use_dot else triton.next_power_of_2(m)
     grid = (triton.cdiv(cols, block_n), split)
     part = torch.empty(split * 2 * block_m * cols if split > 1 else 1, device=x.device, dtype=torch.float32)
-    count = _counters(x.device)
+    count = counters(_OWN, x.device) if tickets is None else tickets
     if grid[0] > count.numel():
         raise ValueError(f"decode_gemv: {grid[0]} column blocks, more than the {count.numel()} split-K counters")
     write = rope is not None and rope.cache is not None

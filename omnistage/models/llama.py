@@ -65,21 +65,22 @@ class Attention(nn.Module):
         """x [T, hidden]; rope: the step's cos, sin rows [T, head_dim] (`RotaryEmbedding.tables`)."""
         return self.o_proj(self._attend(self.qkv_proj(x), rope, meta))
 
-    def fused_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: RMSNorm, rope, meta) -> torch.Tensor:
+    def fused_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: RMSNorm, rope, meta,
+                      tickets: torch.Tensor) -> torch.Tensor:
         """A decode step's attention block at <= triton_decode.MAX_M rows: norm(x + residual) -> qkv + bias ->
         (q / k norms) rotary, KV write (one kernel), attention, o_proj + the residual add (one kernel) -> the
-        residual stream."""
+        residual stream. `tickets`: the layer's split-K counters (`triton_decode.counters`)."""
         fuse_rope = triton_decode.rope_fuses(self.head_dim, self.q_norm is not None)
         epilogue = triton_decode.Rope(*rope, self.num_heads, self.num_kv_heads, self.head_dim, self.kv_cache,
                                       meta.slot_mapping, self.q_norm, self.k_norm) if fuse_rope else None
         qkv = triton_decode.decode_gemv(x, *triton_decode.weights(self.qkv_proj), norm_weight=norm.weight,
-                                        eps=norm.eps, residual=residual, rope=epilogue)
+                                        eps=norm.eps, residual=residual, rope=epilogue, tickets=tickets)
         qkv, h = (qkv, x) if residual is None else qkv
         if fuse_rope:
             o = attend(*qkv, self.kv_cache, meta, self.scale).reshape(x.shape[0], self.q_size)
         else:
             o = self._attend(qkv, rope, meta)
-        return triton_decode.decode_gemv(o, *triton_decode.weights(self.o_proj), add=h)
+        return triton_decode.decode_gemv(o, *triton_decode.weights(self.o_proj), add=h, tickets=tickets)
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, q + 2 kv] -> q [T, H, D], k and v [T, KVH, D] (views)."""
@@ -111,12 +112,12 @@ class MLP(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)     # this rank's halves under tensor parallelism
         return self.down_proj(self.act(gate) * up)
 
-    def fused_forward(self, h: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    def fused_forward(self, h: torch.Tensor, norm: RMSNorm, tickets: torch.Tensor) -> torch.Tensor:
         """A decode step's MLP block at <= triton_decode.MAX_M rows (SiLU): norm(h) -> gate_up -> silu * mul
         (one kernel), down + the residual add (one kernel) -> the residual stream."""
         act = triton_decode.decode_gemv(h, *triton_decode.weights(self.gate_up_proj), norm_weight=norm.weight,
-                                        eps=norm.eps, gated=True)
-        return triton_decode.decode_gemv(act, *triton_decode.weights(self.down_proj), add=h)
+                                        eps=norm.eps, gated=True, tickets=tickets)
+        return triton_decode.decode_gemv(act, *triton_decode.weights(self.down_proj), add=h, tickets=tickets)
 
 
 class DecoderLayer(nn.Module):
@@ -134,10 +135,12 @@ class DecoderLayer(nn.Module):
         GEMV kernels instead, and a dense layer returns its residual stream whole: (h, None)."""
         attn = self.self_attn
         if triton_decode.serves(x, attn.qkv_proj, attn.o_proj):
-            h = attn.fused_forward(x, residual, self.input_layernorm, rope, meta)
+            # the layer's own tickets: stages sharing a GPU run their layers side by side on their own streams
+            tickets = triton_decode.counters(self, x.device)
+            h = attn.fused_forward(x, residual, self.input_layernorm, rope, meta, tickets)
             mlp = self.mlp
             if isinstance(mlp, MLP) and mlp.act is None and triton_decode.serves(h, mlp.gate_up_proj, mlp.down_proj):
-                return mlp.fused_forward(h, self.post_attention_layernorm), None
+                return mlp.fused_forward(h, self.post_attention_layernorm, tickets), None
             return self.mlp(self.post_attention_layernorm(h)), h
         if residual is None:
             h, residual = self.input_layernorm(x), x

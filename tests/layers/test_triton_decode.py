@@ -77,7 +77,7 @@ for m, nh, kvh, d, qkn, dt, fp8, cfg in [(1, 4, 2, 16, False, torch.float16, Tru
     for a, b in zip(outs[1], outs[0]):
         out["gemv"].append([str(dt), err(a, b)])
     out["gemv"].append([str(dt), err(caches[1], caches[0])])
-assert not td._counters(torch.device("cpu")).any(), "split-K tickets left non-zero"
+assert not td.counters(td._OWN, torch.device("cpu")).any(), "split-K tickets left non-zero"
 assert td.tiles(1, 40, 96, 1, False, 4)[2] == 1 and td.tiles(1, 24, 4096, 2, False, 4)[2] > 1
 
 # models: every decoder layer through DecoderLayer.forward, the fused path forced on CPU tensors (on CUDA
@@ -117,6 +117,8 @@ for cls, cfgc, m, dt, fp8 in [(Qwen2ForCausalLM, Qwen2Config, 1, torch.float16, 
         with torch.no_grad():
             res[fused_on] = (model(ids, pos, meta), caches)
     td.serves = serves
+    assert all("_decode_counters" in layer.__dict__ and not td.counters(layer, torch.device("cpu")).any()
+               for layer in model.layers), "a layer's tickets missing or left non-zero"
     out["layers"].append([str(dt), err(res[True][0], res[False][0])]
                          + [err(a, b) for a, b in zip(res[True][1], res[False][1])])
 print(json.dumps(out))

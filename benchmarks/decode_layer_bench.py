@@ -5,7 +5,8 @@
         [--models 1.5B | 7B] [--rows 1,2,4,8] [--budget 55]      # one shape set per run keeps it under 60 s
 
 (i) For each decoder GEMV of the Qwen2.5-1.5B and -7B shapes with the fusions the layer runs (qkv: residual
-    add + RMSNorm prologue, bias, rotary + KV write; o: residual epilogue; gate_up: RMSNorm prologue, SiLU*mul; down: residual),
+    add + RMSNorm prologue, bias, rotary + KV write; o: residual epilogue; gate_up: RMSNorm prologue,
+    SiLU*mul; down: residual),
     bf16 and FP8 weights, M = 1, 2, 4, 8: every candidate tile (BLOCK_N, BLOCK_K, SPLIT_K, dot, warps, stages)
     timed in a CUDA graph (checked against `triton_decode.reference` first), the best beside the default
     tiles, cuBLAS (bf16 F.linear, the GEMV alone) and the floor (weight bytes / copy bandwidth); then the
@@ -43,7 +44,8 @@ def layer_model(shape: dict, fp8: bool):
     from omnistage.models.llama import Qwen2ForCausalLM
 
     cfg = Qwen2Config(**shape, num_hidden_layers=1, vocab_size=1024, max_position_embeddings=4096)
-    model = Qwen2ForCausalLM(cfg, 4096).to("cuda", torch.bfloat16).eval()
+    with torch.device("cuda"):                  # weights drawn on the GPU (the 7B layer is 0.9 GB in float32)
+        model = Qwen2ForCausalLM(cfg, 4096).to(torch.bfloat16).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

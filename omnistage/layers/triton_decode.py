@@ -30,7 +30,8 @@ benchmarks/decode_layer_bench.py --sweep) or `tiles`' rule.
 
 Rounding follows the unfused path (what the model runs on CPU and for M > MAX_M): h, the normed rows,
 the linear's output, silu(gate) and the sums are rounded to x's dtype where the unfused path stores
-them, so outputs differ from `reference` by float32 summation order only. `ENABLED` is read from
+them, so outputs differ from `reference` by float32 summation order only (and in the rotation by
+rounding once where `fused.rotary_ref` rounds thrice). `ENABLED` is read from
 `OMNISTAGE_DECODE_KERNELS` ("0": off) at import; benchmarks flip it to time the unfused layer.
 """
 
@@ -58,8 +59,9 @@ except ImportError:                             # CPU-only installs: the unfused
 ENABLED = os.environ.get("OMNISTAGE_DECODE_KERNELS", "1") != "0"
 MAX_M = 8                                       # rows these kernels serve (decode steps up to batch 8)
 MAX_SPLIT = 16                                  # most K slices per column block
-# (M, N, K, weight bytes, two rows per column: gated or rotary pairs) -> (BLOCK_N, BLOCK_K, SPLIT_K, use_dot, num_warps, num_stages); filled from
-# `benchmarks/decode_layer_bench.py --sweep` on an H200 (N: weight rows; M: the rows of the captured batch)
+# (M, N, K, weight bytes, two rows per column: gated or rotary pairs) -> (BLOCK_N, BLOCK_K, SPLIT_K, use_dot,
+# num_warps, num_stages); filled from `benchmarks/decode_layer_bench.py --sweep` on an H200 (N: weight rows;
+# M: the rows of the captured batch)
 TILES: dict[tuple[int, int, int, int, bool], tuple[int, int, int, bool, int, int]] = {}
 
 
@@ -308,10 +310,11 @@ def counters(owner, device: torch.device) -> torch.Tensor:
 
 def tiles(m: int, n: int, k: int, weight_bytes: int, two: bool, sms: int) -> tuple[int, int, int, bool, int, int]:
     """(BLOCK_N, BLOCK_K, SPLIT_K, use_dot, num_warps, num_stages) for an [m, k] x [n, k]^T product (n:
-    the weight's rows; `two`: each output column reads two of them: gate and up, or a rotary pair). The swept
-    `TILES` entry when there is one; else M == 1: CUDA-core reduce over 8 weight rows (4 pairs when `two`) and 1 KiB of each row per step; M > 1: a 16-row `tl.dot` tile of 16
-    columns and 512 B of each row per step; then the fewest K slices (a power of two, each at least two
-    K steps) that give every SM 4 programs."""
+    the weight's rows; `two`: each output column reads two of them: gate and up, or a rotary pair). The
+    swept `TILES` entry when there is one; else M == 1: CUDA-core reduce over 8 weight rows (4 pairs when
+    `two`) and 1 KiB of each row per step; M > 1: a 16-row `tl.dot` tile of 16 columns and 512 B of each
+    row per step; then the fewest K slices (a power of two, each at least two K steps) that give every SM
+    4 programs (1.5B down_proj at M = 1: 4 slices, 768 programs)."""
     hit = TILES.get((m, n, k, weight_bytes, two))
     if hit is not None:
         return hit
@@ -402,7 +405,7 @@ def serves(x: torch.Tensor, *linears: nn.Module) -> bool:
     """Whether the fused kernels run rows like `x` through `linears`: CUDA with Triton, both switches on
     (`ENABLED`, fused.ENABLED), at most MAX_M 16-bit rows, every linear a plain `nn.Linear` in x's dtype
     or an `Fp8Linear` (tensor-parallel shards are other types: they keep the unfused path)."""
-    if not (ENABLED and fused.use_triton(x) and x.dim() == 2 and x.shape[0] <= MAX_M
+    if not (ENABLED and fused.use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= MAX_M
             and x.dtype in (torch.bfloat16, torch.float16)):
         return False
     for lin in linears:

@@ -116,13 +116,12 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = 
 
 if triton is not None:
     @triton.jit
-    def _rows_in(x_ptr, r_ptr, h_ptr, rm, k, mask, stride_x, stride_r, stride_h, HAS_RES: tl.constexpr, store_h):
-        """x rows (plus the residual, rounded, stored once as h) [BLOCK_M, BLOCK_K]."""
+    def _rows_in(x_ptr, r_ptr, rm, k, mask, stride_x, stride_r, HAS_RES: tl.constexpr):
+        """x rows (plus the residual, rounded) [BLOCK_M, BLOCK_K]."""
         x = tl.load(x_ptr + rm[:, None] * stride_x + k[None, :], mask=mask, other=0.0)
         if HAS_RES:
             r = tl.load(r_ptr + rm[:, None] * stride_r + k[None, :], mask=mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-            tl.store(h_ptr + rm[:, None] * stride_h + k[None, :], x, mask=mask & store_h)
         return x
 
     @triton.jit
@@ -235,8 +234,7 @@ if triton is not None:
             for k0 in range(0, K, BLOCK_K):
                 k = k0 + rk
                 xm = m_ok[:, None] & (k < K)[None, :]
-                h = _rows_in(x_ptr, r_ptr, h_ptr, rm, k, xm, stride_x, stride_r, stride_h, HAS_RES, False)
-                h = h.to(tl.float32)
+                h = _rows_in(x_ptr, r_ptr, rm, k, xm, stride_x, stride_r, HAS_RES).to(tl.float32)
                 ss += tl.sum(h * h, axis=1)
             rstd = tl.rsqrt(ss / K + eps)
         k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
@@ -247,7 +245,9 @@ if triton is not None:
             k = k0 + rk
             k_ok = k < K
             xm = m_ok[:, None] & k_ok[None, :]
-            x = _rows_in(x_ptr, r_ptr, h_ptr, rm, k, xm, stride_x, stride_r, stride_h, HAS_RES, pid_n == 0)
+            x = _rows_in(x_ptr, r_ptr, rm, k, xm, stride_x, stride_r, HAS_RES)
+            if HAS_RES:                                 # h = x + residual, stored once: by the first column block
+                tl.store(h_ptr + rm[:, None] * stride_h + k[None, :], x, mask=xm & (pid_n == 0))
             if NORM:
                 dt = x.dtype
                 nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
@@ -359,10 +359,12 @@ def decode_gemv(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] 
     block_n, block_k, split, use_dot, warps, stages = config or tiles(m, n, k, w.element_size(), two,
                                                                       _num_sms(x.device))
     qk_norm = rope is not None and rope.q_norm is not None
-    if qk_norm:                                     # one head per program; its weight tile kept in registers' reach
+    if qk_norm:                                     # one head per program
         block_n = rope.head_dim // 2
-        block_k = max(16, min(block_k, 8192 // block_n))
+        use_dot = use_dot and block_n >= 16         # tl.dot needs 16 columns (tiny test heads have fewer)
     block_m = 16 if use_dot else triton.next_power_of_2(m)
+    if qk_norm:     # keep a K step's weight tile (on CUDA cores: its [M, N, K] products) within registers' reach
+        block_k = max(16, min(block_k, 8192 // (block_n if use_dot else block_m * block_n)))
     grid = (triton.cdiv(cols, block_n), split)
     part = torch.empty(split * 2 * block_m * cols if split > 1 else 1, device=x.device, dtype=torch.float32)
     count = counters(_OWN, x.device) if tickets is None else tickets

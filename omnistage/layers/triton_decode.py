@@ -31,8 +31,16 @@ benchmarks/decode_layer_bench.py --sweep) or `tiles`' rule.
 Rounding follows the unfused path (what the model runs on CPU and for M > MAX_M): h, the normed rows,
 the linear's output, silu(gate) and the sums are rounded to x's dtype where the unfused path stores
 them, so outputs differ from `reference` by float32 summation order only (and in the rotation by
-rounding once where `fused.rotary_ref` rounds thrice). `ENABLED` is read from
-`OMNISTAGE_DECODE_KERNELS` ("0": off) at import; benchmarks flip it to time the unfused layer.
+rounding once where `fused.rotary_ref` rounds thrice).
+
+Off by default: `ENABLED` is read from `OMNISTAGE_DECODE_KERNELS` ("1": on) at import; off, the model
+runs exactly the unfused path. Measured on an H200 (benchmarks/RESULTS.md, session 7 run 2; Qwen2.5-1.5B
+shape, one layer in a CUDA graph) the fused layer is slower: 60.3 vs 56.2 us at M = 1 in bf16 (FP8 51.6
+vs 47.5), ~0.7x at M = 2..8. The launches saved do not pay for GEMVs that stay below cuBLAS: at M = 1
+with the swept tiles qkv 6.5 us (cuBLAS 4.4), gate_up 24.6 (16.8; floor 12.9), down 12.1 (9.6 + its
+reduce); only o wins (4.0 vs 6.2). Tiles of 4-8 weight rows make thousands of small programs that
+stream a few KB each; `benchmarks/decode_layer_bench.py --sweep` now also tries wide CUDA-core tiles
+(16-64 rows, more stages) and the CUDA-core path at M = 2..8 for the next tuning round.
 """
 
 from __future__ import annotations
@@ -56,7 +64,8 @@ try:
 except ImportError:                             # CPU-only installs: the unfused path
     triton = None
 
-ENABLED = os.environ.get("OMNISTAGE_DECODE_KERNELS", "1") != "0"
+# opt-in: measured slower than the unfused path on an H200 (see the module docstring)
+ENABLED = os.environ.get("OMNISTAGE_DECODE_KERNELS", "0") == "1"
 MAX_M = 8                                       # rows these kernels serve (decode steps up to batch 8)
 MAX_SPLIT = 16                                  # most K slices per column block
 # (M, N, K, weight bytes, two rows per column: gated or rotary pairs) -> (BLOCK_N, BLOCK_K, SPLIT_K, use_dot,
@@ -405,7 +414,7 @@ def weights(linear: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor], Op
 
 def serves(x: torch.Tensor, *linears: nn.Module) -> bool:
     """Whether the fused kernels run rows like `x` through `linears`: CUDA with Triton, both switches on
-    (`ENABLED`, fused.ENABLED), at most MAX_M 16-bit rows, every linear a plain `nn.Linear` in x's dtype
+    (`ENABLED`: opt-in, fused.ENABLED), at most MAX_M 16-bit rows, every linear a plain `nn.Linear` in x's dtype
     or an `Fp8Linear` (tensor-parallel shards are other types: they keep the unfused path)."""
     if not (ENABLED and fused.use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= MAX_M
             and x.dtype in (torch.bfloat16, torch.float16)):

@@ -14,8 +14,8 @@ lm_head, norms, MoE routers and experts stay in the model dtype.
 A layer's elementwise work goes through `layers.fused` (one Triton kernel each on CUDA): the residual
 add rides with the next RMSNorm (layers pass (hidden, residual) along), the Qwen3 q/k norms and the
 KV-cache write ride with the rotary, and the MLP's activation with its product. Each token's rotary
-cos / sin rows are looked up once per forward. At <= 8 rows on CUDA (decode steps, `triton_decode.serves`)
-a layer is 5 launches instead: the norms, residual adds, bias, q/k norms, rotary + KV write and SiLU*mul
+cos / sin rows are looked up once per forward. Opt-in (`OMNISTAGE_DECODE_KERNELS=1`; measured slower than
+this path on an H200 so far, see layers/triton_decode.py), at <= 8 rows on CUDA a layer is 5 launches instead: the norms, residual adds, bias, q/k norms, rotary + KV write and SiLU*mul
 ride as prologues / epilogues of the qkv, o, gate_up and down GEMVs (`layers.triton_decode`, bf16 and
 FP8 weights alike); a dense layer then hands on its residual stream whole, `(h, None)`.
 """

@@ -3,6 +3,7 @@
     PYTHONPATH=$PWD python benchmarks/decode_layer_bench.py            # (ii) + (iii): the layer, fused vs unfused
     PYTHONPATH=$PWD python benchmarks/decode_layer_bench.py --sweep    # (i): tile sweep, prints `TILES = {...}`
         [--models 1.5B | 7B] [--layers qkv,o,gate_up,down] [--weights bf16,fp8] [--rows 1,2,4,8] [--budget 55]
+        [--space wide | narrow]
     (each tile is a compile the first time: split a sweep by --weights / --layers to keep runs under 60 s;
     Triton's cache makes a repeated run fast)
 
@@ -12,7 +13,8 @@
     bf16 and FP8 weights, M = 1, 2, 4, 8: every candidate tile (BLOCK_N, BLOCK_K, SPLIT_K, dot, warps, stages)
     timed in a CUDA graph (checked against `triton_decode.reference` first), the best beside the default
     tiles, cuBLAS (bf16 F.linear, the GEMV alone) and the floor (weight bytes / copy bandwidth); then the
-    best tiles as a Python dict to paste into `triton_decode.TILES`. Stops at `--budget` seconds.
+    best tiles as a Python dict to paste into layers/triton_decode_tiles.py. Stops at `--budget` seconds
+    (what was swept so far still printed).
 (ii) One Qwen2 decoder layer (random weights, 256-token contexts) in a CUDA graph, fused
     (`triton_decode.ENABLED`) vs unfused, M = 1, 2, 4, 8, bf16 and FP8, and x 28 layers.
 (iii) The same layer's output (the residual stream after it), fused vs unfused: max abs error and the peak.
@@ -116,19 +118,31 @@ def gemv_cases(shape: dict):
             ("gate_up", 2 * inter, h, dict(norm=True, gated=True)), ("down", h, inter, dict(add=True))]
 
 
-def candidates(m: int, k: int, weight_bytes: int):
-    """(BLOCK_N, BLOCK_K, SPLIT_K, use_dot, num_warps, num_stages): few compiles (SPLIT_K is a runtime argument)."""
-    if m == 1:      # (BLOCK_N, bytes of each weight row per K step, warps, stages)
+def candidates(m: int, k: int, weight_bytes: int, space: str):
+    """(BLOCK_N, BLOCK_K, SPLIT_K, use_dot, num_warps, num_stages) to time; each tile (all but SPLIT_K, a
+    runtime argument) is a compile. "narrow": the session-7 set; "wide" adds CUDA-core tiles of 16-64
+    weight rows with short K steps and deep pipelines (M == 1) and CUDA-core tiles at M = 2..8."""
+    if m == 1:      # (BLOCK_N, K step in bytes of each weight row, warps, stages)
         tiles = [(4, 1024, 4, 2), (8, 1024, 4, 2), (8, 2048, 8, 2), (16, 1024, 8, 2)]
+        if space == "wide":
+            tiles += [(bn, bk * weight_bytes, w, st) for bn, bk, w, st in
+                      itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4, 5))]
+        dots = [False] * len(tiles)
     else:
         tiles = [(16, 256, 4, 2), (16, 512, 4, 3), (32, 256, 4, 2)]
-    for (bn, kbytes, warps, stages), split in itertools.product(tiles, (1, 2, 4, 8, 16)):
+        dots = [True] * len(tiles)
+        if space == "wide":
+            core = [(bn, bk * weight_bytes, w, st) for bn, bk, w, st in
+                    itertools.product((8, 16, 32), (64, 128), (4, 8), (3, 4))]
+            tiles, dots = tiles + core, dots + [False] * len(core)
+    for ((bn, kbytes, warps, stages), dot), split in itertools.product(zip(tiles, dots), (1, 2, 4, 8, 16)):
         bk = kbytes // weight_bytes
         if bk <= k and k >= split * bk:
-            yield bn, bk, split, m > 1, warps, stages
+            yield bn, bk, split, dot, warps, stages
 
 
-def sweep(models: list[str], rows: list[int], budget: float, layers: list[str], weights: list[str]) -> None:
+def sweep(models: list[str], rows: list[int], budget: float, layers: list[str], weights: list[str],
+          space: str) -> None:
     from omnistage.layers import triton_decode
     from omnistage.layers.fp8_linear import quantize_rows
 
@@ -164,7 +178,9 @@ def sweep(models: list[str], rows: list[int], budget: float, layers: list[str], 
                     ref = first(triton_decode.reference(x, w, scale, **kw))
                     default = graph_us(lambda: triton_decode.decode_gemv(x, w, scale, **kw))
                     best = (float("inf"), None)
-                    for cfg in candidates(m, k, w.element_size()):
+                    for cfg in candidates(m, k, w.element_size(), space):
+                        if time.time() - start > budget:
+                            break
                         try:
                             if rel_err(first(triton_decode.decode_gemv(x, w, scale, **kw, config=cfg)), ref) > 2e-2:
                                 continue
@@ -205,7 +221,7 @@ def print_tiles(best: dict) -> None:
     for key, cfg in best.items():
         if cfg is not None:
             print(f"    {key}: {cfg},")
-    print("}")
+    print("}", flush=True)
 
 
 def main() -> None:
@@ -215,11 +231,12 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--layers", default="qkv,o,gate_up,down", help="the sweep's GEMVs")
     parser.add_argument("--weights", default="bf16,fp8", help="the sweep's weight kinds")
+    parser.add_argument("--space", choices=("wide", "narrow"), default="wide", help="the sweep's candidate tiles")
     parser.add_argument("--budget", type=float, default=55.0)
     args = parser.parse_args()
     if args.sweep:
         sweep(args.models.split(","), [int(r) for r in args.rows.split(",")], args.budget, args.layers.split(","),
-              args.weights.split(","))
+              args.weights.split(","), args.space)
     else:
         layer_table()
 

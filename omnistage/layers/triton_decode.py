@@ -25,7 +25,7 @@ sum whichever program finishes last), runs the epilogue and resets the counter t
 replays it as captured). M == 1 multiplies and reduces on CUDA cores; M > 1 uses `tl.dot` on a 16-row
 tile (rows masked, never padded in memory). FP8 weights take the same kernel: converted in registers,
 scaled per output row after the sum, so they read half the bytes. No host syncs; the grid depends only
-on the shapes (captured in the AR engine's decode graphs). Tiles: `TILES` (an H200 sweep of
+on the shapes (captured in the AR engine's decode graphs). Tiles: `TILES` (triton_decode_tiles.py: an H200 sweep of
 benchmarks/decode_layer_bench.py --sweep) or `tiles`' rule.
 
 Rounding follows the unfused path (what the model runs on CPU and for M > MAX_M): h, the normed rows,
@@ -57,6 +57,7 @@ from torch import nn
 
 from omnistage.layers import fused
 from omnistage.layers.fp8_linear import Fp8Linear
+from omnistage.layers.triton_decode_tiles import TILES
 
 try:
     import triton
@@ -68,10 +69,6 @@ except ImportError:                             # CPU-only installs: the unfused
 ENABLED = os.environ.get("OMNISTAGE_DECODE_KERNELS", "0") == "1"
 MAX_M = 8                                       # rows these kernels serve (decode steps up to batch 8)
 MAX_SPLIT = 16                                  # most K slices per column block
-# (M, N, K, weight bytes, two rows per column: gated or rotary pairs) -> (BLOCK_N, BLOCK_K, SPLIT_K, use_dot,
-# num_warps, num_stages); filled from `benchmarks/decode_layer_bench.py --sweep` on an H200 (N: weight rows;
-# M: the rows of the captured batch)
-TILES: dict[tuple[int, int, int, int, bool], tuple[int, int, int, bool, int, int]] = {}
 
 
 @dataclass

@@ -14,7 +14,8 @@ Two regimes by the number of rows M of a forward:
   M <= GEMV_MAX_M (decode steps, short prefill chunks): W8A16. The activations stay in their 16-bit dtype; CUDA:
        `layers/triton_gemv.py` reads the FP8 weight once and scales each output row in-register
        (at small M the bytes are all in the weight, and `_scaled_mm` wants M padded to 16);
-       elsewhere its PyTorch `reference`, so CPU tests run the same maths.
+       elsewhere its PyTorch `reference`, so CPU tests run the same maths. (A dense decoder layer at
+       <= 8 rows on CUDA reads `weight_fp8` / `weight_scale` itself: `layers/triton_decode.py`'s fused GEMVs.)
 """
 
 from __future__ import annotations

@@ -14,18 +14,21 @@ lm_head, norms, MoE routers and experts stay in the model dtype.
 A layer's elementwise work goes through `layers.fused` (one Triton kernel each on CUDA): the residual
 add rides with the next RMSNorm (layers pass (hidden, residual) along), the Qwen3 q/k norms and the
 KV-cache write ride with the rotary, and the MLP's activation with its product. Each token's rotary
-cos / sin rows are looked up once per forward.
+cos / sin rows are looked up once per forward. Opt-in (`OMNISTAGE_DECODE_KERNELS=1`; measured slower than
+this path on an H200 so far, see layers/triton_decode.py), at <= 8 rows on CUDA a layer is 5 launches instead: the norms, residual adds, bias, q/k norms, rotary + KV write and SiLU*mul
+ride as prologues / epilogues of the qkv, o, gate_up and down GEMVs (`layers.triton_decode`, bf16 and
+FP8 weights alike); a dense layer then hands on its residual stream whole, `(h, None)`.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.layers import fused
+from omnistage.layers import fused, triton_decode
 from omnistage.layers.attention import AttentionMetadata, attend
 from omnistage.layers.fp8_linear import quantize_fp8
 from omnistage.layers.norm import RMSNorm
@@ -60,14 +63,38 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden]; rope: the step's cos, sin rows [T, head_dim] (`RotaryEmbedding.tables`)."""
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self._attend(self.qkv_proj(x), rope, meta))
+
+    def fused_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: RMSNorm, rope, meta,
+                      tickets: torch.Tensor) -> torch.Tensor:
+        """A decode step's attention block at <= triton_decode.MAX_M rows: norm(x + residual) -> qkv + bias ->
+        (q / k norms) rotary, KV write (one kernel), attention, o_proj + the residual add (one kernel) -> the
+        residual stream. `tickets`: the layer's split-K counters (`triton_decode.counters`)."""
+        fuse_rope = triton_decode.rope_fuses(self.head_dim, self.q_norm is not None)
+        epilogue = triton_decode.Rope(*rope, self.num_heads, self.num_kv_heads, self.head_dim, self.kv_cache,
+                                      meta.slot_mapping, self.q_norm, self.k_norm) if fuse_rope else None
+        qkv = triton_decode.decode_gemv(x, *triton_decode.weights(self.qkv_proj), norm_weight=norm.weight,
+                                        eps=norm.eps, residual=residual, rope=epilogue, tickets=tickets)
+        qkv, h = (qkv, x) if residual is None else qkv
+        if fuse_rope:
+            o = attend(*qkv, self.kv_cache, meta, self.scale).reshape(x.shape[0], self.q_size)
+        else:
+            o = self._attend(qkv, rope, meta)
+        return triton_decode.decode_gemv(o, *triton_decode.weights(self.o_proj), add=h, tickets=tickets)
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T, q + 2 kv] -> q [T, H, D], k and v [T, KVH, D] (views)."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+                v.view(t, self.num_kv_heads, self.head_dim))
+
+    def _attend(self, qkv: torch.Tensor, rope, meta: AttentionMetadata) -> torch.Tensor:
+        """qkv [T, q + 2 kv] -> rotary (+ q/k norms) and KV write, attention -> [T, q_size]."""
+        t = qkv.shape[0]
+        q, k, v = self._heads(qkv)
         q, k = fused.rotary_and_cache(q, k, v, *rope, self.kv_cache, meta.slot_mapping, self.q_norm, self.k_norm)
-        o = attend(q, k, v, self.kv_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return attend(q, k, v, self.kv_cache, meta, self.scale).reshape(t, self.q_size)
 
 
 class MLP(nn.Module):
@@ -85,6 +112,13 @@ class MLP(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)     # this rank's halves under tensor parallelism
         return self.down_proj(self.act(gate) * up)
 
+    def fused_forward(self, h: torch.Tensor, norm: RMSNorm, tickets: torch.Tensor) -> torch.Tensor:
+        """A decode step's MLP block at <= triton_decode.MAX_M rows (SiLU): norm(h) -> gate_up -> silu * mul
+        (one kernel), down + the residual add (one kernel) -> the residual stream."""
+        act = triton_decode.decode_gemv(h, *triton_decode.weights(self.gate_up_proj), norm_weight=norm.weight,
+                                        eps=norm.eps, gated=True, tickets=tickets)
+        return triton_decode.decode_gemv(act, *triton_decode.weights(self.down_proj), add=h, tickets=tickets)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config, qkv_bias, qk_norm, o_bias, mlp_bias):
@@ -96,7 +130,18 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, rope, meta):
         """(x, residual): this layer's input is x + residual (residual None: x alone) -> the same pair
-        for the next layer, so each residual add runs inside the RMSNorm kernel that follows it."""
+        for the next layer, so each residual add runs inside the RMSNorm kernel that follows it. At decode
+        sizes on CUDA (`triton_decode.serves`) the norms, residual adds, biases and SiLU*mul ride in the
+        GEMV kernels instead, and a dense layer returns its residual stream whole: (h, None)."""
+        attn = self.self_attn
+        if triton_decode.serves(x, attn.qkv_proj, attn.o_proj):
+            # the layer's own tickets: stages sharing a GPU run their layers side by side on their own streams
+            tickets = triton_decode.counters(self, x.device)
+            h = attn.fused_forward(x, residual, self.input_layernorm, rope, meta, tickets)
+            mlp = self.mlp
+            if isinstance(mlp, MLP) and mlp.act is None and triton_decode.serves(h, mlp.gate_up_proj, mlp.down_proj):
+                return mlp.fused_forward(h, self.post_attention_layernorm, tickets), None
+            return self.mlp(self.post_attention_layernorm(h)), h
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:

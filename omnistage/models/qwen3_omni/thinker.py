@@ -79,7 +79,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, rope, meta)
             if i + 1 == self.report_layer:      # transformers records a layer's output before deepstack
-                reported = x + residual
+                reported = x if residual is None else x + residual   # a fused dense layer: (h, None)
             if layer_adds is not None and i < len(layer_adds):
                 x = x + layer_adds[i]
         out = self.norm(x) if residual is None else self.norm(x, residual)[0]

@@ -1,0 +1,245 @@
+"""The fused small-M decode kernels (layers/triton_decode.py) on one GPU: tiles, one decoder layer, errors.
+
+    PYTHONPATH=$PWD python benchmarks/decode_layer_bench.py            # (ii) + (iii): the layer, fused vs unfused
+    PYTHONPATH=$PWD python benchmarks/decode_layer_bench.py --sweep    # (i): tile sweep, prints `TILES = {...}`
+        [--models 1.5B | 7B] [--layers qkv,o,gate_up,down] [--weights bf16,fp8] [--rows 1,2,4,8] [--budget 55]
+        [--space wide | narrow]
+    (each tile is a compile the first time: split a sweep by --weights / --layers to keep runs under 60 s;
+    Triton's cache makes a repeated run fast)
+
+(i) For each decoder GEMV of the Qwen2.5-1.5B and -7B shapes with the fusions the layer runs (qkv: residual
+    add + RMSNorm prologue, bias, rotary + KV write; o: residual epilogue; gate_up: RMSNorm prologue,
+    SiLU*mul; down: residual),
+    bf16 and FP8 weights, M = 1, 2, 4, 8: every candidate tile (BLOCK_N, BLOCK_K, SPLIT_K, dot, warps, stages)
+    timed in a CUDA graph (checked against `triton_decode.reference` first), the best beside the default
+    tiles, cuBLAS (bf16 F.linear, the GEMV alone) and the floor (weight bytes / copy bandwidth); then the
+    best tiles as a Python dict to paste into layers/triton_decode_tiles.py. Stops at `--budget` seconds
+    (what was swept so far still printed).
+(ii) One Qwen2 decoder layer (random weights, 256-token contexts) in a CUDA graph, fused
+    (`triton_decode.ENABLED`) vs unfused, M = 1, 2, 4, 8, bf16 and FP8, and x 28 layers.
+(iii) The same layer's output (the residual stream after it), fused vs unfused: max abs error and the peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gemv_bench import copy_bandwidth, graph_us, rel_err  # noqa: E402
+
+MODELS = {"1.5B": dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2),
+          "7B": dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4)}
+ROWS = (1, 2, 4, 8)
+CONTEXT, BLOCK = 256, 16
+
+
+def layer_model(shape: dict, fp8: bool):
+    """A one-layer Qwen2 of `shape` on CUDA in bf16 (optionally FP8 linears) with its KV cache bound."""
+    from transformers import Qwen2Config
+
+    from omnistage.models.llama import Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**shape, num_hidden_layers=1, vocab_size=1024, max_position_embeddings=4096)
+    with torch.device("cuda"):                  # weights drawn on the GPU (the 7B layer is 0.9 GB in float32)
+        model = Qwen2ForCausalLM(cfg, 4096).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            elif p.dim() == 1:
+                p.normal_(0, 0.02)
+    if fp8:
+        model.quantize_fp8()
+    model.rotary.build(torch.device("cuda"))
+    attn = model.layers[0].self_attn
+    blocks = max(ROWS) * CONTEXT // BLOCK + 1
+    attn.kv_cache = torch.randn(2, blocks, BLOCK, attn.num_kv_heads, attn.head_dim, device="cuda",
+                                dtype=torch.bfloat16)
+    return model
+
+
+def decode_inputs(model, m: int):
+    from omnistage.layers.attention import AttentionMetadata
+
+    per = CONTEXT // BLOCK
+    tables = torch.arange(m * per, device="cuda").view(m, per)
+    ctx = torch.full((m,), CONTEXT, device="cuda")
+    pos = ctx - 1
+    slots = tables[:, -1] * BLOCK + pos % BLOCK
+    meta = AttentionMetadata(slot_mapping=slots, num_decodes=m, decode_block_tables=tables, decode_ctx_lens=ctx)
+    hidden = model.config.hidden_size
+    x = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(m, hidden, device="cuda", dtype=torch.bfloat16)
+    return x, res, model.rotary.tables(pos), meta
+
+
+def layer_table() -> None:
+    from omnistage.layers import triton_decode
+
+    print("| shape | weights | M | unfused layer us | fused layer us | speed-up | x 28 layers ms (fused) "
+          "| max abs err fused vs unfused | peak |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    torch.manual_seed(0)
+    for name, shape in MODELS.items():
+        for fp8 in (False, True):
+            model = layer_model(shape, fp8)
+            layer = model.layers[0]
+            for m in ROWS:
+                x, res, rope, meta = decode_inputs(model, m)
+                times, outs = {}, {}
+                for fused_on in (False, True):
+                    triton_decode.ENABLED = fused_on
+                    with torch.inference_mode():
+                        out, r = layer(x, res, rope, meta)
+                        outs[fused_on] = out if r is None else out + r
+                        times[fused_on] = graph_us(lambda: layer(x, res, rope, meta))
+                triton_decode.ENABLED = True
+                err = (outs[True].float() - outs[False].float()).abs().max().item()
+                print(f"| {name} | {'fp8' if fp8 else 'bf16'} | {m} | {times[False]:.1f} | {times[True]:.1f} "
+                      f"| {times[False] / times[True]:.2f}x | {28 * times[True] / 1e3:.3f} | {err:.2e} "
+                      f"| {outs[False].float().abs().max().item():.2f} |", flush=True)
+            del model
+            torch.cuda.empty_cache()
+
+
+def gemv_cases(shape: dict):
+    """(layer name, weight rows N, K, decode_gemv keyword arguments but the weights) per decoder GEMV."""
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    qkv = h + 2 * shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
+    return [("qkv", qkv, h, dict(residual=True, norm=True, bias=True, rope=True)), ("o", h, h, dict(add=True)),
+            ("gate_up", 2 * inter, h, dict(norm=True, gated=True)), ("down", h, inter, dict(add=True))]
+
+
+def candidates(m: int, k: int, weight_bytes: int, space: str):
+    """(BLOCK_N, BLOCK_K, SPLIT_K, use_dot, num_warps, num_stages) to time; each tile (all but SPLIT_K, a
+    runtime argument) is a compile. "narrow": the session-7 set; "wide" adds CUDA-core tiles of 16-64
+    weight rows with short K steps and deep pipelines (M == 1) and CUDA-core tiles at M = 2..8."""
+    if m == 1:      # (BLOCK_N, K step in bytes of each weight row, warps, stages)
+        tiles = [(4, 1024, 4, 2), (8, 1024, 4, 2), (8, 2048, 8, 2), (16, 1024, 8, 2)]
+        if space == "wide":
+            tiles += [(bn, bk * weight_bytes, w, st) for bn, bk, w, st in
+                      itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (3, 4, 5))]
+        dots = [False] * len(tiles)
+    else:
+        tiles = [(16, 256, 4, 2), (16, 512, 4, 3), (32, 256, 4, 2)]
+        dots = [True] * len(tiles)
+        if space == "wide":
+            core = [(bn, bk * weight_bytes, w, st) for bn, bk, w, st in
+                    itertools.product((8, 16, 32), (64, 128), (4, 8), (3, 4))]
+            tiles, dots = tiles + core, dots + [False] * len(core)
+    for ((bn, kbytes, warps, stages), dot), split in itertools.product(zip(tiles, dots), (1, 2, 4, 8, 16)):
+        bk = kbytes // weight_bytes
+        if bk <= k and k >= split * bk:
+            yield bn, bk, split, dot, warps, stages
+
+
+def sweep(models: list[str], rows: list[int], budget: float, layers: list[str], weights: list[str],
+          space: str) -> None:
+    from omnistage.layers import triton_decode
+    from omnistage.layers.fp8_linear import quantize_rows
+
+    start = time.time()
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s\n")
+    print("| shape | layer (N x K) | weights | M | default us | best us | best tile | cuBLAS bf16 us | floor us "
+          "| best % of floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    best_tiles: dict = {}
+    torch.manual_seed(0)
+    for name in models:
+        for layer, n, k, flags in gemv_cases(MODELS[name]):
+            if layer not in layers:
+                continue
+            w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+            for fp8 in [kind == "fp8" for kind in weights]:
+                w, scale = quantize_rows(w16) if fp8 else (w16, None)
+                for m in rows:
+                    if time.time() - start > budget:
+                        print(f"\n(budget of {budget:.0f} s spent: the rest not swept)")
+                        return print_tiles(best_tiles)
+                    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                    out_cols = n // 2 if flags.get("gated") else n
+                    kw = dict(bias=torch.randn(n, device="cuda", dtype=torch.bfloat16) * 0.02 if flags.get("bias")
+                              else None, residual=torch.randn_like(x) if flags.get("residual") else None,
+                              norm_weight=torch.ones(k, device="cuda", dtype=torch.bfloat16) if flags.get("norm")
+                              else None, gated=bool(flags.get("gated")),
+                              add=torch.randn(m, out_cols, device="cuda", dtype=torch.bfloat16) if flags.get("add")
+                              else None)
+                    if flags.get("rope"):
+                        kw["rope"] = sweep_rope(MODELS[name], m)
+                    ref = first(triton_decode.reference(x, w, scale, **kw))
+                    default = graph_us(lambda: triton_decode.decode_gemv(x, w, scale, **kw))
+                    best = (float("inf"), None)
+                    for cfg in candidates(m, k, w.element_size(), space):
+                        if time.time() - start > budget:
+                            break
+                        try:
+                            if rel_err(first(triton_decode.decode_gemv(x, w, scale, **kw, config=cfg)), ref) > 2e-2:
+                                continue
+                            t = graph_us(lambda: triton_decode.decode_gemv(x, w, scale, **kw, config=cfg))
+                        except Exception:           # a tile the compiler refuses (registers, shared memory)
+                            continue
+                        best = min(best, (t, cfg))
+                    cublas = graph_us(lambda: F.linear(x, w16))
+                    floor = n * k * w.element_size() / bw * 1e6
+                    best_tiles[(m, n, k, w.element_size(), bool(flags.get("gated") or flags.get("rope")))] = best[1]
+                    print(f"| {name} | {layer} ({n} x {k}) | {'fp8' if fp8 else 'bf16'} | {m} | {default:.1f} "
+                          f"| {best[0]:.1f} | {best[1]} | {cublas:.1f} | {floor:.1f} | {100 * floor / best[0]:.0f}% |",
+                          flush=True)
+    print_tiles(best_tiles)
+
+
+def sweep_rope(shape: dict, m: int):
+    """The qkv epilogue's inputs for M rows: rotary angles, a KV cache and distinct slots (Qwen2: no q/k norms)."""
+    from omnistage.layers import triton_decode
+
+    heads, kvh = shape["num_attention_heads"], shape["num_key_value_heads"]
+    d = shape["hidden_size"] // heads
+    angle = torch.rand(m, d // 2, device="cuda") * 6
+    cache = torch.zeros(2, m, BLOCK, kvh, d, device="cuda", dtype=torch.bfloat16)
+    return triton_decode.Rope(torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1), heads, kvh, d,
+                              cache, torch.arange(m, device="cuda") * BLOCK)
+
+
+def first(out) -> torch.Tensor:
+    """decode_gemv's main output as one tensor: drops h (with a residual), joins the rope epilogue's q, k, v."""
+    if isinstance(out, tuple) and len(out) == 2:
+        out = out[0]
+    return torch.cat([t.reshape(t.shape[0], -1) for t in out], -1) if isinstance(out, tuple) else out
+
+
+def print_tiles(best: dict) -> None:
+    print("\nTILES = {")
+    for key, cfg in best.items():
+        if cfg is not None:
+            print(f"    {key}: {cfg},")
+    print("}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--models", default="1.5B", help="the sweep's shapes (the layer table runs both)")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--layers", default="qkv,o,gate_up,down", help="the sweep's GEMVs")
+    parser.add_argument("--weights", default="bf16,fp8", help="the sweep's weight kinds")
+    parser.add_argument("--space", choices=("wide", "narrow"), default="wide", help="the sweep's candidate tiles")
+    parser.add_argument("--budget", type=float, default=55.0)
+    args = parser.parse_args()
+    if args.sweep:
+        sweep(args.models.split(","), [int(r) for r in args.rows.split(",")], args.budget, args.layers.split(","),
+              args.weights.split(","), args.space)
+    else:
+        layer_table()
+
+
+if __name__ == "__main__":
+    main()

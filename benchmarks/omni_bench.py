@@ -47,10 +47,14 @@ import asyncio
 import json
 import os
 import statistics
+import sys
 import time
 from typing import Any, Optional
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # the sibling benchmark modules
+from first_output import breakdown_table, first_output_breakdown, mean_breakdown  # noqa: E402
 
 CODEC_STOPS = (8292, 8293, 8294)                # pad, bos, eos: banned so every answer has the same length
 SAMPLE_RATE = 24000
@@ -147,19 +151,7 @@ async def one_request(engine, prompt: dict, params: list, voice: str) -> dict[st
     dry, dry_s = underruns(pieces)
     return {"ttfa_s": pieces[0][0] - start, "rtf": (last - start) / audio_s, "audio_s": audio_s,
             "text_tokens": text, "seconds": last - start, "underruns": dry, "underrun_s": dry_s,
-            "ttfa_breakdown_s": ttfa_breakdown(metrics, first_audio_wall)}
-
-
-def ttfa_breakdown(metrics, first_audio_wall: float) -> dict[str, float]:
-    """Seconds from the request's arrival to each stage's first output (thinker: first token; talker:
-    first frame; code2wav: first audio chunk), to each edge's first piece handed over ("thinker->talker":
-    the first thinker rows given to the talker), and to the first audio at the caller; in time order."""
-    if metrics is None:
-        return {}
-    marks = {f"first {name}": t for name, t in metrics.stage_first_output.items()}
-    marks.update({f"first {edge}": t for edge, t in metrics.edge_first_input.items()})
-    marks["first audio at caller"] = first_audio_wall
-    return {k: t - metrics.arrival_time for k, t in sorted(marks.items(), key=lambda kv: kv[1])}
+            "ttfa_breakdown_s": first_output_breakdown(metrics, first_audio_wall)}
 
 
 def underruns(pieces: list[tuple[float, int]]) -> tuple[int, float]:
@@ -197,10 +189,8 @@ async def concurrent(engine, prompt: dict, n: int, params: list) -> dict[str, An
     # where the time went: each stage's busy seconds (and steps) during this level
     busy = {name: round(after.get(key, 0) - before.get(key, 0), 3) for name, key in BUSY_KEYS.items()}
     ttfa = [r["ttfa_s"] for r in runs]
-    keys = [k for k in runs[0]["ttfa_breakdown_s"] if all(k in r["ttfa_breakdown_s"] for r in runs)]
-    breakdown = {k: statistics.mean(r["ttfa_breakdown_s"][k] for r in runs) for k in keys}
     return {"concurrency": n, "ttfa_mean_s": statistics.mean(ttfa), "ttfa_p90_s": p90(ttfa), "ttfa_max_s": max(ttfa),
-            "ttfa_breakdown_mean_s": dict(sorted(breakdown.items(), key=lambda kv: kv[1])),
+            "ttfa_breakdown_mean_s": mean_breakdown([r["ttfa_breakdown_s"] for r in runs]),
             "rtf_mean": statistics.mean(r["rtf"] for r in runs), "rtf_max": max(r["rtf"] for r in runs),
             "underruns": sum(r["underruns"] for r in runs), "underrun_s": sum(r["underrun_s"] for r in runs),
             "audio_s_per_request": runs[0]["audio_s"], "audio_s_per_wall_s": sum(r["audio_s"] for r in runs) / wall,
@@ -261,9 +251,6 @@ def bench_hf(path: str, device: str, dtype: torch.dtype, thinker_tokens: int, ta
 
 def _copy_bandwidth() -> float:
     """Device copy bandwidth in bytes/s, measured as ar_bench.py measures it."""
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ar_bench import copy_bandwidth
 
     return copy_bandwidth()
@@ -299,17 +286,10 @@ def table(res: dict) -> str:
     return "\n".join(rows)
 
 
-def breakdown_table(res: dict) -> str:
+def layouts_breakdown_table(res: dict) -> str:
     """Mean seconds from arrival to each stage's first output, edge's first piece and the caller's first audio."""
-    runs = [(layout, r) for layout, rs in res["layouts"].items() for r in rs]
-    columns = list(runs[0][1].get("ttfa_breakdown_mean_s") or {}) if runs else []
-    rows = [f"| mean s from arrival to the ... ({res['shape']}) | " + " | ".join(columns) + " |",
-            "|---|" + "---|" * len(columns)]
-    for layout, r in runs:
-        marks = r.get("ttfa_breakdown_mean_s") or {}
-        rows.append(f"| {layout}, {r['concurrency']} streams | "
-                    + " | ".join(f"{marks[c]:.3f}" if c in marks else "-" for c in columns) + " |")
-    return "\n".join(rows)
+    return breakdown_table(res["shape"], [(f"{layout}, {r['concurrency']} streams", r.get("ttfa_breakdown_mean_s") or {})
+                                          for layout, rs in res["layouts"].items() for r in rs])
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
@@ -343,9 +323,6 @@ def main(argv: Optional[list[str]] = None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     params_for, load_format = None, "auto"
     if args.model == "qwen3-omni":
-        import sys
-
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import qwen3_omni_bench as q3
 
         if args.smoke:
@@ -415,7 +392,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     print(f"\nEach request: a chat prompt, {tokens} text tokens, {codes} codec ids = {codes / rate:.1f} s of audio.\n")
     print(table(res))
     print()
-    print(breakdown_table(res))
+    print(layouts_breakdown_table(res))
     return res
 
 

@@ -15,7 +15,10 @@ and the floor: the audio-s/s if every frame of a step cost only reading the talk
 predictor weights once at the device's measured copy bandwidth (all requests of a step share that
 read; decoder compute left out). The reference library (qwen-tts) pins transformers 4.57 and
 cannot run beside omnistage's; its numbers are not in this table (vLLM-Omni reports 47 ms / 75 ms
-TTFP at 1 / 8 and ~70 audio-s/s on two H100s). Prints a markdown table last.
+TTFP at 1 / 8 and ~70 audio-s/s on two H100s). Prints a markdown table, then per level where the
+first packet waits (`first_output.py`, from the orchestrator's stamps): mean seconds from arrival to
+the talker's first frame, the first frames handed to the decoder, the decoder's first audio and the
+caller's first audio.
 
 The code predictor runs as one CUDA graph per batch bucket (`models/qwen3_tts/predictor.py`);
 `OMNISTAGE_TTS_PREDICTOR_GRAPHS=0` measures its plain-PyTorch path instead (the stage processes
@@ -25,6 +28,7 @@ inherit the variable). `benchmarks/tts_check_cuda.py` checks the two paths give 
     OMNISTAGE_TTS_PREDICTOR_GRAPHS=0 python benchmarks/tts_bench.py --out plain.json
     python benchmarks/tts_bench.py --variant base   # Base: every request clones a 3 s reference (in-context)
     python benchmarks/tts_bench.py --smoke          # the tiny folder on the CPU, 1 and 2 requests
+    python benchmarks/tts_bench.py --smoke --levels 1,8 --layout process   # ... at 1 and 8, stage processes
     # tables of 20 talker and decoder steps at 64 rows (the warm-up round and the round's start skipped):
     OMNISTAGE_TORCH_PROFILER_DIR=/tmp/tts_prof OMNISTAGE_PROFILER_WARMUP=30 python benchmarks/tts_bench.py --levels 64
 """
@@ -36,11 +40,16 @@ import asyncio
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # the sibling benchmark modules
+from first_output import breakdown_table, first_output_breakdown, mean_breakdown  # noqa: E402
+
 FRAME_S = 1920 / 24000                          # seconds of audio per frame
+LEVELS = (1, 8, 32, 64)                         # concurrent requests per round without --levels
 
 
 def build(work: str, smoke: bool, variant: str = "custom_voice") -> str:
@@ -100,16 +109,18 @@ def _params(variant: str, frames: int):
 
 async def one(engine, i: int, frames: int, arrival: float, variant: str = "custom_voice") -> dict:
     params = _params(variant, frames)
-    first = last = None
+    first = last = first_wall = metrics = None
     samples = 0
     async for out in engine.generate("The harbour town woke slowly, and the market filled with voices.",
                                      params, f"tts-{i}-{arrival}"):
         if out.audio is not None and len(out.audio.samples) > samples:
             now = time.perf_counter()
-            first = first or now
+            first, first_wall = first or now, first_wall or time.time()
             last, samples = now, len(out.audio.samples)
+        metrics = out.metrics or metrics
     seconds = samples / 24000
-    return {"ttfp": first - arrival, "rtf": (last - arrival) / max(seconds, 1e-9), "audio_s": seconds}
+    return {"ttfp": first - arrival, "rtf": (last - arrival) / max(seconds, 1e-9), "audio_s": seconds,
+            "breakdown": first_output_breakdown(metrics, first_wall)}
 
 
 def _counters(engine) -> dict[str, float]:
@@ -127,7 +138,8 @@ async def round_of(engine, n: int, frames: int, variant: str = "custom_voice") -
     ttfp = sorted(r["ttfp"] for r in results)
     return {"n": n, "ttfp_mean_ms": 1e3 * statistics.mean(ttfp), "ttfp_p90_ms": 1e3 * ttfp[int(0.9 * (n - 1))],
             "rtf_mean": statistics.mean(r["rtf"] for r in results),
-            "audio_s_per_s": sum(r["audio_s"] for r in results) / wall, "wall_s": round(wall, 3), "busy": busy}
+            "audio_s_per_s": sum(r["audio_s"] for r in results) / wall, "wall_s": round(wall, 3), "busy": busy,
+            "ttfp_breakdown_mean_s": mean_breakdown([r["breakdown"] for r in results])}
 
 
 async def main_async(args) -> list[dict]:
@@ -135,9 +147,11 @@ async def main_async(args) -> list[dict]:
 
     folder = build(args.work, args.smoke, args.variant)
     device = "cpu" if args.smoke else "cuda"
-    engine = AsyncOmni(folder, device=device, dtype="float32" if args.smoke else "bfloat16", max_num_seqs=64)
+    deploy = {"stage_layout": args.layout} if args.layout else None
+    engine = AsyncOmni(folder, device=device, dtype="float32" if args.smoke else "bfloat16", max_num_seqs=64,
+                       deploy_config=deploy)
     try:
-        sizes = (1, 2) if args.smoke else tuple(int(n) for n in args.levels.split(","))
+        sizes = tuple(int(n) for n in args.levels.split(",")) if args.levels else (1, 2) if args.smoke else LEVELS
         for n in sizes:                 # warm-up: each size's first round captures its graphs (predictor
             await round_of(engine, n, 8, args.variant)   # buckets, decoder batches) and grows the allocator
         rows = [await round_of(engine, n, args.frames, args.variant) for n in sizes]
@@ -155,7 +169,10 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=100)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--variant", choices=("custom_voice", "base"), default="custom_voice")
-    ap.add_argument("--levels", default="1,8,32,64", help="concurrent requests per round, comma-separated")
+    ap.add_argument("--levels", help="concurrent requests per round, comma-separated (default 1,8,32,64; "
+                                     "--smoke: 1,2)")
+    ap.add_argument("--layout", choices=("inline", "shared", "process"),
+                    help="a deploy `stage_layout` for every stage (default: the pipeline's: process on a GPU, inline on a CPU)")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.smoke:
@@ -171,6 +188,7 @@ def main() -> None:
               f"{r['audio_s_per_s']:.1f} | {r['floor_audio_s_per_s']:.0f} |")
     for r in rows:                              # where the time went: per-stage busy seconds and steps
         print(f"busy at {r['n']} (wall {r['wall_s']} s): {r['busy']}")
+    print(breakdown_table("TTFP", [(f"{r['n']} concurrent", r["ttfp_breakdown_mean_s"]) for r in rows]))
 
 
 if __name__ == "__main__":

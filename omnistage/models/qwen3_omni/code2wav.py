@@ -12,10 +12,9 @@ runs on that code with two differences, declared here:
 Weights: the checkpoint's `code2wav.*` tensors, config.json `code2wav_config`; decoded in float32.
 Streaming, batching and chunk sizes are the Qwen3-TTS decoder stage's (`Qwen3TTSDecoderStage`): a
 small first chunk, then larger ones, each with left context and one frame of look-ahead, batched
-across requests with right padding. Here each chunk after the first is as long as the audio decoded
-so far (up to `chunk_frames`), and every decode is padded to the longest window of its place in that
-schedule (`windows`), each decoded once per batch size at start-up on a GPU, so no request waits for a
-first-use shape.
+across requests with right padding, in its growing chunk schedule (`chunk_frames_next`). Here every
+decode is also padded to the longest window of its place in that schedule (`windows`) when it runs
+eagerly, each decoded once per batch size at start-up on a GPU, so no request waits for a first-use shape.
 """
 
 from __future__ import annotations
@@ -75,32 +74,8 @@ class Code2WavStage(Qwen3TTSDecoderStage):
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
             speakers = json.load(f)["talker_config"].get("speaker_id") or {}
         self.speakers = sorted(name.lower() for name in speakers)
-        self.windows = self._schedule_windows()     # the window lengths every decode is padded to
         if torch.device(device).type == "cuda" and self.graphs is None:
             self._warm_up()                         # with graphs, their capture met every shape already
-
-    def graph_lengths(self) -> list[int]:
-        return self._schedule_windows()
-
-    def chunk_frames_next(self, state) -> int:
-        """The first chunk, then each as long as the audio decoded so far, up to `chunk_frames`
-        (first 2: 2, 2, 4, 8, 16, 24, 24, ...): a small first chunk for an early first packet, and
-        the audio a listener holds doubles with each chunk, so the larger ones never leave it dry
-        while the talker runs faster than real time."""
-        return self._size_after(state.done - (state.start or 0))
-
-    def _size_after(self, done: int) -> int:
-        return self.first_chunk if done == 0 else min(self.chunk, max(self.first_chunk, done))
-
-    def _schedule_windows(self) -> list[int]:
-        """The longest window (context + chunk + look-ahead) of each chunk of the schedule above."""
-        ahead, done, windows = self.decoder.look_ahead, 0, set()
-        while True:
-            size = self._size_after(done)
-            windows.add(min(self.context, done) + size + ahead)
-            if size == self.chunk and done >= self.context:
-                return sorted(windows)
-            done += size
 
     def window_frames(self, longest: int) -> int:
         """The smallest of `windows` that holds `longest` frames: a GPU then sees a few decode shapes

@@ -3,9 +3,12 @@
 
 In: `FramesInput` pieces (every codebook of each talker frame, streamed from the talker by the
 `qwen3_tts.talker_to_decoder` adapter; `finished` with the last one). A chunk is the next
-`first_chunk_frames` (the request's first) or `chunk_frames` frames, or what is left once the input
-is done; it is decoded with up to `left_context_frames` frames before it, whose samples are cut
-off again. A piece's `context` (Base in-context cloning: the reference voice's codes, which the
+frames of the request's chunk schedule (below), or what is left once the input is done; it is decoded with up to `left_context_frames` frames before it, whose samples are cut
+off again. The chunk sizes grow (`chunk_frames_next`): the first is the request's own
+`initial_codec_chunk_frames` (TTSParams) or the stage's `first_chunk_frames`, then each is as long as
+the audio decoded so far, up to `chunk_frames` (first 2: 2, 2, 4, 8, 16, 24, 24, ...): a small first
+chunk for an early first packet, and the audio a listener holds doubles with each chunk, so the larger
+ones never leave it dry while the talker runs faster than real time. A piece's `context` (Base in-context cloning: the reference voice's codes, which the
 reference decodes in front of the generated frames and cuts off) is taken with the request's first
 piece as frames before the first chunk: left context only, never output. One step decodes the chunks of up to `max_batch` requests in one forward: their frame
 windows are padded on the right (the decoder is causal, so padding never reaches the real
@@ -13,7 +16,8 @@ samples). A decoder that looks ahead (`SpeechDecoder.look_ahead`: Qwen3-Omni's c
 subclasses this stage) also needs that many frames after the chunk, decoded and cut off too, until
 the input is done; the last chunk then ends where the whole decode ends (`tail_loss`).
 On CUDA (`cuda_graphs`, the engine's setting) each batch replays a CUDA graph captured at start-up for
-its (batch bucket, window length): the decoder is hundreds of small convolutions and norms, launch-bound
+its (batch bucket, window length), the window lengths those of the schedule (`windows`: the longest
+window of each of its places, with the stage's first chunk): the decoder is hundreds of small convolutions and norms, launch-bound
 at a first chunk's few frames. Out (through the engine): float32 mono at 24 kHz, chunk by chunk; `prompt_token_ids`
 are the group-0 codes decoded so far.
 """
@@ -84,6 +88,7 @@ class DecoderState:
         self.frames: list[list[int]] = []       # the context frames, then every frame received, in order
         self.start: Optional[int] = None        # how many of `frames` are context (set by the first piece)
         self.done = 0                           # frames decoded so far (context frames count as decoded)
+        self.first: Optional[int] = None        # frames of its first chunk (None: the stage's `first_chunk_frames`)
 
 
 class Qwen3TTSDecoderStage:
@@ -91,7 +96,7 @@ class Qwen3TTSDecoderStage:
 
     params_type = TTSParams
 
-    def __init__(self, model_dir: str, device: Any = "cpu", first_chunk_frames: int = 4, chunk_frames: int = 24,
+    def __init__(self, model_dir: str, device: Any = "cpu", first_chunk_frames: int = 2, chunk_frames: int = 24,
                  left_context_frames: int = 25, max_batch: int = 16, decoder_dtype: str = "float32",
                  cuda_graphs: bool = True):
         for name, value, low in (("first_chunk_frames", first_chunk_frames, 1), ("chunk_frames", chunk_frames, 1),
@@ -103,19 +108,18 @@ class Qwen3TTSDecoderStage:
         self.decoder = self.load_decoder(model_dir, torch.device(device)).to_dtype(DECODER_DTYPES[decoder_dtype])
         self.first_chunk, self.chunk, self.context = first_chunk_frames, chunk_frames, left_context_frames
         self.max_batch = max_batch
+        self.windows = self.schedule_windows()  # the longest window of each place of the chunk schedule
         self._batches = 0
         self._graphed = 0
-        # Every window a step decodes is at most one of two lengths (a first chunk's, a later chunk's with its
-        # left context; plus the look-ahead): on CUDA each (batch bucket, length) replays as a CUDA graph,
-        # captured here. A batch is padded up to the next bucket with empty rows and its frames on the right
+        # Every window a step decodes fits one of `windows` (a request with its own first chunk may need a
+        # longer, eager one): on CUDA each (batch bucket, length) replays as a CUDA graph, captured here. A batch is padded up to the next bucket with empty rows and its frames on the right
         # to the next length (causal: the real samples do not change). `graph_shapes` None: eager, unpadded.
-        ahead = self.decoder.look_ahead
         self.graph_shapes: Optional[tuple[list[int], list[int]]] = None
         self.graphs: Optional[GraphCache] = None
         self.capture_seconds = 0.0
         if cuda_graphs and self.decoder.device.type == "cuda":
             buckets = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch] + [max_batch]
-            lengths = self.graph_lengths()
+            lengths = self.windows
             self.graph_shapes = (buckets, lengths)
             self.graphs = GraphCache(max_graphs=len(buckets) * len(lengths))
             start = time.perf_counter()
@@ -144,7 +148,9 @@ class Qwen3TTSDecoderStage:
         return None
 
     def new_state(self, params: Any) -> DecoderState:
-        return DecoderState()
+        state = DecoderState()
+        state.first = getattr(params, "initial_codec_chunk_frames", None)
+        return state
 
     def batch_key(self, state: DecoderState) -> None:
         return None
@@ -215,15 +221,24 @@ class Qwen3TTSDecoderStage:
         return wav[:b, :t * self.decoder.upsample]
 
     def chunk_frames_next(self, state: DecoderState) -> int:
-        """Frames of the request's next chunk: `first_chunk_frames` for its first, then `chunk_frames`."""
-        return self.first_chunk if state.done == (state.start or 0) else self.chunk
+        """Frames of the request's next chunk: its first chunk, then as many as it has decoded so far,
+        up to `chunk_frames` (the module docstring's schedule)."""
+        return self.chunk_after(state.done - (state.start or 0), state.first or self.first_chunk)
 
-    def graph_lengths(self) -> list[int]:
-        """Every window length a decode can have (`chunk_frames_next`'s schedule, with context and
-        look-ahead): a first chunk's, a later chunk's."""
-        ahead = self.decoder.look_ahead
-        return sorted({self.first_chunk + ahead, self.chunk + self.context + ahead,
-                       max(self.first_chunk, self.chunk) + self.context + ahead})
+    def chunk_after(self, done: int, first: int) -> int:
+        """The schedule: the chunk that follows `done` decoded frames of a request whose first is `first`."""
+        return first if done == 0 else min(self.chunk, max(first, done))
+
+    def schedule_windows(self) -> list[int]:
+        """The longest window (context + chunk + look-ahead) of each place of the schedule with the
+        stage's first chunk, until chunks are `chunk_frames` long with full left context."""
+        ahead, done, windows = self.decoder.look_ahead, 0, set()
+        while True:
+            size = self.chunk_after(done, self.first_chunk)
+            windows.add(min(self.context, done) + size + ahead)
+            if size == self.chunk and done >= self.context:
+                return sorted(windows)
+            done += size
 
     def window_frames(self, longest: int) -> int:
         """Frames a decode's windows are padded to on the right (the decoder is causal): the longest."""

@@ -25,9 +25,10 @@ from omnistage.models.qwen3_tts.talker import TALKER
 from omnistage.spec import EdgeSpec, PipelineSpec, StageSpec
 from omnistage.stage import StageOutput
 
-# First chunk small for a quick first packet, later chunks larger (fewer decoder calls).
 DECODER_BYTES = 3 * 2**30                      # decoder weights (fp32, ~0.5 GiB at 1.7B) + activations of a batch
-DECODER_OPTIONS = {"first_chunk_frames": 4, "chunk_frames": 24, "left_context_frames": 25}
+# First chunk small for a quick first packet (TTFP = prefill + 2 frames + one decode), later chunks
+# growing to `chunk_frames` (fewer decoder calls; `Qwen3TTSDecoderStage.chunk_frames_next`).
+DECODER_OPTIONS = {"first_chunk_frames": 2, "chunk_frames": 24, "left_context_frames": 25}
 
 
 def qwen3_tts_pipeline(model_dir: str, engine: EngineConfig) -> PipelineSpec:

@@ -97,9 +97,10 @@ def test_omni_waveform_equals_reference(tts_folders, cases):
     np.testing.assert_allclose(out.audio.samples, ref, atol=WAV_ATOL)
 
 
-def _decode(folder: str, items: dict[str, np.ndarray], pad_shapes=None, **options) -> dict[str, np.ndarray]:
+def _decode(folder: str, items: dict[str, np.ndarray], pad_shapes=None, params=None, **options) -> dict[str, np.ndarray]:
     """Frames per request -> audio, through a decoder CodecEngine fed all frames at once. `pad_shapes`:
-    (batch buckets, frame lengths) every batch is padded to, as for the CUDA graphs (run eagerly here)."""
+    (batch buckets, frame lengths) every batch is padded to, as for the CUDA graphs (run eagerly here);
+    `params`: every request's TTSParams (None: the stage's defaults)."""
     from omnistage.codec.engine import CodecEngine
     from omnistage.models.qwen3_tts.codec import FramesInput, Qwen3TTSDecoderStage
 
@@ -107,7 +108,7 @@ def _decode(folder: str, items: dict[str, np.ndarray], pad_shapes=None, **option
     stage.graph_shapes = pad_shapes
     engine = CodecEngine(stage)
     for rid, frames in items.items():
-        engine.add_request(rid, FramesInput(frames.tolist(), finished=True))
+        engine.add_request(rid, FramesInput(frames.tolist(), finished=True), params)
     audio = {}
     while engine.has_unfinished():
         for out in engine.step():
@@ -130,6 +131,39 @@ def test_decoder_streamed_batched_equals_whole(tts_folders):
         assert streamed[k].shape == whole[k].shape == padded[k].shape
         np.testing.assert_allclose(streamed[k], whole[k], atol=WAV_ATOL)
         np.testing.assert_allclose(padded[k], streamed[k], atol=1e-5)
+
+
+def _chunk_sizes(stage, state, frames: int) -> list[int]:
+    """The chunk sizes `ready` gives a request holding `frames` frames whose input goes on."""
+    state.frames, state.start = [[0] * stage.decoder.groups] * frames, 0
+    sizes = []
+    while (chunk := stage.ready(state, input_done=False)) is not None:
+        sizes.append(chunk[1] - chunk[0])
+        state.done = chunk[1]
+    return sizes
+
+
+def test_decoder_chunks_grow_from_a_small_first_one(tts_folders):
+    """The pipeline's decoder options: chunks of 2, 2, 4, 8, 16 frames (each as long as the audio so
+    far), then 24 -- the schedule Qwen3-Omni's code2wav inherits; the CUDA graphs' window lengths are
+    the longest window of each place (context + chunk); a request's `initial_codec_chunk_frames`
+    starts its own schedule; streamed audio equals the whole decode for several first chunks."""
+    from omnistage.codec.speech import TTSParams
+    from omnistage.models.qwen3_tts.codec import Qwen3TTSDecoderStage
+    from omnistage.models.qwen3_tts.pipeline import DECODER_OPTIONS
+
+    folder = tts_folders["custom_voice"]
+    stage = Qwen3TTSDecoderStage(folder, **DECODER_OPTIONS)
+    assert _chunk_sizes(stage, stage.new_state(None), 100)[:7] == [2, 2, 4, 8, 16, 24, 24]
+    assert stage.windows == [2, 2 + 2, 4 + 4, 8 + 8, 16 + 16, 25 + 24]
+    own = stage.new_state(TTSParams(initial_codec_chunk_frames=5))
+    assert _chunk_sizes(stage, own, 100)[:5] == [5, 5, 10, 20, 24]
+    a = reference("voice_design_greedy")["codes"]          # 11 frames
+    whole = _decode(folder, {"a": a}, first_chunk_frames=64)["a"]
+    np.testing.assert_allclose(_decode(folder, {"a": a}, first_chunk_frames=3, chunk_frames=4)["a"], whole,
+                               atol=WAV_ATOL)
+    streamed = _decode(folder, {"a": a}, params=TTSParams(initial_codec_chunk_frames=1), chunk_frames=4)["a"]
+    np.testing.assert_allclose(streamed, whole, atol=WAV_ATOL)
 
 
 def test_bf16_decoder_option_stays_near_the_float32_decode(tts_folders):

@@ -105,7 +105,8 @@ def _decode(folder: str, items: dict[str, np.ndarray], pad_shapes=None, params=N
     from omnistage.models.qwen3_tts.codec import FramesInput, Qwen3TTSDecoderStage
 
     stage = Qwen3TTSDecoderStage(folder, **options)
-    stage.graph_shapes = pad_shapes
+    if pad_shapes is not None:
+        (stage.buckets, stage.windows), stage.padded = pad_shapes, True
     engine = CodecEngine(stage)
     for rid, frames in items.items():
         engine.add_request(rid, FramesInput(frames.tolist(), finished=True), params)

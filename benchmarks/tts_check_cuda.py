@@ -125,7 +125,7 @@ class _Paths:
 def _batch(params, n: int, seed: int):
     from omnistage.ar.sampler import SamplingBatch
 
-    return SamplingBatch(params=[params] * n, prompt_ids=[[]] * n, output_ids=[[]] * n,
+    return SamplingBatch(params=[params] * n,
                          generators=[torch.Generator("cuda").manual_seed(seed + i) for i in range(n)])
 
 

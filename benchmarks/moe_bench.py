@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -41,6 +42,7 @@ from omnistage.layers.triton_moe import SmallTiles
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ar_bench import copy_bandwidth  # noqa: E402  (one way of measuring it for every benchmark)
+from gemv_bench import graph_us  # noqa: E402  (one CUDA-graph timer for every benchmark)
 from qwen3_omni_bench import TALKER_30B, THINKER_30B  # noqa: E402
 
 SHAPES = {"thinker": (THINKER_30B["hidden_size"], THINKER_30B["num_experts"], THINKER_30B["num_experts_per_tok"],
@@ -55,29 +57,8 @@ UP_NK = [(n, k) for n in (2, 4, 8, 16, 32) for k in (256, 512, 1024) if 2 * n * 
 DOWN_NK = [(n, k) for n in (2, 4, 8, 16) for k in (64, 128, 256, 512)]
 WARPS = (2, 4, 8)                            # phase 2 (num_warps; num_stages changes nothing here)
 UNROLLS = (2, 4)                             # phase 3: K-loop unroll factors (1 is phases 1-2)
-
-
-def per_call_us(launch, calls: int = CALLS) -> float:
-    """Median us per call of `launch(i)` for i < calls, replayed from one CUDA graph."""
-    for i in range(calls):                   # compiles, and proves there is no host sync below
-        launch(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            launch(i)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(4):
-            graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (4 * calls))
-    return sorted(times)[len(times) // 2]
+# us per call of launch(i), i < CALLS, from one CUDA graph: the median of 7 timings of 4 replays
+per_call_us = functools.partial(graph_us, calls=CALLS, trials=7, replays=4)
 
 
 def sweep(time_with, base: SmallTiles, prefix: str, nk: list, k_bound: int, slots: int) -> tuple[float, SmallTiles]:

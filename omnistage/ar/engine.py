@@ -494,7 +494,7 @@ def _overlappable(seq: Sequence) -> bool:
     """A sequence whose next step may be queued before its last sampled id is on the host. Its input
     rows may carry conditioning (prompt embeddings, multimodal rope, streamed rows: all on the device
     or known on the host before the step) and report hidden states (device tensors, read after the
-    step); penalties take the queued id from the device (`SamplingBatch.pending_ids`). Not: a grammar
+    step); penalties take the queued id from the device (`TokenCounts.prepare`'s `pending`). Not: a grammar
     (its mask needs the last token on the host), logprobs and a frame head (their results are read
     on the host in the step itself)."""
     p = seq.params

@@ -284,8 +284,6 @@ class ModelRunner:
             batch = SamplingBatch(
                 params=params,
                 generators=[self._generator_for(q) for q in sampling],
-                prompt_ids=[[] for _ in sampling],
-                output_ids=[[] for _ in sampling],
                 banned=banned,
                 token_bitmask=None if bitmask is None else bitmask.to(self.device, non_blocking=True),
                 token_counts=None if slots is None else self.counts.view(slots))

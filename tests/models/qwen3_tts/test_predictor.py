@@ -33,7 +33,7 @@ def test_bucket_path_equals_plain_path(talkers):
                    [SamplingParams(temperature=0.9), SamplingParams(temperature=0.0),
                     SamplingParams(temperature=0.7, top_k=5, top_p=0.8)]):
         def batch():
-            return SamplingBatch(params=params, prompt_ids=[[]] * n, output_ids=[[]] * n,
+            return SamplingBatch(params=params,
                                  generators=[torch.Generator().manual_seed(7 + i) for i in range(n)])
 
         assert head.graphs is None                              # the CPU runs the plain path
@@ -47,7 +47,6 @@ def test_bucket_path_equals_plain_path(talkers):
         assert torch.equal(codes, plain_codes) and torch.equal(rows, plain_rows)
         assert codes.shape == (n, 3)
     greedy_row = head(hidden, code0, SamplingBatch(params=[SamplingParams(temperature=0.0)] * n,
-                                                   prompt_ids=[[]] * n, output_ids=[[]] * n,
                                                    generators=[None] * n))[0][1]
     assert torch.equal(plain_codes[1], greedy_row)             # a greedy row beside sampled ones stays greedy
 

@@ -273,19 +273,35 @@ class AsyncOmni:
             except Exception as e:                              # e.g. a stage process is restarting
                 self._resolve(cmd.done, e)
             return True
-        if cmd.request_id not in self._streams:                 # the caller left before we started
-            self._resolve(cmd.accepted, None)
-            return True
-        try:
-            self.orchestrator.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.stage_params,
-                                          cmd.arrival_time, cmd.entry_stage)
-        except StageDeadError as e:                             # a stage it needs is restarting: 503
-            self._resolve(cmd.accepted, EngineDeadError(str(e)))
-        except Exception as e:                                  # bad request: tell only that caller
-            self._resolve(cmd.accepted, e)
-        else:
-            self._resolve(cmd.accepted, None)
-        return True
+        adds, after = [cmd], None
+        while after is None:                # every request queued behind it joins it (one prefill step)
+            try:
+                queued = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(queued, AddRequest):
+                adds.append(queued)
+            else:
+                after = queued
+        self._add(adds)
+        return True if after is None else self._handle(after)
+
+    def _add(self, adds: list[AddRequest]) -> None:
+        """Hands the requests to the orchestrator at once (`Orchestrator.add_requests`) and tells each
+        caller whether its request was taken."""
+        live = []
+        for cmd in adds:
+            if cmd.request_id in self._streams:
+                live.append(cmd)
+            else:                                               # the caller left before we started
+                self._resolve(cmd.accepted, None)
+        errors = self.orchestrator.add_requests([
+            dict(request_id=c.request_id, inputs=c.prompt, params=c.params, stage_params=c.stage_params,
+                 arrival_time=c.arrival_time, entry_stage=c.entry_stage) for c in live])
+        for cmd, e in zip(live, errors):
+            if isinstance(e, StageDeadError):                   # a stage it needs is restarting: 503
+                e = EngineDeadError(str(e))
+            self._resolve(cmd.accepted, e)                      # None, or a bad request: only that caller
 
     @property
     def is_running(self) -> bool:

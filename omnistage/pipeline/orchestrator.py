@@ -112,6 +112,7 @@ class _Route:
     closed: set[tuple[str, str]] = field(default_factory=set)       # edges whose last piece was sent
     fields: dict[str, Any] = field(default_factory=dict)             # request-level prompt fields (voice, ...)
     inputs: Any = None                                               # what the request entered with
+    request_id: str = ""                                             # the request's id
     memory: dict[tuple[str, str], dict] = field(default_factory=dict)  # (src, dst) -> edge adapter's state
     audio: AudioTiming = field(default_factory=AudioTiming)          # its audio as it leaves the pipeline
     audio_samples: int = 0                                           # audio samples merged so far
@@ -154,6 +155,52 @@ class Orchestrator:
                     entry_stage: Optional[str] = None) -> None:
         """`params` applies to the entry stage (default: the main stage); `stage_params` gives one
         object per stage (None entries take the stage's defaults)."""
+        route = self._new_route(request_id, inputs, params, stage_params, arrival_time, entry_stage)
+        self.stages[route.entry].add_request(request_id, route.inputs, route.params[route.entry], route.arrival)
+        self._start(request_id, route)
+
+    def add_requests(self, requests: list[dict[str, Any]]) -> list[Optional[Exception]]:
+        """`add_request(**kwargs)` for each of `requests`; per request None, or why it was refused.
+        Requests entering a stage process go to it all at once (`StageClient.add_requests`): it
+        takes them between the same two steps, so requests that arrive together share a prefill step."""
+        errors: list[Optional[Exception]] = [None] * len(requests)
+        routes: dict[int, _Route] = {}
+        for i, kwargs in enumerate(requests):
+            try:
+                route = self._new_route(**kwargs)
+                if any(r.request_id == route.request_id for r in routes.values()):
+                    raise ValueError(f"request id {route.request_id!r} is already in use")
+                routes[i] = route
+            except Exception as e:              # bad request: only this one is refused
+                errors[i] = e
+        by_stage: dict[str, list[int]] = {}
+        for i, route in routes.items():
+            by_stage.setdefault(route.entry, []).append(i)
+        for name, idx in by_stage.items():
+            stage = self.stages[name]
+            items = [(routes[i].request_id, routes[i].inputs, routes[i].params[name], routes[i].arrival) for i in idx]
+            if hasattr(stage, "add_requests"):
+                try:
+                    results = stage.add_requests(items)
+                except Exception as e:          # the stage process died while taking them
+                    results = [e] * len(items)
+            else:
+                results = []
+                for item in items:
+                    try:
+                        stage.add_request(*item)
+                        results.append(None)
+                    except Exception as e:
+                        results.append(e)
+            for i, error in zip(idx, results):
+                errors[i] = error
+                if error is None:
+                    self._start(routes[i].request_id, routes[i])
+        return errors
+
+    def _new_route(self, request_id: str, inputs: Any, params: Any = None, stage_params: Optional[list[Any]] = None,
+                   arrival_time: Optional[float] = None, entry_stage: Optional[str] = None) -> "_Route":
+        """The request's route, its params per stage checked; raises for a request to refuse."""
         if request_id in self.routes:
             raise ValueError(f"request id {request_id!r} is already in use")
         fields: dict[str, Any] = {}
@@ -190,9 +237,12 @@ class Orchestrator:
             if check is not None and name != entry:
                 check(chosen[name])
         inputs = self._with_upstream_inputs(entry, names, inputs)
-        route = _Route(entry, names, chosen, arrival_time or time.time(), fields=fields, inputs=inputs)
-        self.stages[entry].add_request(request_id, inputs, chosen[entry], route.arrival)
-        route.started.add(entry)
+        return _Route(entry, names, chosen, arrival_time or time.time(), fields=fields, inputs=inputs,
+                      request_id=request_id)
+
+    def _start(self, request_id: str, route: "_Route") -> None:
+        """The entry stage took the request."""
+        route.started.add(route.entry)
         self.routes[request_id] = route
 
     def _with_upstream_inputs(self, entry: str, names: list[str], inputs: Any) -> Any:

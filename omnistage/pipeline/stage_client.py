@@ -298,22 +298,54 @@ class StageClient:
         seq = self._seq
         if self.unavailable is not None or not self._send(CallStage(seq, method, list(args))):
             raise StageDeadError(self.unavailable)
-        while True:
+        reply = self._replies({seq})[seq]
+        if reply.error is not None:
+            raise reply.error.exception()
+        return reply.result
+
+    def _replies(self, seqs: set[int]) -> dict[int, CallReply]:
+        """Waits for the replies to the calls `seqs` (outputs that arrive meanwhile are kept);
+        StageDeadError when the process dies first."""
+        replies: dict[int, CallReply] = {}
+        while len(replies) < len(seqs):
             if self._out.poll(50):
                 msg = wire.decode(self._out.recv())
-                if isinstance(msg, CallReply) and msg.seq == seq:
-                    if msg.error is not None:
-                        raise msg.error.exception()
-                    return msg.result
-                self._receive(msg)
+                if isinstance(msg, CallReply) and msg.seq in seqs:
+                    replies[msg.seq] = msg
+                else:
+                    self._receive(msg)
             elif self.proc.poll() is not None:
                 self._on_death()
                 raise StageDeadError(self.unavailable)
+        return replies
 
     # ---- StageEngine ----------------------------------------------------------------------------
     def add_request(self, request_id: str, inputs: Any, params: Any, arrival_time: Optional[float] = None) -> None:
         self._call("add_request", request_id, inputs, params, arrival_time)
         self._held.add(request_id)
+
+    def add_requests(self, requests: list[tuple]) -> list[Optional[Exception]]:
+        """`add_request` for each (request_id, inputs, params, arrival_time), all sent before any
+        reply is awaited: the stage process takes every one of them between the same two steps, so
+        requests that arrive together are prefilled in one step (one round trip each would let the
+        process step between them: a prefill step per request). Per request: None, or why it was refused."""
+        seqs: list[Optional[int]] = []
+        for args in requests:
+            self._seq += 1
+            sent = self.unavailable is None and self._send(CallStage(self._seq, "add_request", list(args)))
+            seqs.append(self._seq if sent else None)
+        replies = self._replies({q for q in seqs if q is not None})
+        errors: list[Optional[Exception]] = []
+        for (request_id, *_), seq in zip(requests, seqs):
+            error = replies[seq].error if seq is not None else None
+            if seq is None:
+                errors.append(StageDeadError(self.unavailable))
+            elif error is not None:
+                errors.append(error.exception())
+            else:
+                errors.append(None)
+                self._held.add(request_id)
+        return errors
 
     def submit(self, request_id: str, inputs: Any, params: Any, arrival_time: Optional[float] = None) -> None:
         """`add_request` without waiting for the stage process (it may be mid-step): for requests

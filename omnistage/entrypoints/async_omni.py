@@ -2,8 +2,9 @@
 
 The engine loop runs in a background thread (model forwards block), taking commands from a queue
 between steps (`AddRequest`, `AbortRequest`, `ResetPrefixCache`, `StopEngine`: the event loop's
-messages to that thread) and pushing each request's partial outputs to that request's asyncio queue through
-`loop.call_soon_threadsafe`. `generate` is an async generator of cumulative `RequestOutput`s;
+messages to that thread; the requests queued together are handed to the orchestrator together,
+`Orchestrator.add_requests`, so that a stage process prefills them in one step) and pushing each
+request's partial outputs to that request's asyncio queue through `loop.call_soon_threadsafe`. `generate` is an async generator of cumulative `RequestOutput`s;
 leaving it early (client gone, task cancelled) aborts the request in the engine. A request that
 fails raises its own typed error (`request_error`): refused input, a run-time failure of that
 request, or `EngineDeadError` when the engine or a stage holding it is down.

@@ -4,10 +4,11 @@ The engine loop runs in a background thread (model forwards block), taking comma
 between steps (`AddRequest`, `AbortRequest`, `ResetPrefixCache`, `StopEngine`: the event loop's
 messages to that thread; the requests queued together are handed to the orchestrator together,
 `Orchestrator.add_requests`, so that a stage process prefills them in one step) and pushing each
-request's partial outputs to that request's asyncio queue through `loop.call_soon_threadsafe`. `generate` is an async generator of cumulative `RequestOutput`s;
-leaving it early (client gone, task cancelled) aborts the request in the engine. A request that
-fails raises its own typed error (`request_error`): refused input, a run-time failure of that
-request, or `EngineDeadError` when the engine or a stage holding it is down.
+request's partial outputs to that request's asyncio queue through `loop.call_soon_threadsafe`.
+`generate` is an async generator of cumulative `RequestOutput`s; leaving it early (client gone,
+task cancelled) aborts the request in the engine. A request that fails raises its own typed error
+(`request_error`): refused input, a run-time failure of that request, or `EngineDeadError` when the
+engine or a stage holding it is down.
 `close` stops the engine thread and ends every request still open with `EngineDeadError`, then
 closes the stages (and their processes); a server drains first (`num_requests` says how many are
 open). A stage that is down (its process restarting) refuses the requests that need it with

@@ -8,10 +8,11 @@ when the process runs on another host). One client is one replica; `pipeline.rep
 The stage process steps its engine whenever it has work, so it runs concurrently with the other
 stages; `step()` here only collects what it has produced. `add_request` and the optional
 `check_params` and `reset_prefix_cache` are round trips, so a bad request raises here as it would in-process, a
-`ParamError` with its field; `add_requests` is one round trip for a batch of new requests (one
-message: the process takes them all between the same two steps, and a refusal stays its request's) (check verdicts and results are remembered per params value; checks go
+`ParamError` with its field (check verdicts and results are remembered per params value; checks go
 over their own channel, answered by a thread of the stage process even mid-step, so any thread may
-check: the HTTP routes do it on the event loop); `submit`
+check: the HTTP routes do it on the event loop); `add_requests` is one round trip for a batch of new
+requests (one message: the process takes them all between the same two steps, and a refusal stays
+its request's); `submit`
 (add_request for requests handed on by an upstream stage), `add_input` and `abort` are one-way, so
 the orchestrator never waits for a busy downstream stage; `voices` is read once at start, as are
 what entry points read of a main stage (`max_model_len`, and the `tokenizer`, loaded here from the

@@ -1,5 +1,5 @@
 """Requests added together (`Orchestrator.add_requests`) with the tiny Llama's LM stage in its own
-process and in-process: they are prefilled in one step and answer as the in-process engine does; a
+process, shared and inline: they are prefilled in one step and answer as the in-process engine does; a
 bad request in the batch is refused alone, naming its field; an abort of one leaves the others; a
 stage process that dies as a batch reaches it refuses or fails that batch (503-style
 `StageDeadError` naming the stage) instead of leaving the engine thread waiting for a reply, and
@@ -56,8 +56,9 @@ def _steps(orch) -> float:
 
 def test_a_batch_is_prefilled_in_one_step_and_refuses_only_its_bad_requests(tiny_models, process_orch):
     inline = _orchestrator(tiny_models["llama"], "inline")
+    shared = _orchestrator(tiny_models["llama"], "shared")   # on a CPU: no streams, the in-process path
     answers = {}
-    for name, orch in (("inline", inline), ("process", process_orch)):
+    for name, orch in (("inline", inline), ("shared", shared), ("process", process_orch)):
         before = _steps(orch)
         errors = orch.add_requests(_batch(name))
         assert errors[:8] == [None] * 8
@@ -72,8 +73,8 @@ def test_a_batch_is_prefilled_in_one_step_and_refuses_only_its_bad_requests(tiny
         answers[name] = {rid.split("-")[1]: out.outputs[0].token_ids for rid, out in finals.items()}
         assert all(len(ids) == 4 for ids in answers[name].values())
         assert _steps(orch) - before == 4, name   # one prefill step for all 8, then 3 decode steps
-    assert answers["process"] == answers["inline"]
-    assert not inline.routes and not process_orch.routes
+    assert answers["process"] == answers["shared"] == answers["inline"]
+    assert not inline.routes and not shared.routes and not process_orch.routes
 
 
 def _killing(client, after_send: bool):

@@ -116,6 +116,7 @@ class AREngine:
         self.requests: dict[str, _Request] = {}
         self._compiling: dict[str, Future] = {}  # request id -> its grammar being compiled (not yet scheduled)
         self._steps, self._step_seconds = 0, 0.0   # model steps run, and their time (schedule excluded)
+        self._prefill_steps = 0                 # model steps that computed prompt tokens (a prefill)
         # The step queued on the device whose ids the host has not read yet (async scheduling): its
         # schedule, its launch, and the sequences whose last token is its placeholder (those still running)
         self._pending: Optional[tuple[SchedulerOutput, Launched, set[str]]] = None
@@ -302,7 +303,8 @@ class AREngine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "prefix_cache_queries": bm.prefix_queries,
                 "prefix_cache_hits": bm.prefix_hits,
-                "steps_total": self._steps, "step_seconds_total": self._step_seconds}
+                "steps_total": self._steps, "prefill_steps_total": self._prefill_steps,
+                "step_seconds_total": self._step_seconds}
 
     def close(self) -> None:
         """Stops the tensor-parallel ranks (nothing to do with one rank)."""
@@ -355,6 +357,7 @@ class AREngine:
             self.scheduler.update(sched, result.sampled)
             outputs += self._step_outputs(sched, result)
         self._steps += 1
+        self._prefill_steps += any(s.start < s.seq.prompt_len for s in sched.scheduled)
         self._step_seconds += time.perf_counter() - started
         return refused + outputs
 

@@ -80,3 +80,35 @@ def test_fused_kernels_path_equals_reference_in_the_triton_interpreter(tts_folde
     out = run_in_interpreter(script, tts_folders["custom_voice"], HF_HUB_OFFLINE="1")
     for mode, (equal, calls) in out.items():
         assert calls > 0 and equal, (mode, out)
+
+
+SAMPLING_CHECK = """
+import json, torch
+from omnistage.layers.triton_sampling import pick_top_k_top_p
+from omnistage.models.qwen3_tts.predictor import pick
+g = torch.Generator().manual_seed(0)
+out = {}
+for v in (100, 2048):
+    for top_p in (1.0, 0.9, 0.3):
+        s = 7
+        logits = torch.randn(s, v, generator=g) * 3
+        temp = torch.tensor([0.9, 1.0, 0.5, 1.3, 0.9, 0.7, 1.0])
+        top_k = torch.tensor([50, -1, 1, 5, 50, 64, 0])
+        top_p_rows = torch.full((s,), top_p)
+        noise = torch.empty(s, v).exponential_(generator=g)
+        ref = pick(logits, temp, top_k, top_p_rows, noise)
+        got = pick_top_k_top_p(logits, temp, top_k, top_p_rows, noise)
+        out[f"{v}-{top_p}"] = [got.tolist(), ref.tolist()]
+print(json.dumps(out))
+"""
+
+
+def test_sampling_kernel_equals_pick_in_the_triton_interpreter():
+    """`layers/triton_sampling.py`'s one-program-per-row draw (top-k -1 / 0: all; top-p below 1 too)
+    picks the ids of `pick`'s whole-vocabulary reference for the same logits and noise."""
+    from interpreted import run_in_interpreter
+
+    out = run_in_interpreter("-c", SAMPLING_CHECK)
+    assert len(out) == 6
+    for key, (got, ref) in out.items():
+        assert got == ref, key

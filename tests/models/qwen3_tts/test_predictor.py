@@ -87,19 +87,14 @@ import json, torch
 from omnistage.layers.triton_sampling import pick_top_k_top_p
 from omnistage.models.qwen3_tts.predictor import pick
 g = torch.Generator().manual_seed(0)
-out = {}
-for v in (100, 2048):
-    for top_p in (1.0, 0.9, 0.3):
-        s = 7
-        logits = torch.randn(s, v, generator=g) * 3
-        temp = torch.tensor([0.9, 1.0, 0.5, 1.3, 0.9, 0.7, 1.0])
-        top_k = torch.tensor([50, -1, 1, 5, 50, 64, 0])
-        top_p_rows = torch.full((s,), top_p)
-        noise = torch.empty(s, v).exponential_(generator=g)
-        ref = pick(logits, temp, top_k, top_p_rows, noise)
-        got = pick_top_k_top_p(logits, temp, top_k, top_p_rows, noise)
-        out[f"{v}-{top_p}"] = [got.tolist(), ref.tolist()]
-print(json.dumps(out))
+logits = torch.randn(8, 100, generator=g) * 3
+temp = torch.tensor([0.9, 1.0, 0.5, 1.3, 0.9, 0.7, 1.0, 0.8])
+top_k = torch.tensor([50, -1, 1, 5, 50, 64, 0, 20])
+top_p = torch.tensor([1.0, 0.3, 1.0, 0.9, 0.5, 0.05, 0.8, 1.0])
+noise = torch.empty(8, 100).exponential_(generator=g)
+ref = pick(logits, temp, top_k, top_p, noise)
+got = pick_top_k_top_p(logits, temp, top_k, top_p, noise)
+print(json.dumps([got.tolist(), ref.tolist()]))
 """
 
 
@@ -108,7 +103,5 @@ def test_sampling_kernel_equals_pick_in_the_triton_interpreter():
     picks the ids of `pick`'s whole-vocabulary reference for the same logits and noise."""
     from interpreted import run_in_interpreter
 
-    out = run_in_interpreter("-c", SAMPLING_CHECK)
-    assert len(out) == 6
-    for key, (got, ref) in out.items():
-        assert got == ref, key
+    got, ref = run_in_interpreter("-c", SAMPLING_CHECK)
+    assert len(got) == 8 and got == ref

@@ -177,16 +177,27 @@ class ModelRunner:
 
     def _condition(self, x: torch.Tensor, order: list[ScheduledSeq]) -> None:
         """Prompt embeddings, given / streamed rows and frame rows into the step's input rows
-        (ar/conditioning.py): decode rows that `DecodeRows` takes in one gather, the others row by row."""
+        (ar/conditioning.py): decode rows that `DecodeRows` takes in one gather, other one-row decodes
+        of generated positions in one add per kind of row (streamed, then frame: the order and
+        rounding of `Conditioning.fill`), the rest row by row."""
         gathered, row = [], 0
+        adds: tuple[list, list] = ([], [])      # per kind of row: (row of x, the [H] row added there)
         for s in order:
             cond = s.seq.cond
             if cond is not None:
                 if DecodeRows.takes(cond, s.start, s.num_new_tokens):
                     gathered.append((row, s))
+                elif s.num_new_tokens == 1 and s.start >= cond.prompt_len:
+                    for kind, added in zip(adds, cond.generated_rows(s.start)):
+                        if added is not None:
+                            kind.append((row, added))
                 else:
                     cond.fill(x[row:row + s.num_new_tokens], s.start)
             row += s.num_new_tokens
+        for kind in adds:
+            if kind:
+                dst, rows = zip(*kind)
+                x.index_add_(0, self._to_device(list(dst)), torch.stack([r.to(x.dtype) for r in rows]))
         if gathered:
             if self.decode_rows is None:
                 self.decode_rows = DecodeRows(x.shape[1], self.device, x.dtype)

@@ -5,7 +5,7 @@ device it goes to. Out: a tensor on that device, its copy queued without waiting
 
 A copy from pageable memory makes the host wait for the device's queued work, and
 `torch.tensor(values, pin_memory=True)` pays a pinned allocation per call (~0.2 ms on an H200 host:
-a talker step made 12 of them). Here each thread owns, per CUDA device, one pinned ring allocated once
+a talker step made 12 of them). Here each thread owns, per CUDA device and stream, one pinned ring allocated once
 (`PinnedRing`): the values are written into it with numpy and copied from there. The ring is cut into
 segments; leaving a segment records a CUDA event after its last queued copy, and a segment is written
 again only once the event of its previous lap is done, so a copy never reads bytes the host has
@@ -103,14 +103,17 @@ _local = threading.local()
 
 
 def ring_for(device: torch.device) -> PinnedRing:
-    """The calling thread's ring for `device` (made on first use)."""
+    """The calling thread's ring for `device` and its current stream (made on first use): a ring's
+    events are recorded on the stream its copies are queued on (the shared layout runs stages of one
+    thread on streams of their own)."""
     rings = getattr(_local, "rings", None)
     if rings is None:
         rings = _local.rings = {}
-    key = (device.type, device.index if device.index is not None else torch.cuda.current_device())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch.cuda.current_stream(index).cuda_stream)
     ring = rings.get(key)
     if ring is None:
-        ring = rings[key] = PinnedRing(torch.device(device.type, key[1]))
+        ring = rings[key] = PinnedRing(torch.device("cuda", index))
     return ring
 
 

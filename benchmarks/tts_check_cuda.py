@@ -14,6 +14,8 @@
      pipeline's chunk options, 3 requests of 7, 30 and 61 random frames streamed at once, on cuda with
      CUDA graphs and with graphs off (padded eager, after the start-up decodes of every shape), equals
      the CPU's unpadded decode within 1e-4 of the peak (cuDNN TF32 off for it: padding is what it checks).
+  4. the predictor's sampling kernel (layers/triton_sampling.py) == its reference `pick` at 1, 8 and
+     64 rows, and us per call of each under a CUDA graph.
 
 Seeded sampling is not compared with the fixtures here: they hold the CPU generator's draws.
 
@@ -212,11 +214,45 @@ def check_decoders() -> int:
                   f"{err:.1e}; {stage.stats()['decoder_graphed_batches_total']:.0f} of "
                   f"{stage.stats()['decoder_batches_total']:.0f} batches graphed)")
     torch.backends.cudnn.allow_tf32 = True
+def check_sampling() -> int:
+    """The code predictor's sampling kernel (`layers/triton_sampling.py`) against its reference
+    `predictor.pick` (torch.topk of the 50 largest + masks) on the same logits and noise: ids equal at
+    1, 8, 64 rows (V = 2048, the 1.7B codebook), top-k 50 with top-p 1.0 and 0.8; then us per call
+    under a CUDA graph (how the frame graph runs them), kernel vs reference."""
+    from omnistage.layers.triton_sampling import pick_top_k_top_p
+    from omnistage.models.qwen3_tts.predictor import pick
+
+    bad = 0
+    g = torch.Generator(device="cuda").manual_seed(0)
+    print("| rows | top-p | ids equal | kernel us | reference us |")
+    print("|---|---|---|---|---|")
+    for n in (1, 8, 64):
+        for top_p in (1.0, 0.8):
+            logits = torch.randn(n, 2048, device="cuda", generator=g) * 3
+            temp = torch.full((n,), 0.9, device="cuda")
+            top_k = torch.full((n,), 50, device="cuda", dtype=torch.long)
+            top_ps = torch.full((n,), top_p, device="cuda")
+            noise = torch.empty(n, 2048, device="cuda").exponential_(generator=g)
+            ref = pick(logits, temp, top_k, top_ps, noise, k_most=50)
+            got = pick_top_k_top_p(logits, temp, top_k, top_ps, noise)
+            equal = bool(torch.equal(got, ref))
+            bad += not equal
+            times = []
+            for fn in (lambda: pick_top_k_top_p(logits, temp, top_k, top_ps, noise),
+                       lambda: pick(logits, temp, top_k, top_ps, noise, k_most=50)):
+                graph = torch.cuda.CUDAGraph()
+                fn()
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph):
+                    for _ in range(15):             # a frame's sub-steps
+                        fn()
+                times.append(1e3 * _time(graph.replay) / 15)
+            print(f"| {n} | {top_p} | {equal} | {times[0]:.1f} | {times[1]:.1f} |")
     return bad
 
 
 def main() -> int:
-    bad = check_fixtures() + check_predictor() + check_decoders()
+    bad = check_fixtures() + check_predictor() + check_decoders() + check_sampling()
     return 1 if bad else 0
 
 

@@ -497,9 +497,8 @@ def _overlappable(seq: Sequence) -> bool:
     """A sequence whose next step may be queued before its last sampled id is on the host. Its input
     rows may carry conditioning (prompt embeddings, multimodal rope, streamed rows: all on the device
     or known on the host before the step) and report hidden states (device tensors, read after the
-    step); penalties take the queued id from the device (`TokenCounts.prepare`'s `pending`). Not: a grammar
-    (its mask needs the last token on the host), logprobs and a frame head (their results are read
-    on the host in the step itself)."""
-    p = seq.params
-    frame_head = seq.cond is not None and seq.cond.frame_feedback
-    return seq.grammar is None and p.logprobs is None and not frame_head
+    step); penalties take the queued id from the device (`TokenCounts.prepare`'s `pending`); a frame head's
+    codes go to the host with the ids and its frame row stays on the device for the next step's input.
+    Not: a grammar (its mask needs the last token on the host) and logprobs (read on the host in the
+    step itself)."""
+    return seq.grammar is None and seq.params.logprobs is None

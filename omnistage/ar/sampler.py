@@ -22,6 +22,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from omnistage.ar.staging import upload
 from omnistage.params import SamplingParams
 
 
@@ -51,13 +52,11 @@ class SamplerOutput:
 
 
 def to_device(values: list, device: torch.device, dtype=None) -> torch.Tensor:
-    """A host list as a device tensor, copied from pinned memory so the host does not wait for the
-    device's queued work (a copy from pageable memory would). The sampler's per-row values and the
-    runner's step inputs both go this way."""
-    if isinstance(values, np.ndarray):          # torch.tensor(..., pin_memory=True) refuses numpy input
-        host = torch.from_numpy(values) if dtype is None else torch.from_numpy(values).to(dtype)
-        return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
-    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    """A host list (or numpy array) as a device tensor, copied from the thread's persistent pinned
+    ring (`ar/staging.py`) so the host neither waits for the device's queued work (a copy from
+    pageable memory would) nor pins memory per call. The sampler's per-row values and the runner's
+    step inputs both go this way."""
+    return upload(values, device, dtype)
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:

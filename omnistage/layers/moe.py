@@ -150,7 +150,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        if self.merged_inputs is not None:      # one GEMM for the shared expert's input, router, gate
+        # one GEMM for the shared expert's input, router and gate -- unless FP8 swapped the shared gate | up
+        # for its own layer (`quantize_decoder` after the merge): then it runs as that layer
+        if self.merged_inputs is not None and type(self.shared_expert.gate_up_proj) is nn.Linear:
             width = 2 * self.shared_expert.inter
             y = F.linear(x, self.merged_inputs)
             logits, gate = y[:, width:width + self.num_experts], y[:, width + self.num_experts:width + self.num_experts + 1]

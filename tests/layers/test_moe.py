@@ -172,6 +172,13 @@ def test_merged_inputs_talker_block_equals_the_unmerged_one():
         assert block.gate.weight.data_ptr() == block.merged_inputs[80:].data_ptr()
         got = block(x)
     assert torch.allclose(got, want, atol=1e-6 * want.abs().max().item()), (got - want).abs().max()
+    from omnistage.layers.fp8_linear import Fp8Linear, quantize_fp8
+
+    assert quantize_fp8(block, only=("gate_up_proj", "down_proj")) == 2   # FP8 after the merge: its own layers
+    assert isinstance(block.shared_expert.gate_up_proj, Fp8Linear)
+    with torch.no_grad():
+        fp8 = block(x)
+    assert (fp8 - want).abs().max() <= 0.1 * want.abs().max()
     block.load_weights([("gate.weight", torch.zeros(8, 24))])
     assert block.merged_inputs[80:88].abs().max() == 0
 

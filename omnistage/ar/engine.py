@@ -131,10 +131,11 @@ class AREngine:
         cfg = self.config
         graphs = self.runner.graphs
         sizes = graphs.sizes if graphs is not None else capture_sizes(cfg.max_num_seqs)
-        done = warmup.warm_up(self.runner, min(cfg.max_num_batched_tokens, 8192), cfg.max_num_seqs, sizes)
-        logger.info("AR engine warm-up: %s, %d prefill lengths (1..%d tokens), frame head at %d batch sizes, %.2f s",
-                    type(self.model).__name__, len(done.prefill_lengths), max(done.prefill_lengths),
-                    len(done.frame_sizes), done.seconds)
+        done = warmup.warm_up(self.runner, min(cfg.max_num_batched_tokens, 8192), cfg.max_num_seqs, sizes,
+                              -(-self.max_model_len // cfg.block_size))
+        logger.info("AR engine warm-up: %s, %d prefill lengths (1..%d tokens), %d eager decodes, frame head at %d "
+                    "batch sizes, %.2f s", type(self.model).__name__, len(done.prefill_lengths),
+                    max(done.prefill_lengths), len(done.decodes), len(done.frame_sizes), done.seconds)
 
     # ---- sizing --------------------------------------------------------------------------------
     def _max_len(self) -> int:

@@ -291,14 +291,15 @@ def test_code2wav_chunks_grow_from_a_small_first_one_and_pad_to_few_windows(fold
 
 def test_start_up_warm_up_leaves_the_talker_codes_equal_transformers(folder, ref, run):
     """The warm-up a CUDA engine runs at start-up (`ar/warmup.py`: prefills of each launch-shape class,
-    the frame head at every decode batch size), run here on the CPU engine: it writes no request's
+    eager decodes, the frame head at every decode batch size), run here on the CPU engine: it writes no request's
     state, so the codes after it still equal transformers'."""
     from omnistage.ar.warmup import warm_up
 
     engine = talker_engine(folder)
-    done = warm_up(engine.runner, 40, 4, [1, 2, 4, 8])
+    done = warm_up(engine.runner, 40, 4, [1, 2, 3, 4], 3)
     assert done.prefill_lengths == [1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 18]
-    assert done.frame_sizes == [1, 2, 4]
+    assert done.decodes == [(b, w) for b in (1, 2, 4) for w in (1, 2, 3)]
+    assert done.frame_sizes == [1, 2, 3, 4]
     frames = talk(engine, {"Ethan": adapter_input(folder, run, "Ethan")}, greedy(ref))
     want = run["codes"]
     np.testing.assert_array_equal(frames["Ethan"][:, :want.shape[1]], want)

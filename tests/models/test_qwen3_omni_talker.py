@@ -303,3 +303,20 @@ def test_start_up_warm_up_leaves_the_talker_codes_equal_transformers(folder, ref
     frames = talk(engine, {"Ethan": adapter_input(folder, run, "Ethan")}, greedy(ref))
     want = run["codes"]
     np.testing.assert_array_equal(frames["Ethan"][:, :want.shape[1]], want)
+
+
+def test_talker_logits_mask_the_ids_transformers_suppresses(folder, ref):
+    """vocab - 1024 .. vocab but codec eos are -inf in the talker's own logits (so its params need no
+    per-row bad_token_ids); every other id keeps its logit."""
+    from omnistage.models.qwen3_omni.pipeline import talker_params
+
+    engine = talker_engine(folder)
+    talker = ref.config.talker_config
+    vocab, eos = talker.text_config.vocab_size, talker.codec_eos_token_id
+    model = engine.runner.model
+    logits = model.compute_logits(torch.randn(3, model.embed_tokens.weight.shape[1]))
+    banned = torch.zeros(vocab, dtype=torch.bool)
+    banned[vocab - 1024:] = True
+    banned[eos] = False
+    assert torch.isinf(logits[:, banned]).all() and torch.isfinite(logits[:, ~banned]).all()
+    assert "bad_token_ids" not in talker_params(ref.config)

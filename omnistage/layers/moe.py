@@ -17,8 +17,7 @@ In: hidden rows x [T, H] of one engine step. Out: [T, H], the weighted sum of ea
         `route` + `fused_moe`, what the block runs; at decode sizes on CUDA `triton_moe.routed_moe_small`
         (the routing inside the gate-up launch: two launches for router softmax, top-k and experts)
   SparseMoeBlock(hidden, num_experts, top_k, moe_intermediate, norm_topk_prob, shared_expert_intermediate=0)
-        the module; with a shared expert, `merge_inputs()` (after loading) makes its gate | up, the router
-        and the shared expert's gate one GEMM; `load_weights` takes the checkpoint's names relative to the block
+        the module; `load_weights` takes the checkpoint's names relative to the block
         (`experts.{e}.gate_proj|up_proj|down_proj.weight`, `gate.weight`, `shared_expert.*`,
         `shared_expert_gate.weight`) or transformers' fused in-memory ones (`experts.gate_up_proj`,
         `experts.down_proj`)
@@ -124,40 +123,9 @@ class SparseMoeBlock(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, moe_intermediate))
         self.shared_expert = SharedExpert(hidden, shared_expert_intermediate) if shared_expert_intermediate else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_expert_intermediate else None
-        # [shared gate | shared up | router | shared-expert gate | zero rows to a multiple of 8] x H once
-        # `merge_inputs` ran (a plain tensor: those modules' weights are views into it)
-        self.merged_inputs: torch.Tensor | None = None
-
-    @torch.no_grad()
-    def merge_inputs(self) -> None:
-        """With a shared expert: its gate | up, the router and its sigmoid gate become one matrix, so a
-        step reads x once in one GEMM instead of three (each a launch at decode sizes); the modules'
-        weights become views into it. Run once the weights are loaded (a later `load_weights` still
-        writes through the views); without a shared expert there is nothing to merge."""
-        if self.shared_expert is None or self.merged_inputs is not None:
-            return
-        parts = [self.shared_expert.gate_up_proj, self.gate, self.shared_expert_gate]
-        rows = sum(m.weight.shape[0] for m in parts)
-        weight = parts[0].weight
-        merged = weight.new_zeros(-(-rows // 8) * 8, weight.shape[1])   # rows aligned for the kernels' loads
-        row = 0
-        for m in parts:
-            n = m.weight.shape[0]
-            merged[row:row + n] = m.weight
-            m.weight.data = merged[row:row + n]
-            row += n
-        self.merged_inputs = merged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        # one GEMM for the shared expert's input, router and gate -- unless FP8 swapped the shared gate | up
-        # for its own layer (`quantize_decoder` after the merge): then it runs as that layer
-        if self.merged_inputs is not None and type(self.shared_expert.gate_up_proj) is nn.Linear:
-            width = 2 * self.shared_expert.inter
-            y = F.linear(x, self.merged_inputs)
-            logits, gate = y[:, width:width + self.num_experts], y[:, width + self.num_experts:width + self.num_experts + 1]
-            shared = (self.shared_expert.down_proj(fused.silu_and_mul(y[:, :width])), gate)
-            return routed_moe(x, logits, self.w13, self.w2, self.top_k, self.norm_topk_prob, shared)
         shared = None
         if self.shared_expert is not None:
             shared = (self.shared_expert(x), self.shared_expert_gate(x))

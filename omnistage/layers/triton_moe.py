@@ -27,9 +27,7 @@ the grouped GEMM's tiles mostly padding, and align's torch ops cost more launche
                                 its token itself (`_top_k`, the route kernel's code) and the first column
                                 block stores the pair's expert id and weight for the down launch; with
                                 a shared expert's output and gate logit, the down launch also adds
-                                sigmoid(gate) * shared (no sigmoid / mul / add launches). A gate-up grid
-                                of more than `ROUTE_INSIDE_PER_SM` programs per SM (T > 1 at these
-                                shapes) gets one `route` launch first instead: its programs read the ids
+                                sigmoid(gate) * shared (no sigmoid / mul / add launches)
   route(logits, top_k, norm)    one program per row: float32 softmax over the experts, the top k by
                                 repeated argmax (descending, as torch.topk), the renormalisation; one launch
                                 for what takes torch four or five.
@@ -262,11 +260,6 @@ if triton is not None:
 
 SMALL_PAIRS = 64                                # T*K at most for `fused_moe_small` (decode sizes)
 _PROGRAMS_PER_SM = 4                            # the default tiles' target: loads of ~4 programs in flight per SM
-# Gate-up programs per SM up to which each routes its own token (`routed_moe_small`): its routing (softmax
-# and K argmax rounds over E experts) delays its weight loads, which costs nothing in one or two waves of
-# programs (T = 1) but is paid again in every wave of a larger grid (talker T = 8: 6144 programs, 59 us
-# per gate-up on an H200 against ~23 us without the routing); beyond it one route launch runs first.
-ROUTE_INSIDE_PER_SM = 16
 
 
 @dataclass(frozen=True)
@@ -314,7 +307,7 @@ def small_tiles(t: int, k: int, hidden: int, inter: int, sms: int) -> SmallTiles
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe.route` in one launch (see the module docstring): (weights float32 [T, K], ids int64 [T, K])."""
     t, e = router_logits.shape
-    logits = _unit_columns(router_logits)
+    logits = router_logits.contiguous()
     weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     _route_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k, NORM=bool(norm_topk_prob),
@@ -338,23 +331,11 @@ def routed_moe_small(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Te
     `_top_k` as `route`) and hands the weights and ids to the down kernel. `shared` = (a shared expert's
     output [T, H], its gate logits [T, 1]): the down launch also adds sigmoid(gate) * shared."""
     t, e = router_logits.shape
-    sms = triton_gemv._num_sms(x.device)
-    tiles = tiles or small_tiles(t, top_k, w13.shape[2], w2.shape[2], sms)
-    logits = _unit_columns(router_logits)
-    if t * top_k * triton.cdiv(w13.shape[1] // 2, tiles.up_n) > ROUTE_INSIDE_PER_SM * sms:
-        weights, ids = route(logits, top_k, norm_topk_prob)
-        mid = small_gate_up(x, w13, ids, tiles)
-    else:
-        ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
-        weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
-        mid = small_gate_up(x, w13, ids, tiles, routing=(logits, weights, bool(norm_topk_prob)))
+    tiles = tiles or small_tiles(t, top_k, w13.shape[2], w2.shape[2], triton_gemv._num_sms(x.device))
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
+    mid = small_gate_up(x, w13, ids, tiles, routing=(router_logits.contiguous(), weights, bool(norm_topk_prob)))
     return small_down(mid, w2, weights, ids, tiles, shared)
-
-
-def _unit_columns(logits: torch.Tensor) -> torch.Tensor:
-    """Router logits as the kernels read them (any row stride, unit column stride): a view of a merged
-    GEMM's output stays a view."""
-    return logits if logits.stride(1) == 1 else logits.contiguous()
 
 
 def small_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, tiles: SmallTiles,

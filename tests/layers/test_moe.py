@@ -78,7 +78,7 @@ CHECK = """
 import json, torch
 from omnistage.layers import moe, triton_moe
 torch.manual_seed(0)
-grouped, small, routes, split = [], [], [], []
+grouped, small, routes = [], [], []
 # float16 for the 16-bit rounding path: the interpreter cannot do bfloat16 dots (see layers/kernel_check.py)
 for t, e, k, h, i, bm, dt in [(5, 8, 2, 64, 32, 16, torch.float32), (23, 4, 3, 40, 24, 16, torch.float32),
                               (9, 8, 2, 64, 32, 16, torch.float16)]:
@@ -103,7 +103,6 @@ for t, e, k, h, i, dt in [(1, 8, 2, 64, 32, torch.float32), (5, 8, 3, 40, 24, to
         got = triton_moe.fused_moe_small(x, w13, w2, w, ids, tiles=tiles)
         small.append(((got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item(), str(dt)))
     # the routing inside the gate-up launch (logits in, as the block calls it; w, ids above: norm off)
-    triton_moe.ROUTE_INSIDE_PER_SM = 1 << 30
     got = triton_moe.routed_moe_small(x, logits, w13, w2, k, False)
     small.append(((got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item(), str(dt)))
     # with a shared expert's output and gate logit added in the down launch (the talker's block)
@@ -111,16 +110,7 @@ for t, e, k, h, i, dt in [(1, 8, 2, 64, 32, torch.float32), (5, 8, 3, 40, 24, to
     want = ref + torch.sigmoid(shared[1]) * shared[0]
     got = triton_moe.routed_moe_small(x, logits, w13, w2, k, False, shared=shared)
     small.append(((got.float() - want.float()).abs().max().item(), want.float().abs().max().item(), str(dt)))
-    # one route launch first (a gate-up grid of many waves), the logits a strided view as a merged
-    # GEMM's output gives them, both routings
-    triton_moe.ROUTE_INSIDE_PER_SM = 0
-    wide = torch.randn(t, e + 5)
-    wide[:, 2:2 + e] = logits
-    for inside in (1 << 30, 0):
-        triton_moe.ROUTE_INSIDE_PER_SM = inside
-        got = triton_moe.routed_moe_small(x, wide[:, 2:2 + e], w13, w2, k, False, shared=shared)
-        split.append(((got.float() - want.float()).abs().max().item(), want.float().abs().max().item(), str(dt)))
-print(json.dumps({"grouped": grouped, "small": small, "routes": routes, "split": split}))
+print(json.dumps({"grouped": grouped, "small": small, "routes": routes}))
 """
 
 
@@ -147,19 +137,11 @@ def test_small_t_moe_and_router_equal_reference_in_the_interpreter(interpreted):
         assert same_ids and err <= 1e-6
 
 
-def test_routing_in_its_own_launch_and_strided_logits_equal_reference_in_the_interpreter(interpreted):
-    """`routed_moe_small` with one `route` launch before the gate-up kernel (a grid of more than
-    `ROUTE_INSIDE_PER_SM` programs per SM) and with it inside, on router logits that are a column
-    slice of a wider output (the talker block's merged GEMM): the reference, within the same bounds."""
-    assert len(interpreted["split"]) == 6
-    for err, peak, dtype in interpreted["split"]:
-        assert err <= (1e-5 if dtype == "torch.float32" else 4e-3) * peak, (err, peak, dtype)
+def test_talker_block_with_its_shared_inputs_merged_equals_the_unmerged_one():
+    """The talker block's shared-expert gate | up and its sigmoid gate read the same rows: merged into one
+    GEMM (`layers.merged_linear.merge_linears`, what the talker's loader does) the block's output stays."""
+    from omnistage.layers.merged_linear import LinearPart, merge_linears
 
-
-def test_merged_inputs_talker_block_equals_the_unmerged_one():
-    """The talker block's shared-expert gate | up, router and shared gate merged into one GEMM
-    (`merge_inputs`) gives the unmerged block's output; its modules' weights become views of the one
-    matrix, so loading after the merge still reaches it."""
     torch.manual_seed(0)
     block = moe.SparseMoeBlock(24, 8, 2, 16, False, 40)
     for p in block.parameters():
@@ -167,20 +149,11 @@ def test_merged_inputs_talker_block_equals_the_unmerged_one():
     x = torch.randn(5, 24)
     with torch.no_grad():
         want = block(x)
-        block.merge_inputs()
-        assert block.merged_inputs.shape == (96, 24)       # 80 + 8 + 1 rows, padded to a multiple of 8
-        assert block.gate.weight.data_ptr() == block.merged_inputs[80:].data_ptr()
+        assert merge_linears(block, ("shared_expert.gate_up_proj", "shared_expert_gate"))
+        assert isinstance(block.shared_expert_gate, LinearPart)
         got = block(x)
     assert torch.allclose(got, want, atol=1e-6 * want.abs().max().item()), (got - want).abs().max()
-    from omnistage.layers.fp8_linear import Fp8Linear, quantize_fp8
-
-    assert quantize_fp8(block, only=("gate_up_proj", "down_proj")) == 2   # FP8 after the merge: its own layers
-    assert isinstance(block.shared_expert.gate_up_proj, Fp8Linear)
-    with torch.no_grad():
-        fp8 = block(x)
-    assert (fp8 - want).abs().max() <= 0.1 * want.abs().max()
-    block.load_weights([("gate.weight", torch.zeros(8, 24))])
-    assert block.merged_inputs[80:88].abs().max() == 0
+    assert block.shared_expert.gate_up_proj.group.gemms == 1
 
 
 def test_align_pads_each_expert_to_the_block():

@@ -19,7 +19,7 @@ None, {codec eos})`:
     returns the row the token's own position adds (the sum of their embeddings), as transformers'
     `Qwen3OmniMoeTalkerForConditionalGeneration.prepare_inputs_for_generation` does;
   * `compute_logits` masks the ids transformers' talker never samples (vocab - 1024 up, but codec eos),
-    and each layer's shared-expert gate | up, router and shared gate run as one GEMM (`merge_moe_inputs`).
+    and each layer's shared-expert gate | up and shared gate run as one GEMM (`merge_moe_inputs`).
 
 The talker's prompt rows and its streamed text rows come from the thinker through the
 `qwen3_omni.thinker_to_talker` adapter (`adapters.py`), which owns the text / hidden projections.
@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from omnistage.layers.merged_linear import merge_linears
 from omnistage.models import dummy
 from omnistage.models.qwen3_omni.thinker import (MoeDecoderLayer, Qwen3MoeForCausalLM, interleaved_mrope, omni_config,
                                                  read_tensors)
@@ -83,9 +84,10 @@ class Qwen3OmniTalker(Qwen3MoeForCausalLM):
         return logits if self.suppressed is None else logits.masked_fill(self.suppressed, float("-inf"))
 
     def merge_moe_inputs(self) -> None:
-        """Each layer's shared-expert gate | up, router and shared gate as one GEMM (`SparseMoeBlock.merge_inputs`)."""
+        """Each layer's shared-expert gate | up and its sigmoid gate read the same rows: one GEMM
+        (`layers.merged_linear`; under fp8 that GEMM stays in the model dtype)."""
         for layer in self.layers:
-            layer.mlp.merge_inputs()
+            merge_linears(layer.mlp, ("shared_expert.gate_up_proj", "shared_expert_gate"))
 
 
 def load_talker(model_dir: str, device: torch.device, dtype: torch.dtype, max_positions: Optional[int]):

@@ -131,8 +131,14 @@ class AREngine:
         cfg = self.config
         graphs = self.runner.graphs
         sizes = graphs.sizes if graphs is not None else capture_sizes(cfg.max_num_seqs)
-        done = warmup.warm_up(self.runner, min(cfg.max_num_batched_tokens, 8192), cfg.max_num_seqs, sizes,
-                              -(-self.max_model_len // cfg.block_size))
+        try:
+            done = warmup.warm_up(self.runner, min(cfg.max_num_batched_tokens, 8192), cfg.max_num_seqs, sizes,
+                                  -(-self.max_model_len // cfg.block_size))
+        except torch.cuda.OutOfMemoryError:     # e.g. a frame head at max_num_seqs rows: the stage still serves
+            torch.cuda.empty_cache()
+            logger.warning("AR engine warm-up of %s ran out of memory; first requests at new shapes pay their "
+                           "kernel compiles and graph captures", type(self.model).__name__, exc_info=True)
+            return
         logger.info("AR engine warm-up: %s, %d prefill lengths (1..%d tokens), %d eager decodes, frame head at %d "
                     "batch sizes, %.2f s", type(self.model).__name__, len(done.prefill_lengths),
                     max(done.prefill_lengths), len(done.decodes), len(done.frame_sizes), done.seconds)

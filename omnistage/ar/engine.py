@@ -24,7 +24,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from omnistage.ar import warmup
 from omnistage.ar.conditioning import Conditioning
+from omnistage.ar.cuda_graphs import capture_sizes
 from omnistage.ar.detokenizer import IncrementalDetokenizer
 from omnistage.ar.kv_cache import BlockManager
 from omnistage.ar.runner import Launched, ModelRunner, RunnerOutput, kv_block_bytes, profile_step
@@ -110,6 +112,8 @@ class AREngine:
         self._eos = np.array(sorted(self.eos_ids), dtype=np.int64)    # for one `np.isin` per step
         if self.device.type == "cuda" and config.cuda_graphs and tp == 1:   # TP steps run eager
             self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len)
+        if self.device.type == "cuda" and warmup.ENABLED:   # first-use kernel compiles and graphs, now
+            self._warm_up()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    max(config.max_num_batched_tokens, 1))
@@ -123,6 +127,22 @@ class AREngine:
         logger.info("AR engine: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
                     type(self.model).__name__, self.device, self.dtype, num_blocks, config.block_size,
                     self.max_model_len)
+
+    def _warm_up(self) -> None:
+        cfg = self.config
+        graphs = self.runner.graphs
+        sizes = graphs.sizes if graphs is not None else capture_sizes(cfg.max_num_seqs)
+        try:
+            done = warmup.warm_up(self.runner, min(cfg.max_num_batched_tokens, 8192), cfg.max_num_seqs, sizes,
+                                  -(-self.max_model_len // cfg.block_size))
+        except torch.cuda.OutOfMemoryError:     # e.g. a frame head at max_num_seqs rows: the stage still serves
+            torch.cuda.empty_cache()
+            logger.warning("AR engine warm-up of %s ran out of memory; first requests at new shapes pay their "
+                           "kernel compiles and graph captures", type(self.model).__name__, exc_info=True)
+            return
+        logger.info("AR engine warm-up: %s, %d prefill lengths (1..%d tokens), %d eager decodes, frame head at %d "
+                    "batch sizes, %.2f s", type(self.model).__name__, len(done.prefill_lengths),
+                    max(done.prefill_lengths), len(done.decodes), len(done.frame_sizes), done.seconds)
 
     # ---- sizing --------------------------------------------------------------------------------
     def _max_len(self) -> int:

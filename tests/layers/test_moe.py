@@ -137,6 +137,25 @@ def test_small_t_moe_and_router_equal_reference_in_the_interpreter(interpreted):
         assert same_ids and err <= 1e-6
 
 
+def test_talker_block_with_its_shared_inputs_merged_equals_the_unmerged_one():
+    """The talker block's shared-expert gate | up and its sigmoid gate read the same rows: merged into one
+    GEMM (`layers.merged_linear.merge_linears`, what the talker's loader does) the block's output stays."""
+    from omnistage.layers.merged_linear import LinearPart, merge_linears
+
+    torch.manual_seed(0)
+    block = moe.SparseMoeBlock(24, 8, 2, 16, False, 40)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(5, 24)
+    with torch.no_grad():
+        want = block(x)
+        assert merge_linears(block, ("shared_expert.gate_up_proj", "shared_expert_gate"))
+        assert isinstance(block.shared_expert_gate, LinearPart)
+        got = block(x)
+    assert torch.allclose(got, want, atol=1e-6 * want.abs().max().item()), (got - want).abs().max()
+    assert block.shared_expert.gate_up_proj.group.gemms == 1
+
+
 def test_align_pads_each_expert_to_the_block():
     from omnistage.layers import triton_moe
 

@@ -298,3 +298,36 @@ def test_code2wav_chunks_grow_from_a_small_first_one_and_pad_to_few_windows(fold
     ahead = stage.decoder.look_ahead
     assert stage.windows == [w + ahead for w in (2, 2 + 2, 4 + 4, 8 + 8, 16 + 16, 25 + 24)]
     assert stage.padded_shape(3, 29 + ahead) == (4, 32 + ahead) and stage.padded_shape(1, 80) == (1, 80)
+
+
+def test_start_up_warm_up_leaves_the_talker_codes_equal_transformers(folder, ref, run):
+    """The warm-up a CUDA engine runs at start-up (`ar/warmup.py`: prefills of each launch-shape class,
+    eager decodes, the frame head at every decode batch size), run here on the CPU engine: it writes no request's
+    state, so the codes after it still equal transformers'."""
+    from omnistage.ar.warmup import warm_up
+
+    engine = talker_engine(folder)
+    done = warm_up(engine.runner, 40, 4, [1, 2, 3, 4], 3)
+    assert done.prefill_lengths == [1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 18]
+    assert done.decodes == [(b, w) for b in (1, 2, 4) for w in (1, 2, 3)]
+    assert done.frame_sizes == [1, 2, 3, 4]
+    frames = talk(engine, {"Ethan": adapter_input(folder, run, "Ethan")}, greedy(ref))
+    want = run["codes"]
+    np.testing.assert_array_equal(frames["Ethan"][:, :want.shape[1]], want)
+
+
+def test_talker_logits_mask_the_ids_transformers_suppresses(folder, ref):
+    """vocab - 1024 .. vocab but codec eos are -inf in the talker's own logits (so its params need no
+    per-row bad_token_ids); every other id keeps its logit."""
+    from omnistage.models.qwen3_omni.pipeline import talker_params
+
+    engine = talker_engine(folder)
+    talker = ref.config.talker_config
+    vocab, eos = talker.text_config.vocab_size, talker.codec_eos_token_id
+    model = engine.runner.model
+    logits = model.compute_logits(torch.randn(3, model.embed_tokens.weight.shape[1]))
+    banned = torch.zeros(vocab, dtype=torch.bool)
+    banned[vocab - 1024:] = True
+    banned[eos] = False
+    assert torch.isinf(logits[:, banned]).all() and torch.isfinite(logits[:, ~banned]).all()
+    assert "bad_token_ids" not in talker_params(ref.config)

@@ -13,9 +13,10 @@ In: hidden rows x [T, H] of one engine step. Out: [T, H], the weighted sum of ea
         (no sort: one GEMV program per pair, then one per token summing its K experts); the router is
         then one Triton launch too (`triton_moe.route`); elsewhere `fused_moe_ref`, the PyTorch reference: the rows sorted by
         expert and one matmul pair per expert that has rows
-  routed_moe(x, router_logits, w13, w2, top_k, norm_topk_prob) -> [T, H]
-        `route` + `fused_moe`, what the block runs; at decode sizes on CUDA `triton_moe.routed_moe_small`
-        (the routing inside the gate-up launch: two launches for router softmax, top-k and experts)
+  routed_moe(x, gate [E, H], w13, w2, top_k, norm_topk_prob) -> [T, H]
+        the router GEMM, `route` + `fused_moe`, what the block runs; at decode sizes on CUDA
+        `triton_moe.routed_moe_small` (three launches: the router GEMV with softmax and top-k in its
+        last program, gate-up, down) in tiles timed on the device at start-up (`moe_tune`)
   SparseMoeBlock(hidden, num_experts, top_k, moe_intermediate, norm_topk_prob, shared_expert_intermediate=0)
         the module; `load_weights` takes the checkpoint's names relative to the block
         (`experts.{e}.gate_proj|up_proj|down_proj.weight`, `gate.weight`, `shared_expert.*`,
@@ -35,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.layers import fused, triton_moe
+from omnistage.layers import fused, moe_tune, triton_moe
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,15 +60,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
 
-def routed_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+def routed_moe(x: torch.Tensor, gate: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                norm_topk_prob: bool, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """`route` then `fused_moe`, plus sigmoid(gate) * shared for `shared` = (a shared expert's output
-    [T, H], its gate logits [T, 1]); at decode sizes on CUDA the routing runs inside the experts' first
-    launch and the shared term inside the second (`triton_moe.routed_moe_small`)."""
+    """The router (x @ gate^T, gate [E, H]), `route`, then `fused_moe`, plus sigmoid(gate) * shared for
+    `shared` = (a shared expert's output [T, H], its gate logits [T, 1]); at decode sizes on CUDA three
+    launches (`triton_moe.routed_moe_small`: the router with its softmax and top-k, gate-up, down with the
+    shared term) in the tiles `moe_tune` measured at start-up."""
     if (fused.use_triton(x) and triton_moe.triton is not None
-            and router_logits.shape[0] * top_k <= triton_moe.SMALL_PAIRS):
-        return triton_moe.routed_moe_small(x, router_logits, w13, w2, top_k, norm_topk_prob, shared=shared)
-    weights, ids = route(router_logits, top_k, norm_topk_prob)
+            and x.shape[0] * top_k <= triton_moe.SMALL_PAIRS):
+        tiles = moe_tune.tiles_for(x, gate, w13, w2, top_k, norm_topk_prob)
+        return triton_moe.routed_moe_small(x, gate, w13, w2, top_k, norm_topk_prob, tiles=tiles, shared=shared)
+    weights, ids = route(F.linear(x, gate), top_k, norm_topk_prob)
     out = fused_moe(x, w13, w2, weights, ids)
     if shared is not None:
         out = out + torch.sigmoid(shared[1]) * shared[0]
@@ -129,7 +132,7 @@ class SparseMoeBlock(nn.Module):
         shared = None
         if self.shared_expert is not None:
             shared = (self.shared_expert(x), self.shared_expert_gate(x))
-        return routed_moe(x, self.gate(x), self.w13, self.w2, self.top_k, self.norm_topk_prob, shared)
+        return routed_moe(x, self.gate.weight, self.w13, self.w2, self.top_k, self.norm_topk_prob, shared)
 
     # ---- loading -------------------------------------------------------------------------------
     def expected_weights(self) -> set[str]:

@@ -23,18 +23,20 @@ the grouped GEMM's tiles mostly padding, and align's torch ops cost more launche
                                 [K, BLOCK_N, BLOCK_K] tile per step (K experts' loads in flight at once),
                                 times the routing weights, summed over the slots in float32 and stored
                                 once [T, H] (the weighted sum fused; deterministic, no atomics)
-  routed_moe_small(x, logits, ...)   the same two launches from router logits: each gate-up program routes
-                                its token itself (`_top_k`, the route kernel's code) and the first column
-                                block stores the pair's expert id and weight for the down launch; with
-                                a shared expert's output and gate logit, the down launch also adds
-                                sigmoid(gate) * shared (no sigmoid / mul / add launches)
+  _router_kernel                grid (T, blocks of `route_r` experts): the router GEMV x @ gate^T (logits rounded
+                                to the model dtype, as nn.Linear stores them, into a float32 [T, E] scratch);
+                                the program that takes the token's last ticket (one int32 per token, reset by
+                                it, so CUDA graphs replay it as captured) reads the row back and routes it
+                                (`_top_k`, `route`'s code): the expert ids and weights for the next two launches
+  routed_moe_small(x, gate, ...)   router, gate-up, down: three launches for the whole block (with a shared
+                                expert's output and gate logit, the down launch also adds sigmoid(gate) * shared)
   route(logits, top_k, norm)    one program per row: float32 softmax over the experts, the top k by
                                 repeated argmax (descending, as torch.topk), the renormalisation; one launch
                                 for what takes torch four or five.
-The decode launch shapes (`SmallTiles`) come from `TUNED` (an H200 sweep of `benchmarks/moe_bench.py`
-per (T, K, H, I)) or `small_tiles`' default: column tiles narrow enough for ~4 programs per SM, since a
-decode MoE layer is a weight read (75 MB at T=1 for the 30B-A3B thinker) and only many loads in flight
-on every SM reach copy bandwidth.
+The decode launch shapes (`SmallTiles`, triton_moe_tiles.py) are timed on the device at start-up by
+`moe_tune` (candidates around `TUNED`, an H200 sweep of `benchmarks/moe_bench.py`, or `small_tiles`'
+rule: column tiles narrow enough for ~4 programs per SM, since a decode MoE layer is a weight read,
+75 MB at T=1 for the 30B-A3B thinker, and only many loads in flight on every SM reach copy bandwidth).
 
 Arithmetic is float32 in the tiles; results are rounded to the model dtype where the reference rounds
 (the product SiLU(gate) * up, the weighted down output), so the two differ by the order of sums only.
@@ -42,11 +44,10 @@ Arithmetic is float32 in the tiles; results are rounded to the model dtype where
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from omnistage.layers import triton_gemv
+from omnistage.layers.triton_moe_tiles import SmallTiles, small_tiles
 
 try:
     import triton
@@ -153,23 +154,14 @@ if triton is not None:
         tl.store(out_ptr + pair64[:, None] * stride_out + cols[None, :], y.to(dt), mask=valid[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _pair_gate_up_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, logits_ptr, weights_ptr, num_experts, stride_l, hidden,
-                             inter, stride_x, stride_we, stride_wn, stride_out, TOP_K: tl.constexpr,
-                             ROUTE: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
+    def _pair_gate_up_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, hidden, inter, stride_x, stride_we, stride_wn,
+                             stride_out, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             UNROLL: tl.constexpr):
         pair = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < inter
         token = pair // TOP_K
-        if ROUTE:                               # the pair's expert from the router logits (`_top_k`); the
-            w_all, ids_all = _top_k(logits_ptr, token, num_experts, stride_l, TOP_K, NORM, BLOCK_E, BLOCK_S)
-            this = tl.arange(0, BLOCK_S) == pair % TOP_K
-            expert = tl.sum(tl.where(this, ids_all, 0), axis=0).to(tl.int64)
-            if tl.program_id(1) == 0:           # first column block stores it for the down launch
-                tl.store(ids_ptr + pair, expert)
-                tl.store(weights_ptr + pair, tl.sum(tl.where(this, w_all, 0.0), axis=0))
-        else:
-            expert = tl.load(ids_ptr + pair).to(tl.int64)
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
         x_row = x_ptr + token.to(tl.int64) * stride_x
         w_base = w_ptr + expert * stride_we
         ks = tl.arange(0, BLOCK_K)
@@ -225,20 +217,17 @@ if triton is not None:
         tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, total, mask=col_ok)
 
     @triton.jit
-    def _top_k(logits_ptr, row, num_experts, stride_l, TOP_K: tl.constexpr, NORM: tl.constexpr,
-               BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
-        """Row `row` of the router logits -> (weights float32 [BLOCK_S], expert ids int32 [BLOCK_S]), slots
-        past TOP_K zero: float32 softmax, the top k by repeated argmax (descending, as torch.topk), the
-        renormalisation when NORM."""
-        es = tl.arange(0, BLOCK_E)
-        ok = es < num_experts
-        z = tl.load(logits_ptr + row.to(tl.int64) * stride_l + es, mask=ok, other=-float("inf")).to(tl.float32)
+    def _top_k(z, es, ok, TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_S: tl.constexpr):
+        """One row's router logits z float32 [BLOCK_E] (at experts `es`, `ok`: real ones) -> (weights float32
+        [BLOCK_S], expert ids int32 [BLOCK_S]), slots past TOP_K zero: float32 softmax, the top k by repeated
+        argmax (descending, as torch.topk), the renormalisation when NORM."""
+        z = tl.where(ok, z, -float("inf"))
         e = tl.exp(z - tl.max(z, axis=0))
         p = tl.where(ok, e / tl.sum(e, axis=0), -1.0)   # below every probability: never picked while any is left
         slots = tl.arange(0, BLOCK_S)
         weights = tl.zeros((BLOCK_S,), dtype=tl.float32)
         ids = tl.zeros((BLOCK_S,), dtype=tl.int32)
-        for slot in tl.static_range(TOP_K):     # one pass: a gate-up program waits on this for its expert
+        for slot in tl.static_range(TOP_K):
             best = tl.argmax(p, axis=0, tie_break_left=True)
             weights = tl.where(slots == slot, tl.max(p, axis=0), weights)
             ids = tl.where(slots == slot, best.to(tl.int32), ids)
@@ -248,60 +237,55 @@ if triton is not None:
         return weights, ids
 
     @triton.jit
-    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
-                      NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
-        row = tl.program_id(0)
-        weights, ids = _top_k(logits_ptr, row, num_experts, stride_l, TOP_K, NORM, BLOCK_E, BLOCK_S)
+    def _store_route(weights_ptr, ids_ptr, row, weights, ids, TOP_K: tl.constexpr, BLOCK_S: tl.constexpr):
         slots = tl.arange(0, BLOCK_S)
         base = row.to(tl.int64) * TOP_K
         tl.store(weights_ptr + base + slots, weights, mask=slots < TOP_K)
         tl.store(ids_ptr + base + slots, ids.to(tl.int64), mask=slots < TOP_K)
 
+    @triton.jit
+    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
+                      NORM: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+        row = tl.program_id(0)
+        es = tl.arange(0, BLOCK_E)
+        ok = es < num_experts
+        z = tl.load(logits_ptr + row.to(tl.int64) * stride_l + es, mask=ok, other=0.0).to(tl.float32)
+        weights, ids = _top_k(z, es, ok, TOP_K, NORM, BLOCK_S)
+        _store_route(weights_ptr, ids_ptr, row, weights, ids, TOP_K, BLOCK_S)
+
+    @triton.jit
+    def _router_kernel(x_ptr, g_ptr, logits_ptr, weights_ptr, ids_ptr, count_ptr, num_experts, hidden, stride_x,
+                       stride_g, TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+        # grid (token, blocks of BLOCK_R experts): each program's router logits (x @ gate^T, rounded to the
+        # model dtype as nn.Linear stores them) go to a float32 [T, E] scratch; the program that takes
+        # the token's last ticket reads the whole row back, routes it and resets the ticket to 0
+        token = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_ok = rows < num_experts
+        ks = tl.arange(0, BLOCK_K)
+        x_row = x_ptr + token.to(tl.int64) * stride_x
+        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k_ok = (k0 + ks) < hidden
+            a = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(g_ptr + rows[:, None] * stride_g + (k0 + ks)[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        row_base = logits_ptr + token.to(tl.int64) * num_experts
+        tl.store(row_base + rows, acc.to(x_ptr.dtype.element_ty).to(tl.float32), mask=r_ok)
+        tl.debug_barrier()                              # every thread's logits before the ticket
+        ticket = tl.atomic_add(count_ptr + token, 1, sem="acq_rel")
+        if ticket == tl.num_programs(1) - 1:
+            es = tl.arange(0, BLOCK_E)
+            ok = es < num_experts
+            z = tl.load(row_base + es, mask=ok, other=0.0, cache_modifier=".cg")
+            weights, ids = _top_k(z, es, ok, TOP_K, NORM, BLOCK_S)
+            _store_route(weights_ptr, ids_ptr, token, weights, ids, TOP_K, BLOCK_S)
+            tl.atomic_xchg(count_ptr + token, 0)
+
 
 SMALL_PAIRS = 64                                # T*K at most for `fused_moe_small` (decode sizes)
-_PROGRAMS_PER_SM = 4                            # the default tiles' target: loads of ~4 programs in flight per SM
-
-
-@dataclass(frozen=True)
-class SmallTiles:
-    """Launch shapes of `fused_moe_small`'s two kernels (`benchmarks/moe_bench.py` sweeps them). No
-    num_stages: Triton does not pipeline these loops' plain loads (the same PTX at 1..3 stages, sm_90),
-    so the loads in flight come from the programs resident per SM (tile size against registers) and
-    from unrolling the K loop (`*_unroll`: the next steps' loads issued before this one's sums)."""
-    up_n: int = 4              # gate-up: output columns of I per program (each also reads the matching up rows)
-    up_k: int = 512            # gate-up: elements of H per loop step
-    up_warps: int = 4          # gate-up: num_warps
-    up_unroll: int = 1         # gate-up: K-loop unroll factor (more weight loads in flight per program)
-    down_n: int = 2            # down: output columns of H per program (all K slots of the token in one tile)
-    down_k: int = 256          # down: elements of I per loop step
-    down_warps: int = 4        # down: num_warps
-    down_unroll: int = 1       # down: K-loop unroll factor
-
-
-# (T, top_k, hidden, moe_intermediate) -> the fastest tiles of `benchmarks/moe_bench.py` on an H200
-# (session 7 run 2, Qwen3-Omni-30B-A3B thinker / talker shapes; benchmarks/RESULTS.md); shapes not
-# listed get `small_tiles`' default (enough programs for every SM)
-TUNED: dict[tuple[int, int, int, int], SmallTiles] = {
-    (1, 8, 2048, 768): SmallTiles(up_n=4, up_k=1024, down_n=8, down_k=256),
-    (2, 8, 2048, 768): SmallTiles(up_n=4, up_k=1024, down_n=2, down_k=128),
-    (4, 8, 2048, 768): SmallTiles(up_n=4, up_k=1024, down_n=8, down_k=64),
-    (8, 8, 2048, 768): SmallTiles(up_n=4, up_k=1024, down_n=8, down_k=64),
-    (1, 8, 1024, 384): SmallTiles(up_n=4, up_k=1024, down_n=2, down_k=512, down_warps=8),
-    (2, 8, 1024, 384): SmallTiles(up_n=4, up_k=256, down_n=2, down_k=128, down_warps=8),
-    (4, 8, 1024, 384): SmallTiles(up_n=4, up_k=1024, down_n=2, down_k=128),
-    (8, 8, 1024, 384): SmallTiles(up_n=4, up_k=1024, down_n=8, down_k=64),
-}
-
-
-def small_tiles(t: int, k: int, hidden: int, inter: int, sms: int) -> SmallTiles:
-    """The tuned tiles of this shape, else the defaults, gate-up's column tile halved when 8 leaves fewer
-    than ~`_PROGRAMS_PER_SM` programs per SM. (sm_90 compiles of the defaults, cuobjdump: gate-up ~96
-    registers, down ~109 at [8, 2, 256]: 4-5 programs per SM resident, no spills; down at [8, 4, 256]
-    takes 212, [8, 8, 128] spills.)"""
-    if (t, k, hidden, inter) in TUNED:
-        return TUNED[(t, k, hidden, inter)]
-    up_n = 8 if t * k * triton.cdiv(inter, 8) >= _PROGRAMS_PER_SM * sms else 4
-    return SmallTiles(up_n=up_n)
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -324,36 +308,58 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     return small_down(mid, w2, topk_weights, topk_ids, tiles)
 
 
-def routed_moe_small(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+def routed_moe_small(x: torch.Tensor, gate: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                      norm_topk_prob: bool, tiles: SmallTiles | None = None,
                      shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """`route` + `fused_moe_small` in two launches: the gate-up kernel routes its pair itself (the same
-    `_top_k` as `route`) and hands the weights and ids to the down kernel. `shared` = (a shared expert's
-    output [T, H], its gate logits [T, 1]): the down launch also adds sigmoid(gate) * shared."""
-    t, e = router_logits.shape
+    """The router (x @ gate^T, gate [E, H]) with softmax and top-k, then `fused_moe_small`: three launches.
+    `shared` = (a shared expert's output [T, H], its gate logits [T, 1]): the down launch also adds
+    sigmoid(gate) * shared."""
+    t = x.shape[0]
     tiles = tiles or small_tiles(t, top_k, w13.shape[2], w2.shape[2], triton_gemv._num_sms(x.device))
-    ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
+    weights, ids = small_route(x, gate, top_k, norm_topk_prob, tiles)
+    return small_down(small_gate_up(x, w13, ids, tiles), w2, weights, ids, tiles, shared)
+
+
+_TICKETS: dict = {}                             # (device, gate weight address) -> the router's per-token tickets
+
+
+def _tickets(key: torch.Tensor, n: int) -> torch.Tensor:
+    """Per-token tickets of the router launches on `key` (each layer's gate weight: layers run one after
+    another on their stage's stream, and stages sharing a GPU have other weights), zero between
+    launches. Made by the eager warm-up steps before the decode graphs are captured."""
+    slot = (key.device, key.data_ptr())
+    have = _TICKETS.get(slot)
+    if have is None or have.numel() < n:
+        have = _TICKETS[slot] = torch.zeros(max(n, 64), dtype=torch.int32, device=key.device)
+    return have
+
+
+def small_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob: bool, tiles: SmallTiles
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe.route(x @ gate^T, ...)` in one launch (`_router_kernel`): (weights float32 [T, K], ids int64 [T, K])."""
+    t, h = x.shape
+    e = gate.shape[0]
+    x, gate = x.contiguous(), gate.contiguous()
+    logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
-    mid = small_gate_up(x, w13, ids, tiles, routing=(router_logits.contiguous(), weights, bool(norm_topk_prob)))
-    return small_down(mid, w2, weights, ids, tiles, shared)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
+    _router_kernel[(t, triton.cdiv(e, tiles.route_r))](
+        x, gate, logits, weights, ids, _tickets(gate, t), e, h, x.stride(0), gate.stride(0), TOP_K=top_k,
+        NORM=bool(norm_topk_prob), BLOCK_R=tiles.route_r, BLOCK_K=min(tiles.route_k, triton.next_power_of_2(h)),
+        BLOCK_E=triton.next_power_of_2(e), BLOCK_S=triton.next_power_of_2(top_k), num_warps=4)
+    return weights, ids
 
 
-def small_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, tiles: SmallTiles,
-                  routing: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> torch.Tensor:
-    """`fused_moe_small`'s first launch: SiLU(gate) * up of every (token, slot) pair [T*K, I]. With
-    `routing` = (router logits [T, E], weights out [T, K], norm_topk_prob), the kernel routes and
-    writes `topk_ids` and the weights instead of reading the ids."""
+def small_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, tiles: SmallTiles) -> torch.Tensor:
+    """`fused_moe_small`'s first launch: SiLU(gate) * up of every (token, slot) pair [T*K, I]."""
     t, k = topk_ids.shape
     inter, h = w13.shape[1] // 2, w13.shape[2]
     x, w13 = x.contiguous(), w13.contiguous()
     mid = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
-    logits, weights, norm = routing if routing is not None else (topk_ids, topk_ids, False)
-    e = logits.shape[1] if routing is not None else 1
     _pair_gate_up_kernel[(t * k, triton.cdiv(inter, tiles.up_n))](
-        x, w13, mid, topk_ids.reshape(-1).contiguous(), logits, weights, e, logits.stride(0), h, inter, x.stride(0),
-        w13.stride(0), w13.stride(1), mid.stride(0), TOP_K=k, ROUTE=routing is not None, NORM=norm,
-        BLOCK_E=triton.next_power_of_2(e), BLOCK_S=triton.next_power_of_2(k), BLOCK_N=tiles.up_n,
-        BLOCK_K=tiles.up_k, UNROLL=tiles.up_unroll, num_warps=tiles.up_warps)
+        x, w13, mid, topk_ids.reshape(-1).contiguous(), h, inter, x.stride(0), w13.stride(0), w13.stride(1),
+        mid.stride(0), TOP_K=k, BLOCK_N=tiles.up_n, BLOCK_K=tiles.up_k, UNROLL=tiles.up_unroll,
+        num_warps=tiles.up_warps)
     return mid
 
 

@@ -78,7 +78,7 @@ CHECK = """
 import json, torch
 from omnistage.layers import moe, triton_moe
 torch.manual_seed(0)
-grouped, small, routes = [], [], []
+grouped, small, routes, routers = [], [], [], []
 # float16 for the 16-bit rounding path: the interpreter cannot do bfloat16 dots (see layers/kernel_check.py)
 for t, e, k, h, i, bm, dt in [(5, 8, 2, 64, 32, 16, torch.float32), (23, 4, 3, 40, 24, 16, torch.float32),
                               (9, 8, 2, 64, 32, 16, torch.float16)]:
@@ -87,8 +87,9 @@ for t, e, k, h, i, bm, dt in [(5, 8, 2, 64, 32, 16, torch.float32), (23, 4, 3, 4
     ref = moe.fused_moe_ref(x, w13, w2, w, ids)
     grouped.append(((triton_moe.fused_moe(x, w13, w2, w, ids, block_m=bm).float() - ref.float()).abs().max().item(),
                     ref.float().abs().max().item(), str(dt)))
-# the decode path (no sort) and the one-launch router; H and I not multiples of the tiles
-for t, e, k, h, i, dt in [(1, 8, 2, 64, 32, torch.float32), (5, 8, 3, 40, 24, torch.float32),
+# the decode path (no sort), the one-launch router and the router GEMV with its top-k; H and I not multiples
+# of the tiles, 6 experts (not a multiple of route_r = 4)
+for t, e, k, h, i, dt in [(1, 8, 2, 64, 32, torch.float32), (5, 6, 3, 40, 24, torch.float32),
                           (3, 8, 2, 64, 32, torch.float16)]:
     x, w13, w2 = torch.randn(t, h).to(dt), (torch.randn(e, 2 * i, h) * 0.2).to(dt), (torch.randn(e, h, i) * 0.2).to(dt)
     logits = torch.randn(t, e)
@@ -98,19 +99,26 @@ for t, e, k, h, i, dt in [(1, 8, 2, 64, 32, torch.float32), (5, 8, 3, 40, 24, to
         routes.append((torch.equal(ids, ids_k), (w - w_k).abs().max().item()))
     ref = moe.fused_moe_ref(x, w13, w2, w, ids)
     # default tiles, then K steps that leave H and I remainders, narrow column tiles, unrolled K loops
-    tiles_b = triton_moe.SmallTiles(up_n=8, up_k=32, up_unroll=2, down_n=4, down_k=16, down_unroll=2)
+    tiles_b = triton_moe.SmallTiles(up_n=8, up_k=32, up_unroll=2, down_n=4, down_k=16, down_unroll=2,
+                                    route_r=4, route_k=16)
     for tiles in (None, tiles_b):
         got = triton_moe.fused_moe_small(x, w13, w2, w, ids, tiles=tiles)
         small.append(((got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item(), str(dt)))
-    # the routing inside the gate-up launch (logits in, as the block calls it; w, ids above: norm off)
-    got = triton_moe.routed_moe_small(x, logits, w13, w2, k, False)
-    small.append(((got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item(), str(dt)))
+    # the block's path: router weight in (logits as nn.Linear stores them), twice (the tickets reset)
+    gate = (torch.randn(e, h) * 0.3).to(dt)
+    w, ids = moe.route(torch.nn.functional.linear(x, gate), k, False)
+    ref = moe.fused_moe_ref(x, w13, w2, w, ids)
+    for tiles in (None, tiles_b, tiles_b):
+        w_k, ids_k = triton_moe.small_route(x, gate, k, False, tiles or triton_moe.SmallTiles())
+        routers.append((torch.equal(ids, ids_k), (w - w_k).abs().max().item(), str(dt)))
+        got = triton_moe.routed_moe_small(x, gate, w13, w2, k, False, tiles=tiles)
+        small.append(((got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item(), str(dt)))
     # with a shared expert's output and gate logit added in the down launch (the talker's block)
     shared = (torch.randn(t, h).to(dt), torch.randn(t, 1).to(dt))
     want = ref + torch.sigmoid(shared[1]) * shared[0]
-    got = triton_moe.routed_moe_small(x, logits, w13, w2, k, False, shared=shared)
+    got = triton_moe.routed_moe_small(x, gate, w13, w2, k, False, shared=shared)
     small.append(((got.float() - want.float()).abs().max().item(), want.float().abs().max().item(), str(dt)))
-print(json.dumps({"grouped": grouped, "small": small, "routes": routes}))
+print(json.dumps({"grouped": grouped, "small": small, "routes": routes, "routers": routers}))
 """
 
 
@@ -130,11 +138,16 @@ def test_triton_fused_moe_equals_reference_in_the_interpreter(interpreted):
 def test_small_t_moe_and_router_equal_reference_in_the_interpreter(interpreted):
     """The decode path (T*K <= SMALL_PAIRS): float32 to rounding of sums; 16-bit within 4e-3 of the
     peak (the K slots are summed in float32, the reference adds them in the model dtype)."""
-    assert len(interpreted["small"]) == 12
+    assert len(interpreted["small"]) == 18
     for err, peak, dtype in interpreted["small"]:
         assert err <= (1e-5 if dtype == "torch.float32" else 4e-3) * peak, (err, peak, dtype)
     for same_ids, err in interpreted["routes"]:
         assert same_ids and err <= 1e-6
+    # the router GEMV + top-k: the experts of the reference's logits; weights to float32 rounding, or within
+    # a few float16 steps (its logits are rounded once from float32 sums, the CPU reference's may differ by one)
+    assert len(interpreted["routers"]) == 9
+    for same_ids, err, dtype in interpreted["routers"]:
+        assert same_ids and err <= (1e-6 if dtype == "torch.float32" else 4e-3), (err, dtype)
 
 
 def test_align_pads_each_expert_to_the_block():

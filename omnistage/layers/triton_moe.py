@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from omnistage.layers import triton_gemv
+from omnistage.layers import triton_decode, triton_gemv
 from omnistage.layers.triton_moe_tiles import SmallTiles, small_tiles
 
 try:
@@ -320,20 +320,6 @@ def routed_moe_small(x: torch.Tensor, gate: torch.Tensor, w13: torch.Tensor, w2:
     return small_down(small_gate_up(x, w13, ids, tiles), w2, weights, ids, tiles, shared)
 
 
-_TICKETS: dict = {}                             # (device, gate weight address) -> the router's per-token tickets
-
-
-def _tickets(key: torch.Tensor, n: int) -> torch.Tensor:
-    """Per-token tickets of the router launches on `key` (each layer's gate weight: layers run one after
-    another on their stage's stream, and stages sharing a GPU have other weights), zero between
-    launches. Made by the eager warm-up steps before the decode graphs are captured."""
-    slot = (key.device, key.data_ptr())
-    have = _TICKETS.get(slot)
-    if have is None or have.numel() < n:
-        have = _TICKETS[slot] = torch.zeros(max(n, 64), dtype=torch.int32, device=key.device)
-    return have
-
-
 def small_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob: bool, tiles: SmallTiles
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe.route(x @ gate^T, ...)` in one launch (`_router_kernel`): (weights float32 [T, K], ids int64 [T, K])."""
@@ -344,8 +330,8 @@ def small_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob:
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     _router_kernel[(t, triton.cdiv(e, tiles.route_r))](
-        x, gate, logits, weights, ids, _tickets(gate, t), e, h, x.stride(0), gate.stride(0), TOP_K=top_k,
-        NORM=bool(norm_topk_prob), BLOCK_R=tiles.route_r, BLOCK_K=min(tiles.route_k, triton.next_power_of_2(h)),
+        x, gate, logits, weights, ids, triton_decode.counters(gate, x.device), e, h, x.stride(0), gate.stride(0),
+        TOP_K=top_k, NORM=bool(norm_topk_prob), BLOCK_R=tiles.route_r, BLOCK_K=min(tiles.route_k, triton.next_power_of_2(h)),
         BLOCK_E=triton.next_power_of_2(e), BLOCK_S=triton.next_power_of_2(top_k), num_warps=4)
     return weights, ids
 

@@ -7,7 +7,7 @@ Out: the `SmallTiles` that `triton_moe.routed_moe_small` launches with.
 decode graphs' batch sizes 1, 2, 4, 8). The first call of a key outside CUDA-graph capture (the eager
 warm-up steps the AR engine runs before capturing each batch size) times each kernel's candidates
 (`triton_moe_tiles.candidates`: router, gate-up and down separately, each a few launches on the call's
-own weights with L2 flushed before each, CUDA events), keeps the fastest of each, logs the choice and
+own weights and random rows, with L2 flushed before each, CUDA events), keeps the fastest of each, logs the choice and
 stores it in `CHOSEN` (the benchmarks print it). During capture, off CUDA, or with
 OMNISTAGE_MOE_TUNE=0 it returns `triton_moe_tiles.small_tiles` (the measured table / rule) untimed.
 """
@@ -90,6 +90,9 @@ def _fields(tiles: SmallTiles, prefix: str) -> dict:
 
 def _tune(x, gate, w13, w2, top_k, norm, base: SmallTiles) -> SmallTiles:
     dev = x.device
+    # random rows, not the call's: the graphs' warm-up steps run on zero rows, which route every token
+    # to the same experts (a T > 1 step would then read each expert once instead of T times)
+    x = torch.randn(x.shape, device=dev, dtype=torch.float32).to(x.dtype)
     route = _best(candidates(base, "route"), lambda c: triton_moe.small_route(x, gate, top_k, norm, c), dev)
     weights, ids = triton_moe.small_route(x, gate, top_k, norm, base)
     up = _best(candidates(base, "up"), lambda c: triton_moe.small_gate_up(x, w13, ids, c), dev)

@@ -11,7 +11,8 @@ experts (so the L2 cache, 50 MB on an H200, does not hold the previous call's ex
 that goes through 48 layers). Per (shape, T):
   * the router launch (GEMV + softmax + top-k, `triton_moe.small_route`), the gate-up kernel and the down
     kernel alone, default tiles (`small_tiles`) and the best of a sweep (router: its candidates; gate-up,
-    down: column tile x K step at 4 warps, then num_warps, then the K-loop unroll factor at the best so far);
+    down: column tile x K step at 4 warps, then num_warps, then the K-loop unroll factor at the best so far;
+    gate-up also the split-K candidates of `triton_moe_tiles.UP_CANDIDATES`);
     beside them the router as it ran before (cuBLAS GEMM + the one-launch `triton_moe.route`);
   * the whole MoE block (`moe.SparseMoeBlock`: router, both kernels, the shared expert where there is
     one) with the default tiles, with the sweep's best, and with what `moe_tune` chose at start-up (its
@@ -148,6 +149,9 @@ def run_shape(name: str, bandwidth: float) -> tuple[list, dict]:
         route_best, route_tiles = min(route_times, key=lambda r: r[0])
         route_old = per_call_us(lambda i: triton_moe.route(F.linear(xs[i], gate), k, norm))
         up_best, up_tiles = sweep(up_us, default, "up", UP_NK, h, 2)
+        for tiles in triton_moe_tiles.candidates(default, "up"):    # the split-K GEMVs the start-up tuner tries
+            if tiles.up_split > 1:
+                up_best, up_tiles = min((up_best, up_tiles), (up_us(tiles), tiles), key=lambda r: r[0])
         down_best, down_tiles = sweep(down_us, default, "down", DOWN_NK, inter, triton_moe.triton.next_power_of_2(k))
         best = dataclasses.replace(up_tiles, **{f: getattr(down_tiles, f) for f in
                                                 ("down_n", "down_k", "down_warps", "down_unroll")},

@@ -17,8 +17,11 @@ Out: [T, H] = sum over a row's K experts of weight * down(SiLU(gate) * up).
 
 Decode sizes (T*K <= SMALL_PAIRS, `fused_moe_small`) skip the sort and align: few rows per expert make
 the grouped GEMM's tiles mostly padding, and align's torch ops cost more launches than the GEMMs.
-  _pair_gate_up_kernel          grid (T*K pairs, column blocks of I): the pair's expert id read from
-                                topk_ids, gate | up GEMV over its x row, SiLU(gate) * up stored [T*K, I]
+  _pair_gate_up_kernel          grid (T*K pairs, column blocks of I, slices of H): the pair's expert id read
+                                from topk_ids, gate | up GEMV over its x row, SiLU(gate) * up stored [T*K, I];
+                                with several slices (split-K: more, shorter weight streams in flight) each
+                                stores float32 partials and the last to take the column block's ticket adds
+                                them in slice order (deterministic) and stores the product
   _token_down_kernel            grid (T, column blocks of H): per token, all K experts' down rows in one
                                 [K, BLOCK_N, BLOCK_K] tile per step (K experts' loads in flight at once),
                                 times the routing weights, summed over the slots in float32 and stored
@@ -154,32 +157,59 @@ if triton is not None:
         tl.store(out_ptr + pair64[:, None] * stride_out + cols[None, :], y.to(dt), mask=valid[:, None] & col_ok[None, :])
 
     @triton.jit
-    def _pair_gate_up_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, hidden, inter, stride_x, stride_we, stride_wn,
-                             stride_out, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             UNROLL: tl.constexpr):
+    def _pair_gate_up_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, part_ptr, count_ptr, hidden, inter, stride_x,
+                             stride_we, stride_wn, stride_out, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
         pair = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        pid_n = tl.program_id(1)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < inter
         token = pair // TOP_K
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         x_row = x_ptr + token.to(tl.int64) * stride_x
         w_base = w_ptr + expert * stride_we
         ks = tl.arange(0, BLOCK_K)
+        k_per = tl.cdiv(tl.cdiv(hidden, SPLIT), BLOCK_K) * BLOCK_K    # this program's slice of H
+        k_lo = tl.program_id(2) * k_per
         acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in tl.range(0, hidden, BLOCK_K, loop_unroll_factor=UNROLL):   # unrolled: more loads in flight
-            k_ok = (k0 + ks) < hidden
+        for k0 in tl.range(k_lo, tl.minimum(hidden, k_lo + k_per), BLOCK_K, loop_unroll_factor=UNROLL):
+            k_ok = (k0 + ks) < hidden          # unrolled: more loads in flight
             a = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
             wmask = col_ok[:, None] & k_ok[None, :]
             wg = tl.load(w_base + cols[:, None] * stride_wn + (k0 + ks)[None, :], mask=wmask, other=0.0)
             wu = tl.load(w_base + (cols + inter)[:, None] * stride_wn + (k0 + ks)[None, :], mask=wmask, other=0.0)
             acc_g += tl.sum(wg.to(tl.float32) * a[None, :], axis=1)
             acc_u += tl.sum(wu.to(tl.float32) * a[None, :], axis=1)
-        dt = out_ptr.dtype.element_ty
-        g = acc_g.to(dt).to(tl.float32)     # rounded where the reference stores, as in _gate_up_kernel
+        out = out_ptr + pair.to(tl.int64) * stride_out + cols
+        if SPLIT == 1:
+            _silu_mul_store(acc_g, acc_u, out, col_ok)
+        else:
+            # float32 partials [SPLIT, 2, pairs * I]; the last of the column block's SPLIT programs (ticket)
+            # adds them in slice order, stores, and resets the ticket
+            slab = tl.num_programs(0) * inter
+            at = part_ptr + tl.program_id(2) * 2 * slab + pair * inter + cols
+            tl.store(at, acc_g, mask=col_ok)
+            tl.store(at + slab, acc_u, mask=col_ok)
+            tl.debug_barrier()
+            ticket_at = count_ptr + pair * tl.num_programs(1) + pid_n
+            if tl.atomic_add(ticket_at, 1, sem="acq_rel") == SPLIT - 1:
+                acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for sp in range(0, SPLIT):
+                    at = part_ptr + sp * 2 * slab + pair * inter + cols
+                    acc_g += tl.load(at, mask=col_ok, other=0.0, cache_modifier=".cg")
+                    acc_u += tl.load(at + slab, mask=col_ok, other=0.0, cache_modifier=".cg")
+                _silu_mul_store(acc_g, acc_u, out, col_ok)
+                tl.atomic_xchg(ticket_at, 0)
+
+    @triton.jit
+    def _silu_mul_store(acc_g, acc_u, out, col_ok):
+        dt = out.dtype.element_ty
+        g = acc_g.to(dt).to(tl.float32)         # rounded where the reference stores, as in _gate_up_kernel
         u = acc_u.to(dt).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(out_ptr + pair.to(tl.int64) * stride_out + cols, (s * u).to(dt), mask=col_ok)
+        tl.store(out, (s * u).to(dt), mask=col_ok)
 
     @triton.jit
     def _token_down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, ids_ptr, shared_ptr, gate_ptr, top_k, inter, hidden,
@@ -337,15 +367,22 @@ def small_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob:
 
 
 def small_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, tiles: SmallTiles) -> torch.Tensor:
-    """`fused_moe_small`'s first launch: SiLU(gate) * up of every (token, slot) pair [T*K, I]."""
+    """`fused_moe_small`'s first launch: SiLU(gate) * up of every (token, slot) pair [T*K, I] (with
+    `tiles.up_split` > 1 each program sums a slice of H; the last of a column block's slices finishes it)."""
     t, k = topk_ids.shape
     inter, h = w13.shape[1] // 2, w13.shape[2]
     x, w13 = x.contiguous(), w13.contiguous()
     mid = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
-    _pair_gate_up_kernel[(t * k, triton.cdiv(inter, tiles.up_n))](
-        x, w13, mid, topk_ids.reshape(-1).contiguous(), h, inter, x.stride(0), w13.stride(0), w13.stride(1),
-        mid.stride(0), TOP_K=k, BLOCK_N=tiles.up_n, BLOCK_K=tiles.up_k, UNROLL=tiles.up_unroll,
-        num_warps=tiles.up_warps)
+    grid = (t * k, triton.cdiv(inter, tiles.up_n), tiles.up_split)
+    split = tiles.up_split > 1
+    part = torch.empty(tiles.up_split * 2 * t * k * inter if split else 1, dtype=torch.float32, device=x.device)
+    tickets = triton_decode.counters(w13, x.device) if split else part
+    if split and grid[0] * grid[1] > tickets.numel():
+        raise ValueError(f"small_gate_up: {grid[0] * grid[1]} column blocks, more than {tickets.numel()} tickets")
+    _pair_gate_up_kernel[grid](
+        x, w13, mid, topk_ids.reshape(-1).contiguous(), part, tickets, h, inter, x.stride(0), w13.stride(0),
+        w13.stride(1), mid.stride(0), TOP_K=k, SPLIT=tiles.up_split, BLOCK_N=tiles.up_n, BLOCK_K=tiles.up_k,
+        UNROLL=tiles.up_unroll, num_warps=tiles.up_warps)
     return mid
 
 

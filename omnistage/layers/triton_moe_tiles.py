@@ -22,6 +22,7 @@ class SmallTiles:
     up_k: int = 512            # gate-up: elements of H per loop step
     up_warps: int = 4          # gate-up: num_warps
     up_unroll: int = 1         # gate-up: K-loop unroll factor (more weight loads in flight per program)
+    up_split: int = 1          # gate-up: slices of H (split-K; > 1: float32 partials, the last slice sums them)
     down_n: int = 2            # down: output columns of H per program (all K slots of the token in one tile)
     down_k: int = 256          # down: elements of I per loop step
     down_warps: int = 4        # down: num_warps
@@ -60,9 +61,12 @@ def small_tiles(t: int, k: int, hidden: int, inter: int, sms: int) -> SmallTiles
 
 # what `moe_tune` times per kernel at start-up, each a change to the shape's `small_tiles`: today's tiles,
 # narrower / wider column tiles, longer K steps (fewer, bigger loads), unrolled K loops, 8 warps
+# and split-K GEMVs (many programs, each a slice of H for a block of an expert's rows)
 UP_CANDIDATES = [dict(), dict(up_n=2, up_k=1024), dict(up_n=4, up_k=1024), dict(up_n=4, up_k=2048),
                  dict(up_n=8, up_k=512), dict(up_n=8, up_k=1024, up_warps=8), dict(up_n=4, up_k=512, up_unroll=2),
-                 dict(up_n=16, up_k=256, up_warps=8)]
+                 dict(up_n=16, up_k=256, up_warps=8), dict(up_n=8, up_k=512, up_split=4),
+                 dict(up_n=16, up_k=256, up_split=4), dict(up_n=16, up_k=256, up_split=8),
+                 dict(up_n=32, up_k=128, up_split=8, up_warps=8)]
 DOWN_CANDIDATES = [dict(), dict(down_n=2, down_k=128), dict(down_n=8, down_k=64), dict(down_n=8, down_k=256),
                    dict(down_n=2, down_k=512, down_warps=8), dict(down_n=4, down_k=128),
                    dict(down_n=4, down_k=64, down_unroll=2), dict(down_n=1, down_k=512)]

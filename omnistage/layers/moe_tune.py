@@ -26,8 +26,9 @@ from omnistage.layers.triton_moe_tiles import SmallTiles, candidates, small_tile
 log = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("OMNISTAGE_MOE_TUNE", "1") == "1"
-REPEATS = 5                                     # timed launches per candidate (after one untimed: the compile)
-_FLUSH_BYTES = 256 << 20                        # written between launches: more than the L2 of any GPU we run on
+REPEATS = 10                                    # timed launches per candidate (after one untimed: the compile)
+_HOLD_CYCLES = 1_000_000                        # ~0.5 ms of GPU clock, longer than a Triton launch's host cost
+_FLUSH_BYTES = 128 << 20                        # written between launches: more than an H100 / H200 L2 (50-60 MB)
 
 # (device, T bucket, top_k, hidden, moe_intermediate, experts) -> the tiles chosen in this process
 CHOSEN: dict[tuple, SmallTiles] = {}
@@ -59,24 +60,25 @@ def tiles_for(x: torch.Tensor, gate: torch.Tensor, w13: torch.Tensor, w2: torch.
 
 
 def _time(fn, device: torch.device) -> float:
-    """Mean milliseconds of `fn()` over REPEATS launches, each after an L2 flush; inf if it cannot run."""
+    """Median milliseconds of `fn()` over REPEATS launches, each after an L2 flush; inf if it cannot run."""
     if device not in _flush:
         _flush[device] = torch.empty(_FLUSH_BYTES, dtype=torch.uint8, device=device)
     try:
         fn()                                    # compiles
-        total = 0.0
+        times = []
         for _ in range(REPEATS):
             _flush[device].zero_()
+            torch.cuda._sleep(_HOLD_CYCLES)     # the GPU waits while the host queues the launch: no launch gap timed
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
             end.record()
             end.synchronize()
-            total += start.elapsed_time(end)
+            times.append(start.elapsed_time(end))
     except Exception as err:                    # a tile the device cannot run (resources): never chosen
         log.debug("MoE tile candidate failed: %s", err)
         return float("inf")
-    return total / REPEATS
+    return sorted(times)[len(times) // 2]
 
 
 def _best(tiles: list[SmallTiles], run, device: torch.device) -> SmallTiles:
@@ -99,4 +101,5 @@ def _tune(x, gate, w13, w2, top_k, norm, base: SmallTiles) -> SmallTiles:
     mid = triton_moe.small_gate_up(x, w13, ids, base)
     down = _best(candidates(base, "down"), lambda c: triton_moe.small_down(mid, w2, weights, ids, c), dev)
     torch.cuda.synchronize(dev)
+    _flush.pop(dev, None)                       # back to the allocator: the graphs and the KV cache may want it
     return replace(base, **_fields(route, "route_"), **_fields(up, "up_"), **_fields(down, "down_"))

@@ -66,8 +66,7 @@ def routed_moe(x: torch.Tensor, gate: torch.Tensor, w13: torch.Tensor, w2: torch
     `shared` = (a shared expert's output [T, H], its gate logits [T, 1]); at decode sizes on CUDA three
     launches (`triton_moe.routed_moe_small`: the router with its softmax and top-k, gate-up, down with the
     shared term) in the tiles `moe_tune` measured at start-up."""
-    if (fused.use_triton(x) and triton_moe.triton is not None
-            and x.shape[0] * top_k <= triton_moe.SMALL_PAIRS):
+    if _small_path(x, top_k):
         tiles = moe_tune.tiles_for(x, gate, w13, w2, top_k, norm_topk_prob)
         return triton_moe.routed_moe_small(x, gate, w13, w2, top_k, norm_topk_prob, tiles=tiles, shared=shared)
     weights, ids = route(F.linear(x, gate), top_k, norm_topk_prob)
@@ -75,6 +74,11 @@ def routed_moe(x: torch.Tensor, gate: torch.Tensor, w13: torch.Tensor, w2: torch
     if shared is not None:
         out = out + torch.sigmoid(shared[1]) * shared[0]
     return out
+
+
+def _small_path(x: torch.Tensor, top_k: int) -> bool:
+    """Whether rows like `x` take the decode kernels (`triton_moe.routed_moe_small`)."""
+    return fused.use_triton(x) and triton_moe.triton is not None and x.shape[0] * top_k <= triton_moe.SMALL_PAIRS
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -126,6 +130,18 @@ class SparseMoeBlock(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, moe_intermediate))
         self.shared_expert = SharedExpert(hidden, shared_expert_intermediate) if shared_expert_intermediate else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_expert_intermediate else None
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block(norm(x + residual)), x + residual), `norm` an RMSNorm (`weight`, `eps`): what a decoder
+        layer's post-attention norm + MLP do. At decode sizes on CUDA without a shared expert the residual
+        add and the norm run inside the router launch (`triton_moe.routed_moe_small(prenorm=)`)."""
+        if self.shared_expert is None and _small_path(x, self.top_k):
+            tiles = moe_tune.tiles_for(x, self.gate.weight, self.w13, self.w2, self.top_k, self.norm_topk_prob)
+            return triton_moe.routed_moe_small(x, self.gate.weight, self.w13, self.w2, self.top_k, self.norm_topk_prob,
+                                               tiles=tiles, prenorm=(residual, norm.weight, norm.eps))
+        normed, h = norm(x, residual)
+        return self(normed), h
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""

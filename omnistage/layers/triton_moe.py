@@ -32,7 +32,8 @@ the grouped GEMM's tiles mostly padding, and align's torch ops cost more launche
                                 it, so CUDA graphs replay it as captured) reads the row back and routes it
                                 (`_top_k`, `route`'s code): the expert ids and weights for the next two launches
   routed_moe_small(x, gate, ...)   router, gate-up, down: three launches for the whole block (with a shared
-                                expert's output and gate logit, the down launch also adds sigmoid(gate) * shared)
+                                expert's output and gate logit, the down launch also adds sigmoid(gate) * shared;
+                                with `prenorm` the router launch also runs the residual add + RMSNorm before it)
   route(logits, top_k, norm)    one program per row: float32 softmax over the experts, the top k by
                                 repeated argmax (descending, as torch.topk), the renormalisation; one launch
                                 for what takes torch four or five.
@@ -284,26 +285,48 @@ if triton is not None:
         _store_route(weights_ptr, ids_ptr, row, weights, ids, TOP_K, BLOCK_S)
 
     @triton.jit
-    def _router_kernel(x_ptr, g_ptr, logits_ptr, weights_ptr, ids_ptr, count_ptr, num_experts, hidden, stride_x,
-                       stride_g, TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+    def _router_kernel(x_ptr, r_ptr, nw_ptr, h_ptr, xn_ptr, g_ptr, logits_ptr, weights_ptr, ids_ptr, count_ptr,
+                       num_experts, hidden, eps, stride_x, stride_r, stride_g, NORMED: tl.constexpr,
+                       TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
         # grid (token, blocks of BLOCK_R experts): each program's router logits (x @ gate^T, rounded to the
         # model dtype as nn.Linear stores them) go to a float32 [T, E] scratch; the program that takes
-        # the token's last ticket reads the whole row back, routes it and resets the ticket to 0
+        # the token's last ticket reads the whole row back, routes it and resets the ticket to 0.
+        # NORMED: x is RMSNorm(x + residual) * nw first (each program recomputes the row's mean square;
+        # the first column of programs stores h = x + residual and the normed row, rows [T, H] contiguous)
         token = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         r_ok = rows < num_experts
         ks = tl.arange(0, BLOCK_K)
+        dt = x_ptr.dtype.element_ty
         x_row = x_ptr + token.to(tl.int64) * stride_x
+        r_row = r_ptr + token.to(tl.int64) * stride_r
+        rstd = 0.0
+        if NORMED:
+            ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k0 in range(0, hidden, BLOCK_K):
+                k_ok = (k0 + ks) < hidden
+                hv = _residual_sum(x_row, r_row, k0 + ks, k_ok, dt)
+                ss += hv * hv
+            rstd = tl.rsqrt(tl.sum(ss, axis=0) / hidden + eps)
         acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             k_ok = (k0 + ks) < hidden
-            a = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+            if NORMED:                          # rounded as fused.rms_norm_ref: h, h * rstd, then times the weight
+                hv = _residual_sum(x_row, r_row, k0 + ks, k_ok, dt)
+                nw = tl.load(nw_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+                a = (nw * (hv * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+                if tl.program_id(1) == 0:
+                    out_at = token.to(tl.int64) * hidden + k0 + ks
+                    tl.store(h_ptr + out_at, hv.to(dt), mask=k_ok)
+                    tl.store(xn_ptr + out_at, a.to(dt), mask=k_ok)
+            else:
+                a = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
             w = tl.load(g_ptr + rows[:, None] * stride_g + (k0 + ks)[None, :], mask=r_ok[:, None] & k_ok[None, :],
                         other=0.0)
             acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
         row_base = logits_ptr + token.to(tl.int64) * num_experts
-        tl.store(row_base + rows, acc.to(x_ptr.dtype.element_ty).to(tl.float32), mask=r_ok)
+        tl.store(row_base + rows, acc.to(dt).to(tl.float32), mask=r_ok)
         tl.debug_barrier()                              # every thread's logits before the ticket
         ticket = tl.atomic_add(count_ptr + token, 1, sem="acq_rel")
         if ticket == tl.num_programs(1) - 1:
@@ -313,6 +336,13 @@ if triton is not None:
             weights, ids = _top_k(z, es, ok, TOP_K, NORM, BLOCK_S)
             _store_route(weights_ptr, ids_ptr, token, weights, ids, TOP_K, BLOCK_S)
             tl.atomic_xchg(count_ptr + token, 0)
+
+    @triton.jit
+    def _residual_sum(x_row, r_row, ks, k_ok, dt):
+        """(x + residual) rounded to the model dtype, as float32."""
+        x = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
+        r = tl.load(r_row + ks, mask=k_ok, other=0.0).to(tl.float32)
+        return (x + r).to(dt).to(tl.float32)
 
 
 SMALL_PAIRS = 64                                # T*K at most for `fused_moe_small` (decode sizes)
@@ -340,30 +370,44 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
 
 def routed_moe_small(x: torch.Tensor, gate: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                      norm_topk_prob: bool, tiles: SmallTiles | None = None,
-                     shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     prenorm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
     """The router (x @ gate^T, gate [E, H]) with softmax and top-k, then `fused_moe_small`: three launches.
     `shared` = (a shared expert's output [T, H], its gate logits [T, 1]): the down launch also adds
-    sigmoid(gate) * shared."""
+    sigmoid(gate) * shared. `prenorm` = (residual, RMSNorm weight, eps): the block runs on RMSNorm(x +
+    residual), normed inside the router launch, and returns (out, x + residual)."""
     t = x.shape[0]
     tiles = tiles or small_tiles(t, top_k, w13.shape[2], w2.shape[2], triton_gemv._num_sms(x.device))
-    weights, ids = small_route(x, gate, top_k, norm_topk_prob, tiles)
-    return small_down(small_gate_up(x, w13, ids, tiles), w2, weights, ids, tiles, shared)
+    routed = small_route(x, gate, top_k, norm_topk_prob, tiles, prenorm)
+    weights, ids = routed[:2]
+    rows = x if prenorm is None else routed[2]
+    out = small_down(small_gate_up(rows, w13, ids, tiles), w2, weights, ids, tiles, shared)
+    return out if prenorm is None else (out, routed[3])
 
 
-def small_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob: bool, tiles: SmallTiles
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`moe.route(x @ gate^T, ...)` in one launch (`_router_kernel`): (weights float32 [T, K], ids int64 [T, K])."""
+def small_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob: bool, tiles: SmallTiles,
+                prenorm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
+    """`moe.route(x @ gate^T, ...)` in one launch (`_router_kernel`): (weights float32 [T, K], ids int64 [T, K]).
+    With `prenorm` = (residual [T, H], RMSNorm weight [H], eps) the rows are RMSNorm(x + residual) first:
+    (weights, ids, normed rows [T, H], x + residual [T, H])."""
     t, h = x.shape
     e = gate.shape[0]
     x, gate = x.contiguous(), gate.contiguous()
     logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
+    if prenorm is not None:
+        residual, norm_weight, eps = prenorm
+        residual = residual.contiguous()
+        hsum, normed = torch.empty_like(x), torch.empty_like(x)
+    else:
+        residual, norm_weight, eps, hsum, normed = x, x, 0.0, x, x
     _router_kernel[(t, triton.cdiv(e, tiles.route_r))](
-        x, gate, logits, weights, ids, triton_decode.counters(gate, x.device), e, h, x.stride(0), gate.stride(0),
-        TOP_K=top_k, NORM=bool(norm_topk_prob), BLOCK_R=tiles.route_r, BLOCK_K=min(tiles.route_k, triton.next_power_of_2(h)),
+        x, residual, norm_weight, hsum, normed, gate, logits, weights, ids, triton_decode.counters(gate, x.device), e,
+        h, float(eps), x.stride(0), residual.stride(0), gate.stride(0), NORMED=prenorm is not None, TOP_K=top_k,
+        NORM=bool(norm_topk_prob), BLOCK_R=tiles.route_r, BLOCK_K=min(tiles.route_k, triton.next_power_of_2(h)),
         BLOCK_E=triton.next_power_of_2(e), BLOCK_S=triton.next_power_of_2(top_k), num_warps=4)
-    return weights, ids
+    return (weights, ids) if prenorm is None else (weights, ids, normed, hsum)
 
 
 def small_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, tiles: SmallTiles) -> torch.Tensor:

@@ -1,19 +1,19 @@
-"""Tile sweep of the Triton MoE decode path (`triton_moe.routed_moe_small`) on one GPU, against the floor.
+"""Tile sweep of the Triton MoE decode path (`triton_moe_small.routed_moe_small`) on one GPU, against the floor.
 
 Run on the GPU machine:  PYTHONPATH=$PWD python benchmarks/moe_bench.py [--json out.json]   (< 60 s on an H200)
 
 Shapes (bf16, random weights; Qwen3-Omni-30B-A3B, `qwen3_omni_bench.py`'s config): the thinker's MoE
 (hidden 2048, 128 experts top-8, width 768) and the talker's (hidden 1024, 128 experts top-8, width 384,
-plus a shared expert of 768), at T = 1, 2, 4, 8 rows (T * top-k <= `triton_moe.SMALL_PAIRS`).
+plus a shared expert of 768), at T = 1, 2, 4, 8 rows (T * top-k <= `triton_moe_small.SMALL_PAIRS`).
 
 Every time is per call, from a CUDA graph of CALLS calls, each call with its own rows and its own random
 experts (so the L2 cache, 50 MB on an H200, does not hold the previous call's experts, as in a decode step
 that goes through 48 layers). Per (shape, T):
-  * the router launch (GEMV + softmax + top-k, `triton_moe.small_route`), the gate-up kernel and the down
+  * the router launch (GEMV + softmax + top-k, `triton_moe_small.small_route`), the gate-up kernel and the down
     kernel alone, default tiles (`small_tiles`) and the best of a sweep (router: its candidates; gate-up,
     down: column tile x K step at 4 warps, then num_warps, then the K-loop unroll factor at the best so far;
     gate-up also the split-K candidates of `triton_moe_tiles.UP_CANDIDATES`);
-    beside them the router as it ran before (cuBLAS GEMM + the one-launch `triton_moe.route`);
+    beside them the router as it ran before (cuBLAS GEMM + the one-launch `triton_moe_small.route`);
   * the whole MoE block (`moe.SparseMoeBlock`: router, both kernels, the shared expert where there is
     one) with the default tiles, with the sweep's best, and with what `moe_tune` chose at start-up (its
     first eager call: the tiles are printed);
@@ -21,7 +21,7 @@ that goes through 48 layers). Per (shape, T):
     bandwidth measured in the same run, and the block's share of it;
   * a dense GEMM pair of the same active FLOPs (x @ [H, 2*I*K], then [T, I*K] @ [I*K, H]; cuBLAS) and
     the sorted grouped-GEMM path (`triton_moe.fused_moe`) on the same inputs;
-  * the max abs error of `triton_moe.routed_moe_small` (best tiles) against `moe.route` of the router's
+  * the max abs error of `triton_moe_small.routed_moe_small` (best tiles) against `moe.route` of the router's
     logits (`F.linear`) + `moe.fused_moe_ref`, beside the reference's peak; and of the
     whole block (the talker's shared expert term fused into the down launch) against its PyTorch path
     (`fused.ENABLED` off).
@@ -42,7 +42,7 @@ import torch
 
 import torch.nn.functional as F
 
-from omnistage.layers import fused, moe, moe_tune, triton_moe, triton_moe_tiles
+from omnistage.layers import fused, moe, moe_tune, triton_moe, triton_moe_small, triton_moe_tiles
 from omnistage.layers.triton_moe_tiles import SmallTiles
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -133,21 +133,21 @@ def run_shape(name: str, bandwidth: float) -> tuple[list, dict]:
         xs = [torch.randn(t, h, device=DEVICE, dtype=torch.bfloat16) for _ in range(CALLS)]
         gate = block.gate.weight
         routed = [moe.route(F.linear(x, gate), k, norm) for x in xs]
-        default = triton_moe.small_tiles(t, k, h, inter, torch.cuda.get_device_properties(DEVICE).multi_processor_count)
-        mids = [triton_moe.small_gate_up(xs[i], w13, routed[i][1], default) for i in range(CALLS)]
+        default = triton_moe_small.small_tiles(t, k, h, inter, torch.cuda.get_device_properties(DEVICE).multi_processor_count)
+        mids = [triton_moe_small.small_gate_up(xs[i], w13, routed[i][1], default) for i in range(CALLS)]
 
         def route_us(tiles):
-            return per_call_us(lambda i: triton_moe.small_route(xs[i], gate, k, norm, tiles))
+            return per_call_us(lambda i: triton_moe_small.small_route(xs[i], gate, k, norm, tiles))
 
         def up_us(tiles):
-            return per_call_us(lambda i: triton_moe.small_gate_up(xs[i], w13, routed[i][1], tiles))
+            return per_call_us(lambda i: triton_moe_small.small_gate_up(xs[i], w13, routed[i][1], tiles))
 
         def down_us(tiles):
-            return per_call_us(lambda i: triton_moe.small_down(mids[i], w2, routed[i][0], routed[i][1], tiles))
+            return per_call_us(lambda i: triton_moe_small.small_down(mids[i], w2, routed[i][0], routed[i][1], tiles))
 
         route_times = [(route_us(c), c) for c in triton_moe_tiles.candidates(default, "route")]
         route_best, route_tiles = min(route_times, key=lambda r: r[0])
-        route_old = per_call_us(lambda i: triton_moe.route(F.linear(xs[i], gate), k, norm))
+        route_old = per_call_us(lambda i: triton_moe_small.route(F.linear(xs[i], gate), k, norm))
         up_best, up_tiles = sweep(up_us, default, "up", UP_NK, h, 2)
         for tiles in triton_moe_tiles.candidates(default, "up"):    # the split-K GEMVs the start-up tuner tries
             if tiles.up_split > 1:
@@ -181,7 +181,7 @@ def run_shape(name: str, bandwidth: float) -> tuple[list, dict]:
             fused.ENABLED = True
         block_err = (fast_block.float() - ref_block.float()).abs().max().item()
         ref = moe.fused_moe_ref(xs[0], w13, w2, *routed[0])
-        got = triton_moe.routed_moe_small(xs[0], gate, w13, w2, k, norm, tiles=best)
+        got = triton_moe_small.routed_moe_small(xs[0], gate, w13, w2, k, norm, tiles=best)
         hit = sum(r[1].unique().numel() for r in routed) / CALLS
         weight_bytes = 2 * (hit * 3 * inter * h + e * h + (3 * shared * h + h if shared else 0))
         floor_us = weight_bytes / bandwidth * 1e6

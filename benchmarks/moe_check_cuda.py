@@ -11,7 +11,7 @@ T = 1, 8, 64, 256, 2048 rows. Per T it prints:
     experts implementation) on the same weights, and of a dense GEMM pair with the same active FLOPs
     (x [T, 2048] @ [2048, 2*768*8] then [T, 768*8] @ [768*8, 2048]) -- the floor to compare against;
   * the weight bytes the step must read (the distinct experts hit) over 4 TB/s: the bandwidth floor.
-Then, at T = 1, 8, 64, the decode path without the sort (`triton_moe.fused_moe_small`, what
+Then, at T = 1, 8, 64, the decode path without the sort (`triton_moe_small.fused_moe_small`, what
 `moe.fused_moe` runs when T*K <= SMALL_PAIRS) beside the sorted one, both from CUDA graphs: its error
 against the reference, its ms with the default tiles (`benchmarks/moe_bench.py` sweeps them), and the
 whole routed layer (router GEMM + routing + experts) with torch's routing and the sorted
@@ -27,7 +27,7 @@ import json
 
 import torch
 
-from omnistage.layers import moe, moe_tune, triton_moe
+from omnistage.layers import moe, moe_tune, triton_moe, triton_moe_small
 
 H, E, K, I = 2048, 128, 8, 768
 TS = (1, 8, 64, 256, 2048)
@@ -136,9 +136,9 @@ def small_path(w13: torch.Tensor, w2: torch.Tensor) -> None:
         x = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
         weights, ids = moe.route(x @ gate.T, K, True)
         ref = moe.fused_moe_ref(x, w13, w2, weights, ids)
-        err = (triton_moe.fused_moe_small(x, w13, w2, weights, ids).float() - ref.float()).abs().max().item()
+        err = (triton_moe_small.fused_moe_small(x, w13, w2, weights, ids).float() - ref.float()).abs().max().item()
         ms_sorted = timed(graphed(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids)))
-        ms_small = timed(graphed(lambda: triton_moe.fused_moe_small(x, w13, w2, weights, ids)))
+        ms_small = timed(graphed(lambda: triton_moe_small.fused_moe_small(x, w13, w2, weights, ids)))
 
         def layer_old():
             probs = torch.softmax(x @ gate.T, dim=-1, dtype=torch.float32)
@@ -154,7 +154,8 @@ def small_path(w13: torch.Tensor, w2: torch.Tensor) -> None:
         print(f"{t:>3} {err:>8.1e} {ref.float().abs().max().item():>6.2f} {ms_sorted:>8.3f} {ms_small:>8.3f} "
               f"{timed(graphed(layer_old)):>9.3f} "
               f"{timed(graphed(layer_new)):>9.3f} {new_err:>8.1e} {floor_ms:>8.3f}")
-    print("start-up tiles (moe_tune): " + "; ".join(f"T bucket {key[1]}: {tiles}" for key, tiles in moe_tune.CHOSEN.items()))
+    chosen = (f"T bucket {key[1]}: {tiles}" for key, tiles in moe_tune.CHOSEN.items())
+    print("start-up tiles (moe_tune): " + "; ".join(chosen))
 
 
 if __name__ == "__main__":

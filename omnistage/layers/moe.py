@@ -9,13 +9,13 @@ In: hidden rows x [T, H] of one engine step. Out: [T, H], the weighted sum of ea
   fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights, topk_ids) -> [T, H]
         on CUDA with Triton: `triton_moe.fused_moe` (rows sorted by expert, one grouped-GEMM launch for
         gate-up with SiLU * up fused, one for down with the routing weight; no host syncs, so CUDA
-        graphs capture it), or at decode sizes (T*K <= `triton_moe.SMALL_PAIRS`) `fused_moe_small`
+        graphs capture it), or at decode sizes (T*K <= `triton_moe_small.SMALL_PAIRS`) `fused_moe_small`
         (no sort: one GEMV program per pair, then one per token summing its K experts); the router is
-        then one Triton launch too (`triton_moe.route`); elsewhere `fused_moe_ref`, the PyTorch reference: the rows sorted by
-        expert and one matmul pair per expert that has rows
+        then one Triton launch too (`triton_moe_small.route`); elsewhere `fused_moe_ref`, the PyTorch
+        reference: the rows sorted by expert and one matmul pair per expert that has rows
   routed_moe(x, gate [E, H], w13, w2, top_k, norm_topk_prob) -> [T, H]
         the router GEMM, `route` + `fused_moe`, what the block runs; at decode sizes on CUDA
-        `triton_moe.routed_moe_small` (three launches: the router GEMV with softmax and top-k in its
+        `triton_moe_small.routed_moe_small` (three launches: the router GEMV with softmax and top-k in its
         last program, gate-up, down) in tiles timed on the device at start-up (`moe_tune`)
   SparseMoeBlock(hidden, num_experts, top_k, moe_intermediate, norm_topk_prob, shared_expert_intermediate=0)
         the module; `load_weights` takes the checkpoint's names relative to the block
@@ -36,13 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.layers import fused, moe_tune, triton_moe
+from omnistage.layers import fused, moe_tune, triton_moe, triton_moe_small
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights float32 [T, K], expert ids int64 [T, K]); see the module docstring."""
     if fused.use_triton(router_logits) and triton_moe.triton is not None:
-        return triton_moe.route(router_logits, top_k, norm_topk_prob)
+        return triton_moe_small.route(router_logits, top_k, norm_topk_prob)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
@@ -54,8 +54,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               topk_ids: torch.Tensor) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] = [gate | up] per expert; w2 [E, H, I]; topk_* [T, K] -> [T, H]."""
     if fused.use_triton(x) and triton_moe.triton is not None:
-        if topk_ids.numel() <= triton_moe.SMALL_PAIRS:   # decode: one GEMV pair, no sort
-            return triton_moe.fused_moe_small(x, w13, w2, topk_weights, topk_ids)
+        if topk_ids.numel() <= triton_moe_small.SMALL_PAIRS:   # decode: one GEMV pair, no sort
+            return triton_moe_small.fused_moe_small(x, w13, w2, topk_weights, topk_ids)
         return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
@@ -64,11 +64,11 @@ def routed_moe(x: torch.Tensor, gate: torch.Tensor, w13: torch.Tensor, w2: torch
                norm_topk_prob: bool, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The router (x @ gate^T, gate [E, H]), `route`, then `fused_moe`, plus sigmoid(gate) * shared for
     `shared` = (a shared expert's output [T, H], its gate logits [T, 1]); at decode sizes on CUDA three
-    launches (`triton_moe.routed_moe_small`: the router with its softmax and top-k, gate-up, down with the
+    launches (`triton_moe_small.routed_moe_small`: the router with its softmax and top-k, gate-up, down with the
     shared term) in the tiles `moe_tune` measured at start-up."""
     if _small_path(x, top_k):
         tiles = moe_tune.tiles_for(x, gate, w13, w2, top_k, norm_topk_prob)
-        return triton_moe.routed_moe_small(x, gate, w13, w2, top_k, norm_topk_prob, tiles=tiles, shared=shared)
+        return triton_moe_small.routed_moe_small(x, gate, w13, w2, top_k, norm_topk_prob, tiles=tiles, shared=shared)
     weights, ids = route(F.linear(x, gate), top_k, norm_topk_prob)
     out = fused_moe(x, w13, w2, weights, ids)
     if shared is not None:
@@ -77,8 +77,9 @@ def routed_moe(x: torch.Tensor, gate: torch.Tensor, w13: torch.Tensor, w2: torch
 
 
 def _small_path(x: torch.Tensor, top_k: int) -> bool:
-    """Whether rows like `x` take the decode kernels (`triton_moe.routed_moe_small`)."""
-    return fused.use_triton(x) and triton_moe.triton is not None and x.shape[0] * top_k <= triton_moe.SMALL_PAIRS
+    """Whether rows like `x` take the decode kernels (`triton_moe_small.routed_moe_small`)."""
+    return (fused.use_triton(x) and triton_moe.triton is not None
+            and x.shape[0] * top_k <= triton_moe_small.SMALL_PAIRS)
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -135,11 +136,12 @@ class SparseMoeBlock(nn.Module):
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """(block(norm(x + residual)), x + residual), `norm` an RMSNorm (`weight`, `eps`): what a decoder
         layer's post-attention norm + MLP do. At decode sizes on CUDA without a shared expert the residual
-        add and the norm run inside the router launch (`triton_moe.routed_moe_small(prenorm=)`)."""
+        add and the norm run inside the router launch (`triton_moe_small.routed_moe_small(prenorm=)`)."""
         if self.shared_expert is None and _small_path(x, self.top_k):
             tiles = moe_tune.tiles_for(x, self.gate.weight, self.w13, self.w2, self.top_k, self.norm_topk_prob)
-            return triton_moe.routed_moe_small(x, self.gate.weight, self.w13, self.w2, self.top_k, self.norm_topk_prob,
-                                               tiles=tiles, prenorm=(residual, norm.weight, norm.eps))
+            return triton_moe_small.routed_moe_small(x, self.gate.weight, self.w13, self.w2, self.top_k,
+                                                     self.norm_topk_prob, tiles=tiles,
+                                                     prenorm=(residual, norm.weight, norm.eps))
         normed, h = norm(x, residual)
         return self(normed), h
 

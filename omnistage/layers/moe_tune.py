@@ -1,7 +1,7 @@
 """Start-up tile choice of the MoE decode kernels, timed on the device (stage process, CUDA only).
 
 In: one decode call's own tensors (x [T, H], the router weight [E, H], w13 [E, 2I, H], w2 [E, H, I]).
-Out: the `SmallTiles` that `triton_moe.routed_moe_small` launches with.
+Out: the `SmallTiles` that `triton_moe_small.routed_moe_small` launches with.
 
 `tiles_for(...)` keeps one choice per (device, T bucket, top_k, H, I, E): T = 1, then powers of two (the
 decode graphs' batch sizes 1, 2, 4, 8). The first call of a key outside CUDA-graph capture (the eager
@@ -20,7 +20,7 @@ from dataclasses import fields, replace
 
 import torch
 
-from omnistage.layers import triton_gemv, triton_moe
+from omnistage.layers import triton_gemv, triton_moe_small
 from omnistage.layers.triton_moe_tiles import SmallTiles, candidates, small_tiles
 
 log = logging.getLogger(__name__)
@@ -95,11 +95,11 @@ def _tune(x, gate, w13, w2, top_k, norm, base: SmallTiles) -> SmallTiles:
     # random rows, not the call's: the graphs' warm-up steps run on zero rows, which route every token
     # to the same experts (a T > 1 step would then read each expert once instead of T times)
     x = torch.randn(x.shape, device=dev, dtype=torch.float32).to(x.dtype)
-    route = _best(candidates(base, "route"), lambda c: triton_moe.small_route(x, gate, top_k, norm, c), dev)
-    weights, ids = triton_moe.small_route(x, gate, top_k, norm, base)
-    up = _best(candidates(base, "up"), lambda c: triton_moe.small_gate_up(x, w13, ids, c), dev)
-    mid = triton_moe.small_gate_up(x, w13, ids, base)
-    down = _best(candidates(base, "down"), lambda c: triton_moe.small_down(mid, w2, weights, ids, c), dev)
+    route = _best(candidates(base, "route"), lambda c: triton_moe_small.small_route(x, gate, top_k, norm, c), dev)
+    weights, ids = triton_moe_small.small_route(x, gate, top_k, norm, base)
+    up = _best(candidates(base, "up"), lambda c: triton_moe_small.small_gate_up(x, w13, ids, c), dev)
+    mid = triton_moe_small.small_gate_up(x, w13, ids, base)
+    down = _best(candidates(base, "down"), lambda c: triton_moe_small.small_down(mid, w2, weights, ids, c), dev)
     torch.cuda.synchronize(dev)
     _flush.pop(dev, None)                       # back to the allocator: the graphs and the KV cache may want it
     return replace(base, **_fields(route, "route_"), **_fields(up, "up_"), **_fields(down, "down_"))

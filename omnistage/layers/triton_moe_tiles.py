@@ -1,6 +1,6 @@
-"""Launch shapes of `triton_moe`'s decode kernels (data and the default rule; imported by triton_moe, any process).
+"""Launch shapes of `triton_moe_small`'s decode kernels (data and the default rule; any process).
 
-`SmallTiles`: the tiles of the router, gate-up and down launches of `triton_moe.routed_moe_small`.
+`SmallTiles`: the tiles of the router, gate-up and down launches of `triton_moe_small.routed_moe_small`.
 `TUNED`: measured defaults per (T, top_k, hidden, moe_intermediate) (benchmarks/moe_bench.py on an H200);
 `small_tiles` picks them or the rule. `CANDIDATES`: what `moe_tune` times on the device at start-up.
 """

@@ -76,7 +76,7 @@ def test_load_weights_names_what_it_does_not_know():
 
 CHECK = """
 import json, torch
-from omnistage.layers import fused, moe, triton_moe
+from omnistage.layers import fused, moe, triton_moe, triton_moe_small
 torch.manual_seed(0)
 grouped, small, routes, routers = [], [], [], []
 # float16 for the 16-bit rounding path: the interpreter cannot do bfloat16 dots (see layers/kernel_check.py)
@@ -95,15 +95,15 @@ for t, e, k, h, i, dt in [(1, 8, 2, 64, 32, torch.float32), (5, 6, 3, 40, 24, to
     logits = torch.randn(t, e)
     for norm in (True, False):
         w, ids = moe.route(logits, k, norm)
-        w_k, ids_k = triton_moe.route(logits, k, norm)
+        w_k, ids_k = triton_moe_small.route(logits, k, norm)
         routes.append((torch.equal(ids, ids_k), (w - w_k).abs().max().item()))
     ref = moe.fused_moe_ref(x, w13, w2, w, ids)
     # default tiles, then K steps that leave H and I remainders, narrow column tiles, unrolled K loops
-    tiles_b = triton_moe.SmallTiles(up_n=8, up_k=32, up_unroll=2, down_n=4, down_k=16, down_unroll=2,
+    tiles_b = triton_moe_small.SmallTiles(up_n=8, up_k=32, up_unroll=2, down_n=4, down_k=16, down_unroll=2,
                                     route_r=4, route_k=16)
-    tiles_c = triton_moe.SmallTiles(up_n=8, up_k=16, up_split=2)    # split-K gate-up (H 40: a short slice)
+    tiles_c = triton_moe_small.SmallTiles(up_n=8, up_k=16, up_split=2)    # split-K gate-up (H 40: a short slice)
     for tiles in (None, tiles_b, tiles_c):
-        got = triton_moe.fused_moe_small(x, w13, w2, w, ids, tiles=tiles)
+        got = triton_moe_small.fused_moe_small(x, w13, w2, w, ids, tiles=tiles)
         small.append(((got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item(), str(dt)))
     # the block's path: router weight in (logits as nn.Linear stores them); the router's and the split
     # gate-up's tickets were used by the calls before (each launch resets its own)
@@ -111,14 +111,14 @@ for t, e, k, h, i, dt in [(1, 8, 2, 64, 32, torch.float32), (5, 6, 3, 40, 24, to
     w, ids = moe.route(torch.nn.functional.linear(x, gate), k, False)
     ref = moe.fused_moe_ref(x, w13, w2, w, ids)
     for tiles in (tiles_b, tiles_c):                                # tiles_c: the default router tiles
-        w_k, ids_k = triton_moe.small_route(x, gate, k, False, tiles)
+        w_k, ids_k = triton_moe_small.small_route(x, gate, k, False, tiles)
         routers.append((torch.equal(ids, ids_k), (w - w_k).abs().max().item(), str(dt)))
-        got = triton_moe.routed_moe_small(x, gate, w13, w2, k, False, tiles=tiles)
+        got = triton_moe_small.routed_moe_small(x, gate, w13, w2, k, False, tiles=tiles)
         small.append(((got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item(), str(dt)))
     # with a shared expert's output and gate logit added in the down launch (the talker's block)
     shared = (torch.randn(t, h).to(dt), torch.randn(t, 1).to(dt))
     want = ref + torch.sigmoid(shared[1]) * shared[0]
-    got = triton_moe.routed_moe_small(x, gate, w13, w2, k, False, tiles=tiles_b, shared=shared)
+    got = triton_moe_small.routed_moe_small(x, gate, w13, w2, k, False, tiles=tiles_b, shared=shared)
     small.append(((got.float() - want.float()).abs().max().item(), want.float().abs().max().item(), str(dt)))
     # the residual add + RMSNorm inside the router launch (the thinker layer's post-attention norm)
     res, nw = torch.randn(t, h).to(dt), (1 + 0.1 * torch.randn(h)).to(dt)
@@ -126,7 +126,7 @@ for t, e, k, h, i, dt in [(1, 8, 2, 64, 32, torch.float32), (5, 6, 3, 40, 24, to
     normed = fused.rms_norm_ref(hsum, nw, 1e-6)
     w, ids = moe.route(torch.nn.functional.linear(normed, gate), k, False)
     want = moe.fused_moe_ref(normed, w13, w2, w, ids)
-    got, got_h = triton_moe.routed_moe_small(x, gate, w13, w2, k, False, tiles=tiles_b, prenorm=(res, nw, 1e-6))
+    got, got_h = triton_moe_small.routed_moe_small(x, gate, w13, w2, k, False, tiles=tiles_b, prenorm=(res, nw, 1e-6))
     small.append(((got.float() - want.float()).abs().max().item(), want.float().abs().max().item(), str(dt)))
     small.append(((got_h.float() - hsum.float()).abs().max().item(), hsum.float().abs().max().item(), str(dt)))
 print(json.dumps({"grouped": grouped, "small": small, "routes": routes, "routers": routers}))

@@ -16,7 +16,8 @@ In: hidden rows x [T, H] of one engine step. Out: [T, H], the weighted sum of ea
   routed_moe(x, gate [E, H], w13, w2, top_k, norm_topk_prob) -> [T, H]
         the router GEMM, `route` + `fused_moe`, what the block runs; at decode sizes on CUDA
         `triton_moe_small.routed_moe_small` (three launches: the router GEMV with softmax and top-k in its
-        last program, gate-up, down) in tiles timed on the device at start-up (`moe_tune`)
+        last program, gate-up, down) in tiles timed on the device at start-up (`moe_tune`); up to
+        `triton_moe_small.ROUTER_ROWS` rows the router is that one launch before the sorted kernels too
   SparseMoeBlock(hidden, num_experts, top_k, moe_intermediate, norm_topk_prob, shared_expert_intermediate=0)
         the module; `load_weights` takes the checkpoint's names relative to the block
         (`experts.{e}.gate_proj|up_proj|down_proj.weight`, `gate.weight`, `shared_expert.*`,
@@ -36,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.layers import fused, moe_tune, triton_moe, triton_moe_small
+from omnistage.layers import fused, moe_tune, triton_gemv, triton_moe, triton_moe_small
+from omnistage.layers.triton_moe_tiles import small_tiles
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +71,13 @@ def routed_moe(x: torch.Tensor, gate: torch.Tensor, w13: torch.Tensor, w2: torch
     if _small_path(x, top_k):
         tiles = moe_tune.tiles_for(x, gate, w13, w2, top_k, norm_topk_prob)
         return triton_moe_small.routed_moe_small(x, gate, w13, w2, top_k, norm_topk_prob, tiles=tiles, shared=shared)
-    weights, ids = route(F.linear(x, gate), top_k, norm_topk_prob)
+    if fused.use_triton(x) and triton_moe.triton is not None and x.shape[0] <= triton_moe_small.ROUTER_ROWS:
+        # the router GEMV with its top-k (one launch, the gate weight re-read from L2 per row) beats
+        # cuBLAS' GEMM + the route launch up to a few dozen rows
+        tiles = small_tiles(x.shape[0], top_k, x.shape[1], w2.shape[2], triton_gemv._num_sms(x.device))
+        weights, ids = triton_moe_small.small_route(x, gate, top_k, norm_topk_prob, tiles)
+    else:
+        weights, ids = route(F.linear(x, gate), top_k, norm_topk_prob)
     out = fused_moe(x, w13, w2, weights, ids)
     if shared is not None:
         out = out + torch.sigmoid(shared[1]) * shared[0]

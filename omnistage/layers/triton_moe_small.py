@@ -241,6 +241,7 @@ if triton is not None:
 
 
 SMALL_PAIRS = 64                                # T*K at most for `fused_moe_small` (decode sizes)
+ROUTER_ROWS = 64                                # T at most for `small_route` before the sorted kernels (`moe.routed_moe`)
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:

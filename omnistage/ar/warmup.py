@@ -88,8 +88,7 @@ def run_frame_head(head, hidden: int, dtype: torch.dtype, device: torch.device, 
         last = torch.zeros(s, hidden, dtype=dtype, device=device)
         code0 = torch.zeros(s, dtype=torch.long, device=device)
         for p in kinds:
-            head(last, code0, SamplingBatch(params=[p] * s, generators=[None] * s, prompt_ids=[[] for _ in range(s)],
-                                            output_ids=[[] for _ in range(s)]))
+            head(last, code0, SamplingBatch(params=[p] * s, generators=[None] * s))
 
 
 def warm_up(runner, max_tokens: int, max_seqs: int, decode_sizes: list[int], max_blocks: int) -> WarmUp:

@@ -38,22 +38,33 @@ MIXES = {
 
 
 class Timer:
-    """Wraps callables and sums the seconds spent in them while `on`."""
+    """Wraps callables and sums the process seconds spent in them while `on` (re-entry counted once)."""
 
     def __init__(self):
         self.seconds = 0.0
         self.on = False
+        self.depth = 0
 
     def wrap(self, fn):
         def timed(*args, **kwargs):
-            if not self.on:
+            if not self.on or self.depth:
                 return fn(*args, **kwargs)
+            self.depth += 1
             t = time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds += time.process_time() - t
+                self.depth -= 1
         return timed
+
+
+def print_table(header: list[str], rows: list[list[str]]) -> None:
+    """A markdown table (after a blank line): `header`'s cells, then one line of cells per row."""
+    print("\n| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for cells in rows:
+        print("| " + " | ".join(cells) + " |")
 
 
 def build(path: str, rows: int):
@@ -134,12 +145,10 @@ def main() -> None:
         if args.profile:                        # a run of its own: the profiler slows what it watches
             r = run_mix(engine, device, args.rows, args.new, MIXES["greedy"], profile=True)
             prof, prof_calls = r["profile"], r["calls_per_row_step"]
-    print(f"\n| {args.rows} rows x {args.new} new tokens, tiny Llama, CPU | decode steps | CPU ms / step "
-          "| device ms / step | host us / row-step (median) |")
-    print("|---|---|---|---|---|")
-    for name, r in results.items():
-        print(f"| {name} | {r['steps']} | {r['wall_ms_per_step']:.2f} | {r['device_ms_per_step']:.2f} "
-              f"| {r['host_us_per_row_step']:.1f} |")
+    print_table([f"{args.rows} rows x {args.new} new tokens, tiny Llama, CPU", "decode steps", "CPU ms / step",
+                 "device ms / step", "host us / row-step (median)"],
+                [[name, str(r["steps"]), f"{r['wall_ms_per_step']:.2f}", f"{r['device_ms_per_step']:.2f}",
+                  f"{r['host_us_per_row_step']:.1f}"] for name, r in results.items()])
     if args.profile:
         print(f"\ncProfile of the greedy mix's decode steps, top {args.profile} by own time:")
         print(f"Python function calls per row-step: {prof_calls:.1f}")

@@ -46,16 +46,12 @@ def layer_model(shape: dict, fp8: bool):
     from transformers import Qwen2Config
 
     from omnistage.models.llama import Qwen2ForCausalLM
+    from omnistage.testing.llm import draw_norms_and_biases
 
     cfg = Qwen2Config(**shape, num_hidden_layers=1, vocab_size=1024, max_position_embeddings=4096)
     with torch.device("cuda"):                  # weights drawn on the GPU (the 7B layer is 0.9 GB in float32)
         model = Qwen2ForCausalLM(cfg, 4096).to(torch.bfloat16).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.8, 1.2)
-            elif p.dim() == 1:
-                p.normal_(0, 0.02)
+    draw_norms_and_biases(model, (0.8, 1.2), 0.02)
     if fp8:
         model.quantize_fp8()
     model.rotary.build(torch.device("cuda"))
@@ -100,7 +96,7 @@ def layer_table() -> None:
                     with torch.inference_mode():
                         out, r = layer(x, res, rope, meta)
                         outs[fused_on] = out if r is None else out + r
-                        times[fused_on] = graph_us(lambda: layer(x, res, rope, meta))
+                        times[fused_on] = graph_us(lambda _: layer(x, res, rope, meta))
                 triton_decode.ENABLED = True
                 err = (outs[True].float() - outs[False].float()).abs().max().item()
                 print(f"| {name} | {'fp8' if fp8 else 'bf16'} | {m} | {times[False]:.1f} | {times[True]:.1f} "
@@ -176,7 +172,7 @@ def sweep(models: list[str], rows: list[int], budget: float, layers: list[str], 
                     if flags.get("rope"):
                         kw["rope"] = sweep_rope(MODELS[name], m)
                     ref = first(triton_decode.reference(x, w, scale, **kw))
-                    default = graph_us(lambda: triton_decode.decode_gemv(x, w, scale, **kw))
+                    default = graph_us(lambda _: triton_decode.decode_gemv(x, w, scale, **kw))
                     best = (float("inf"), None)
                     for cfg in candidates(m, k, w.element_size(), space):
                         if time.time() - start > budget:
@@ -184,11 +180,11 @@ def sweep(models: list[str], rows: list[int], budget: float, layers: list[str], 
                         try:
                             if rel_err(first(triton_decode.decode_gemv(x, w, scale, **kw, config=cfg)), ref) > 2e-2:
                                 continue
-                            t = graph_us(lambda: triton_decode.decode_gemv(x, w, scale, **kw, config=cfg))
+                            t = graph_us(lambda _: triton_decode.decode_gemv(x, w, scale, **kw, config=cfg))
                         except Exception:           # a tile the compiler refuses (registers, shared memory)
                             continue
                         best = min(best, (t, cfg))
-                    cublas = graph_us(lambda: F.linear(x, w16))
+                    cublas = graph_us(lambda _: F.linear(x, w16))
                     floor = n * k * w.element_size() / bw * 1e6
                     best_tiles[(m, n, k, w.element_size(), bool(flags.get("gated") or flags.get("rope")))] = best[1]
                     print(f"| {name} | {layer} ({n} x {k}) | {'fp8' if fp8 else 'bf16'} | {m} | {default:.1f} "

@@ -37,26 +37,32 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 10 / (start.elapsed_time(end) / 1e3)
 
 
-def graph_us(fn) -> float:
-    """GPU microseconds of one fn() call: CALLS calls in one CUDA graph, replayed 10 times."""
+def graph_us(launch, calls: int = CALLS, trials: int = 1, replays: int = 10) -> float:
+    """GPU microseconds per call of `launch(i)` for i < calls, all captured in one CUDA graph: each call
+    run once first (on a side stream, as capture wants: compiles, autotuning, and no host sync left for
+    the capture), the graph replayed 3 times, then `trials` timings of `replays` replays, the median."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
+        for i in range(calls):
+            launch(i)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
+        for i in range(calls):
+            launch(i)
+    for _ in range(3):
         graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (10 * CALLS)
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * calls))
+    return sorted(times)[len(times) // 2]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -84,10 +90,10 @@ def main() -> None:
                 g8 = triton_gemv.gemv(x, fp8.weight_fp8, fp8.weight_scale, fp8.bias)
                 e8 = rel_err(g8, triton_gemv.reference(x, fp8.weight_fp8, fp8.weight_scale, fp8.bias))
                 e16 = rel_err(triton_gemv.gemv(x, w, None, b), triton_gemv.reference(x, w, None, b))
-                t8 = graph_us(lambda: triton_gemv.gemv(x, fp8.weight_fp8, fp8.weight_scale, fp8.bias))
-                tsm = graph_us(lambda: fp8.scaled_mm(*triton_gemv.quantize_rows(x16), torch.bfloat16))   # W8A8
-                t16 = graph_us(lambda: triton_gemv.gemv(x, w, None, b))
-                tcb = graph_us(lambda: F.linear(x, w, b))
+                t8 = graph_us(lambda _: triton_gemv.gemv(x, fp8.weight_fp8, fp8.weight_scale, fp8.bias))
+                tsm = graph_us(lambda _: fp8.scaled_mm(*triton_gemv.quantize_rows(x16), torch.bfloat16))   # W8A8
+                t16 = graph_us(lambda _: triton_gemv.gemv(x, w, None, b))
+                tcb = graph_us(lambda _: F.linear(x, w, b))
                 f8, f16 = n * k / bw * 1e6, 2 * n * k / bw * 1e6
                 print(f"| {model} | {name} ({n} x {k}) | {m} | {t8:.1f} | {tsm:.1f} | {t16:.1f} | {tcb:.1f} "
                       f"| {f8:.1f} / {f16:.1f} | {100 * f8 / t8:.0f}% | {e8:.1e} / {e16:.1e} |")
@@ -113,7 +119,7 @@ def sweep() -> None:
             for m in (1,):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 ref = triton_gemv.reference(x, fp8.weight_fp8, fp8.weight_scale)
-                default = graph_us(lambda: triton_gemv.gemv(x, fp8.weight_fp8, fp8.weight_scale))
+                default = graph_us(lambda _: triton_gemv.gemv(x, fp8.weight_fp8, fp8.weight_scale))
                 best = (float("inf"), None)
                 grid = itertools.product((4, 8, 16, 32) if m == 1 else (16, 32, 64), (256, 512, 1024) if m == 1
                                          else (128, 256), (4, 8), (2, 4))
@@ -122,7 +128,7 @@ def sweep() -> None:
                         out = triton_gemv.gemv(x, fp8.weight_fp8, fp8.weight_scale, config=cfg)
                         if rel_err(out, ref) > 1e-2:
                             continue
-                        t = graph_us(lambda: triton_gemv.gemv(x, fp8.weight_fp8, fp8.weight_scale, config=cfg))
+                        t = graph_us(lambda _: triton_gemv.gemv(x, fp8.weight_fp8, fp8.weight_scale, config=cfg))
                     except Exception:                   # a tile the compiler refuses (registers, shared memory)
                         continue
                     best = min(best, (t, cfg))

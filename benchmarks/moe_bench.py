@@ -1,34 +1,39 @@
-"""Tile sweep of the Triton MoE decode path (`triton_moe.fused_moe_small`) on one GPU, against the floor.
+"""Tile sweep of the Triton MoE decode path (`triton_moe_small.routed_moe_small`) on one GPU, against the floor.
 
 Run on the GPU machine:  PYTHONPATH=$PWD python benchmarks/moe_bench.py [--json out.json]   (< 60 s on an H200)
 
 Shapes (bf16, random weights; Qwen3-Omni-30B-A3B, `qwen3_omni_bench.py`'s config): the thinker's MoE
 (hidden 2048, 128 experts top-8, width 768) and the talker's (hidden 1024, 128 experts top-8, width 384,
-plus a shared expert of 768), at T = 1, 2, 4, 8 rows (T * top-k <= `triton_moe.SMALL_PAIRS`).
+plus a shared expert of 768), at T = 1, 2, 4, 8 rows (T * top-k <= `triton_moe_small.SMALL_PAIRS`).
 
 Every time is per call, from a CUDA graph of CALLS calls, each call with its own rows and its own random
 experts (so the L2 cache, 50 MB on an H200, does not hold the previous call's experts, as in a decode step
 that goes through 48 layers). Per (shape, T):
-  * the gate-up kernel (routing inside, as the block runs it) and the down kernel alone, default tiles (`small_tiles`) and the best of a two-phase sweep
-    (column tile x K step at 4 warps, then num_warps, then the K-loop unroll factor at the best so far);
-  * the whole MoE block (`moe.SparseMoeBlock`: router GEMM, the one-launch router, both kernels, the
-    shared expert where there is one) with the default tiles and with the best ones;
+  * the router launch (GEMV + softmax + top-k, `triton_moe_small.small_route`), the gate-up kernel and the down
+    kernel alone, default tiles (`small_tiles`) and the best of a sweep (router: its candidates; gate-up,
+    down: column tile x K step at 4 warps, then num_warps, then the K-loop unroll factor at the best so far;
+    gate-up also the split-K candidates of `triton_moe_tiles.UP_CANDIDATES`);
+    beside them the router as it ran before (cuBLAS GEMM + the one-launch `triton_moe_small.route`);
+  * the whole MoE block (`moe.SparseMoeBlock`: router, both kernels, the shared expert where there is
+    one) with the default tiles, with the sweep's best, and with what `moe_tune` chose at start-up (its
+    first eager call: the tiles are printed);
   * the floor: the bytes the block must read (distinct experts hit, router, shared expert) at the copy
     bandwidth measured in the same run, and the block's share of it;
   * a dense GEMM pair of the same active FLOPs (x @ [H, 2*I*K], then [T, I*K] @ [I*K, H]; cuBLAS) and
     the sorted grouped-GEMM path (`triton_moe.fused_moe`) on the same inputs;
-  * the max abs error of `triton_moe.routed_moe_small` (routing in the gate-up launch, best tiles) against
-    `moe.route` + `moe.fused_moe_ref` on the same router logits, beside the reference's peak; and of the
+  * the max abs error of `triton_moe_small.routed_moe_small` (best tiles) against `moe.route` of the router's
+    logits (`F.linear`) + `moe.fused_moe_ref`, beside the reference's peak; and of the
     whole block (the talker's shared expert term fused into the down launch) against its PyTorch path
     (`fused.ENABLED` off).
 Then it prints `TUNED = {...}`: the best tiles per (T, top_k, hidden, width), to paste into
-`omnistage/layers/triton_moe.py`.
+`omnistage/layers/triton_moe_tiles.py` (the start-up tuner's candidates are built around them).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -36,11 +41,14 @@ import time
 
 import torch
 
-from omnistage.layers import fused, moe, triton_moe
-from omnistage.layers.triton_moe import SmallTiles
+import torch.nn.functional as F
+
+from omnistage.layers import fused, moe, moe_tune, triton_moe, triton_moe_small, triton_moe_tiles
+from omnistage.layers.triton_moe_tiles import SmallTiles
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ar_bench import copy_bandwidth  # noqa: E402  (one way of measuring it for every benchmark)
+from gemv_bench import graph_us  # noqa: E402  (one CUDA-graph timer for every benchmark)
 from qwen3_omni_bench import TALKER_30B, THINKER_30B  # noqa: E402
 
 SHAPES = {"thinker": (THINKER_30B["hidden_size"], THINKER_30B["num_experts"], THINKER_30B["num_experts_per_tok"],
@@ -55,29 +63,8 @@ UP_NK = [(n, k) for n in (2, 4, 8, 16, 32) for k in (256, 512, 1024) if 2 * n * 
 DOWN_NK = [(n, k) for n in (2, 4, 8, 16) for k in (64, 128, 256, 512)]
 WARPS = (2, 4, 8)                            # phase 2 (num_warps; num_stages changes nothing here)
 UNROLLS = (2, 4)                             # phase 3: K-loop unroll factors (1 is phases 1-2)
-
-
-def per_call_us(launch, calls: int = CALLS) -> float:
-    """Median us per call of `launch(i)` for i < calls, replayed from one CUDA graph."""
-    for i in range(calls):                   # compiles, and proves there is no host sync below
-        launch(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            launch(i)
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(4):
-            graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / (4 * calls))
-    return sorted(times)[len(times) // 2]
+# us per call of launch(i), i < CALLS, from one CUDA graph: the median of 7 timings of 4 replays
+per_call_us = functools.partial(graph_us, calls=CALLS, trials=7, replays=4)
 
 
 def sweep(time_with, base: SmallTiles, prefix: str, nk: list, k_bound: int, slots: int) -> tuple[float, SmallTiles]:
@@ -125,33 +112,49 @@ def run_shape(name: str, bandwidth: float) -> tuple[list, dict]:
     rows, tuned = [], {}
     for t in TS:
         xs = [torch.randn(t, h, device=DEVICE, dtype=torch.bfloat16) for _ in range(CALLS)]
-        logits = [torch.randn(t, e, device=DEVICE) for _ in range(CALLS)]
-        routed = [moe.route(z, k, norm) for z in logits]
-        default = triton_moe.small_tiles(t, k, h, inter, torch.cuda.get_device_properties(DEVICE).multi_processor_count)
-        mids = [triton_moe.small_gate_up(xs[i], w13, routed[i][1], default) for i in range(CALLS)]
+        gate = block.gate.weight
+        routed = [moe.route(F.linear(x, gate), k, norm) for x in xs]
+        default = triton_moe_small.small_tiles(t, k, h, inter, torch.cuda.get_device_properties(DEVICE).multi_processor_count)
+        mids = [triton_moe_small.small_gate_up(xs[i], w13, routed[i][1], default) for i in range(CALLS)]
 
-        ids_out = torch.empty(t, k, dtype=torch.int64, device=DEVICE)
-        weights_out = torch.empty(t, k, dtype=torch.float32, device=DEVICE)
+        def route_us(tiles):
+            return per_call_us(lambda i: triton_moe_small.small_route(xs[i], gate, k, norm, tiles))
 
-        def up_us(tiles):                        # with the routing inside, as the block runs it
-            return per_call_us(lambda i: triton_moe.small_gate_up(xs[i], w13, ids_out, tiles,
-                                                                   routing=(logits[i], weights_out, norm)))
+        def up_us(tiles):
+            return per_call_us(lambda i: triton_moe_small.small_gate_up(xs[i], w13, routed[i][1], tiles))
 
         def down_us(tiles):
-            return per_call_us(lambda i: triton_moe.small_down(mids[i], w2, routed[i][0], routed[i][1], tiles))
+            return per_call_us(lambda i: triton_moe_small.small_down(mids[i], w2, routed[i][0], routed[i][1], tiles))
 
+        route_times = [(route_us(c), c) for c in triton_moe_tiles.candidates(default, "route")]
+        route_best, route_tiles = min(route_times, key=lambda r: r[0])
+        route_old = per_call_us(lambda i: triton_moe_small.route(F.linear(xs[i], gate), k, norm))
         up_best, up_tiles = sweep(up_us, default, "up", UP_NK, h, 2)
+        for tiles in triton_moe_tiles.candidates(default, "up"):    # the split-K GEMVs the start-up tuner tries
+            if tiles.up_split > 1:
+                up_best, up_tiles = min((up_best, up_tiles), (up_us(tiles), tiles), key=lambda r: r[0])
         down_best, down_tiles = sweep(down_us, default, "down", DOWN_NK, inter, triton_moe.triton.next_power_of_2(k))
         best = dataclasses.replace(up_tiles, **{f: getattr(down_tiles, f) for f in
-                                                ("down_n", "down_k", "down_warps", "down_unroll")})
+                                                ("down_n", "down_k", "down_warps", "down_unroll")},
+                                   **{f: getattr(route_tiles, f) for f in ("route_r", "route_k")})
+        key = (t, k, h, inter)
+        saved = triton_moe_tiles.TUNED.get(key)
         with torch.no_grad():
+            moe_tune.ENABLED = False             # the table / rule, untimed
             layer_default = per_call_us(lambda i: block(xs[i]))
-            triton_moe.TUNED[(t, k, h, inter)] = best
+            triton_moe_tiles.TUNED[key] = best
             layer_best = per_call_us(lambda i: block(xs[i]))
-            del triton_moe.TUNED[(t, k, h, inter)]
+            if saved is None:
+                del triton_moe_tiles.TUNED[key]
+            else:
+                triton_moe_tiles.TUNED[key] = saved
+            moe_tune.ENABLED = True              # the start-up choice: timed on the first eager call
+            moe_tune.CHOSEN.clear()
+            layer_startup = per_call_us(lambda i: block(xs[i]))
+            startup = next(iter(moe_tune.CHOSEN.values()))
+        print(f"{name} T={t}: start-up choice {startup}; sweep best {best}")
         dense = per_call_us(lambda i: (xs[i] @ dense_a)[:, :inter * k] @ dense_b)
         sorted_path = per_call_us(lambda i: triton_moe.fused_moe(xs[i], w13, w2, *routed[i]))
-        # the path the block runs (routing inside the gate-up launch) on router logits, best tiles
         with torch.no_grad():                   # the whole block (shared expert included) vs its PyTorch path
             fast_block = block(xs[0])
             fused.ENABLED = False
@@ -159,13 +162,15 @@ def run_shape(name: str, bandwidth: float) -> tuple[list, dict]:
             fused.ENABLED = True
         block_err = (fast_block.float() - ref_block.float()).abs().max().item()
         ref = moe.fused_moe_ref(xs[0], w13, w2, *routed[0])
-        got = triton_moe.routed_moe_small(xs[0], logits[0], w13, w2, k, norm, tiles=best)
+        got = triton_moe_small.routed_moe_small(xs[0], gate, w13, w2, k, norm, tiles=best)
         hit = sum(r[1].unique().numel() for r in routed) / CALLS
         weight_bytes = 2 * (hit * 3 * inter * h + e * h + (3 * shared * h + h if shared else 0))
         floor_us = weight_bytes / bandwidth * 1e6
-        rows.append(dict(shape=name, T=t, up_default_us=up_us(default), up_best_us=up_best,
+        rows.append(dict(shape=name, T=t, route_old_us=route_old, route_default_us=route_us(default),
+                         route_best_us=route_best, up_default_us=up_us(default), up_best_us=up_best,
                          down_default_us=down_us(default), down_best_us=down_best,
-                         layer_default_us=layer_default, layer_best_us=layer_best, floor_us=floor_us,
+                         layer_default_us=layer_default, layer_best_us=layer_best, layer_startup_us=layer_startup,
+                         startup=dataclasses.asdict(startup), floor_us=floor_us,
                          floor_share=floor_us / layer_best, dense_same_flops_us=dense, sorted_path_us=sorted_path,
                          err=(got.float() - ref.float()).abs().max().item(), peak=ref.float().abs().max().item(),
                          block_err=block_err, block_peak=ref_block.float().abs().max().item(),
@@ -183,17 +188,19 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     rows, tuned = [], {}
     for name in SHAPES:
-        r, t = run_shape(name, bandwidth)
+        with torch.no_grad():
+            r, t = run_shape(name, bandwidth)
         rows += r
         tuned.update(t)
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; us per call from CUDA graphs")
-    print(f"{'shape':<8} {'T':>2} {'up def':>7} {'up best':>7} {'dn def':>7} {'dn best':>7} {'layer def':>9} "
-          f"{'layer best':>10} {'floor':>6} {'% floor':>7} {'dense':>6} {'sorted':>7} {'err':>8} {'peak':>6} "
+    print(f"{'shape':<8} {'T':>2} {'rt old':>6} {'rt def':>6} {'rt best':>7} {'up def':>7} {'up best':>7} {'dn def':>7} {'dn best':>7} {'layer def':>9} "
+          f"{'layer best':>10} {'startup':>7} {'floor':>6} {'% floor':>7} {'dense':>6} {'sorted':>7} {'err':>8} {'peak':>6} "
           f"{'block err':>9} {'peak':>6}")
     for r in rows:
-        print(f"{r['shape']:<8} {r['T']:>2} {r['up_default_us']:>7.1f} {r['up_best_us']:>7.1f} "
+        print(f"{r['shape']:<8} {r['T']:>2} {r['route_old_us']:>6.1f} {r['route_default_us']:>6.1f} "
+              f"{r['route_best_us']:>7.1f} {r['up_default_us']:>7.1f} {r['up_best_us']:>7.1f} "
               f"{r['down_default_us']:>7.1f} {r['down_best_us']:>7.1f} {r['layer_default_us']:>9.1f} "
-              f"{r['layer_best_us']:>10.1f} {r['floor_us']:>6.1f} {100 * r['floor_share']:>6.0f}% "
+              f"{r['layer_best_us']:>10.1f} {r['layer_startup_us']:>7.1f} {r['floor_us']:>6.1f} {100 * r['floor_share']:>6.0f}% "
               f"{r['dense_same_flops_us']:>6.1f} {r['sorted_path_us']:>7.1f} {r['err']:>8.1e} {r['peak']:>6.2f} "
               f"{r['block_err']:>9.1e} {r['block_peak']:>6.2f}")
     print("\nTUNED = {")

@@ -11,12 +11,13 @@ T = 1, 8, 64, 256, 2048 rows. Per T it prints:
     experts implementation) on the same weights, and of a dense GEMM pair with the same active FLOPs
     (x [T, 2048] @ [2048, 2*768*8] then [T, 768*8] @ [768*8, 2048]) -- the floor to compare against;
   * the weight bytes the step must read (the distinct experts hit) over 4 TB/s: the bandwidth floor.
-Then, at T = 1, 8, 64, the decode path without the sort (`triton_moe.fused_moe_small`, what
+Then, at T = 1, 8, 64, the decode path without the sort (`triton_moe_small.fused_moe_small`, what
 `moe.fused_moe` runs when T*K <= SMALL_PAIRS) beside the sorted one, both from CUDA graphs: its error
 against the reference, its ms with the default tiles (`benchmarks/moe_bench.py` sweeps them), and the
 whole routed layer (router GEMM + routing + experts) with torch's routing and the sorted
-kernels vs `moe.routed_moe` (the small path with the routing inside its gate-up launch) -- each
-beside the bandwidth floor.
+kernels vs `moe.routed_moe` (the small path: router GEMV with its top-k, gate-up, down, in the tiles
+`moe_tune` times on the first call, printed) and its error against the reference on the same
+router logits -- each beside the bandwidth floor.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import json
 
 import torch
 
-from omnistage.layers import moe, triton_moe
+from omnistage.layers import moe, moe_tune, triton_moe, triton_moe_small
 
 H, E, K, I = 2048, 128, 8, 768
 TS = (1, 8, 64, 256, 2048)
@@ -130,14 +131,14 @@ def small_path(w13: torch.Tensor, w2: torch.Tensor) -> None:
     """The decode path's table (see the module docstring)."""
     gate = torch.randn(E, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5
     print(f"\n{'T':>3} {'err':>8} {'peak':>6} {'sorted':>8} {'small':>8} "
-          f"{'layer old':>9} {'layer new':>9} {'bw floor':>8}  (ms, CUDA graphs)")
+          f"{'layer old':>9} {'layer new':>9} {'new err':>8} {'bw floor':>8}  (ms, CUDA graphs)")
     for t in SMALL_TS:
         x = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
         weights, ids = moe.route(x @ gate.T, K, True)
         ref = moe.fused_moe_ref(x, w13, w2, weights, ids)
-        err = (triton_moe.fused_moe_small(x, w13, w2, weights, ids).float() - ref.float()).abs().max().item()
+        err = (triton_moe_small.fused_moe_small(x, w13, w2, weights, ids).float() - ref.float()).abs().max().item()
         ms_sorted = timed(graphed(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids)))
-        ms_small = timed(graphed(lambda: triton_moe.fused_moe_small(x, w13, w2, weights, ids)))
+        ms_small = timed(graphed(lambda: triton_moe_small.fused_moe_small(x, w13, w2, weights, ids)))
 
         def layer_old():
             probs = torch.softmax(x @ gate.T, dim=-1, dtype=torch.float32)
@@ -145,12 +146,16 @@ def small_path(w13: torch.Tensor, w2: torch.Tensor) -> None:
             return triton_moe.fused_moe(x, w13, w2, w / w.sum(dim=-1, keepdim=True), i)
 
         def layer_new():
-            return moe.routed_moe(x, x @ gate.T, w13, w2, K, True)
+            return moe.routed_moe(x, gate, w13, w2, K, True)
 
+        with torch.no_grad():
+            new_err = (layer_new().float() - ref.float()).abs().max().item()
         floor_ms = ids.unique().numel() * 3 * I * H * 2 / 4e12 * 1e3 + E * H * 2 / 4e12 * 1e3
         print(f"{t:>3} {err:>8.1e} {ref.float().abs().max().item():>6.2f} {ms_sorted:>8.3f} {ms_small:>8.3f} "
               f"{timed(graphed(layer_old)):>9.3f} "
-              f"{timed(graphed(layer_new)):>9.3f} {floor_ms:>8.3f}")
+              f"{timed(graphed(layer_new)):>9.3f} {new_err:>8.1e} {floor_ms:>8.3f}")
+    chosen = (f"T bucket {key[1]}: {tiles}" for key, tiles in moe_tune.CHOSEN.items())
+    print("start-up tiles (moe_tune): " + "; ".join(chosen))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,9 @@ the orchestrator's stamps, `RequestMetrics.stage_first_output` / `edge_first_inp
 first output (thinker: first token; talker: first frame; code2wav: first chunk), each edge's first
 piece handed over (e.g. the first thinker rows given to the talker), and the first audio at the
 caller. `--warm-each-level` runs a short untimed round at each level's concurrency first, so the
-difference to a run without it is what first-use shapes (compiles, library plans) cost.
+difference to a run without it is what first-use shapes (compiles, library plans) cost; `--no-warm-round`
+drops even the one 2-stream round after start-up (the first level is then the first requests the stages see;
+`OMNISTAGE_AR_WARMUP=0` also skips the AR stages' start-up warm-up, `ar/warmup.py`).
 """
 
 from __future__ import annotations
@@ -199,11 +201,12 @@ async def concurrent(engine, prompt: dict, n: int, params: list) -> dict[str, An
 
 def bench_ours(path: str, device: str, dtype: str, levels: list[int], thinker_tokens: int,
                talker_codes: int, deploy: Optional[dict] = None, params_for=None,
-               load_format: str = "auto", warm_each_level: bool = False) -> list[dict]:
+               load_format: str = "auto", warm_each_level: bool = False, warm_round: bool = True) -> list[dict]:
     """`params_for(thinker_tokens, talker_codes)`: the stages' params (default: Qwen2.5-Omni's `stage_params`).
     `warm_each_level`: before each level's timed round, a short round at the same concurrency (the
     level's batch shapes seen once: first-use costs such as kernel compiles or library plans leave the
-    timings; without it only a 2-stream round runs first)."""
+    timings; without it only a 2-stream round runs first). `warm_round` False: not even that one, so the
+    first level's requests are the first after start-up."""
     from omnistage.entrypoints.async_omni import AsyncOmni
 
     params_for = params_for or stage_params
@@ -211,7 +214,8 @@ def bench_ours(path: str, device: str, dtype: str, levels: list[int], thinker_to
     try:
         prompt = engine.render_chat(MESSAGES)
         warm = params_for(8, 48)
-        asyncio.run(concurrent(engine, prompt, 2, warm))      # compile / allocate outside the timings
+        if warm_round:
+            asyncio.run(concurrent(engine, prompt, 2, warm))  # compile / allocate outside the timings
         runs = []
         for n in levels:
             if warm_each_level:
@@ -317,6 +321,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     help="thinker's and talker's runner in every layout measured (default: the layout's)")
     ap.add_argument("--warm-each-level", action="store_true",
                     help="a short untimed round at each level's concurrency before its timed one")
+    ap.add_argument("--no-warm-round", action="store_true",
+                    help="no untimed 2-stream round after start-up: the first level's requests are the first ones")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers reference")
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     args = ap.parse_args(argv)
@@ -375,11 +381,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
         ap.error(f"--layouts must list shared, process or inline; got {args.layouts!r}")
     deploys = {layout: {"stage_layout": layout, "stages": stages} for layout in layouts}
     measured = {layout: bench_ours(path, device, dtype, levels, tokens, codes, deploy, params_for, load_format,
-                                   args.warm_each_level)
+                                   args.warm_each_level, not args.no_warm_round)
                 for layout, deploy in deploys.items()}
     res = {"shape": shape, "device": torch.cuda.get_device_name() if device == "cuda" else "CPU",
            "thinker_tokens": tokens, "talker_codes": codes, "deploy_configs": deploys, "layouts": measured,
-           "warm_each_level": args.warm_each_level,
+           "warm_each_level": args.warm_each_level, "warm_round": not args.no_warm_round,
            "ours": measured[layouts[0]],
            "hf": [] if args.skip_hf else [bench_hf(path, device, getattr(torch, dtype), tokens, codes)],
            "floor": (floor(path, tokens, codes, _copy_bandwidth())

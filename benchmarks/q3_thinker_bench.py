@@ -12,7 +12,7 @@ greedy ids (text and image + audio prompts). Per batch size (1 and 64; 128 promp
 tok/s and the floor: every decode step reads the attention, router, norm and lm_head weights and the
 expected number of distinct experts the batch hits (128 * (1 - (1 - 8/128)^B) per layer), at the
 copy bandwidth measured in the same run. Target: bs1 >= 50% of that floor.
-Then a per-kernel profile of bs1 decode steps (torch.profiler, top 15 by self CUDA time), replayed from
+Then the MoE decode tiles `layers.moe_tune` chose at start-up (per T bucket), and a per-kernel profile of bs1 decode steps (torch.profiler, top 15 by self CUDA time), replayed from
 the CUDA graphs as served and once more eager (the graphs set aside), so what is left of a step shows.
 
     PYTHONPATH=$PWD python benchmarks/q3_thinker_bench.py [--work /tmp/q3bench] [--out q3_thinker.json] [--skip-hf]
@@ -223,8 +223,11 @@ def main() -> None:
     tiny = None if args.skip_tiny else check_tiny_on_cuda(args.work)
     bw = copy_bandwidth()
     ours, tables = bench_ours(args.work, batches, args.profile_steps)
+    from omnistage.layers import moe_tune
+    chosen = {f"T bucket {key[1]}, top_k {key[2]}, hidden {key[3]}, width {key[4]}": repr(tiles)
+              for key, tiles in moe_tune.CHOSEN.items()}
     res = {"tiny_cuda_equals_transformers": tiny, "copy_bandwidth_GBs": bw / 1e9, "floor": [floor_tok_s(b, bw) for b in batches],
-           "ours": ours, "profile_bs1": tables}
+           "ours": ours, "profile_bs1": tables, "moe_tiles_chosen": chosen}
     if not args.skip_hf:
         res["transformers"] = bench_hf(args.work, batches)
     if args.out:
@@ -239,6 +242,9 @@ def main() -> None:
         ours, floor = res["ours"][i]["tok_s"], res["floor"][i]["tok_s"]
         hf = f"{res['transformers'][i]['tok_s']:.1f}" if "transformers" in res else "-"
         print(f"| {b} | {ours:.1f} | {hf} | {floor:.0f} | {ours / floor:.0%} |")
+    print("MoE decode tiles chosen at start-up (moe_tune):")
+    for key, tiles in chosen.items():
+        print(f"  {key}: {tiles}")
     for mode, table in tables.items():
         print(f"\nbs1 decode, {args.profile_steps} steps, {mode}: top 15 kernels by self CUDA time\n{table}")
 

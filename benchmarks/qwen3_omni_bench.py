@@ -88,7 +88,7 @@ def stage_params(path: str, thinker_tokens: int, talker_frames: int) -> list:
     from omnistage.models.qwen3_omni.thinker import omni_config
 
     talker = talker_params(omni_config(path))
-    banned = talker["bad_token_ids"] + talker["stop_token_ids"]
+    banned = talker["stop_token_ids"]           # the talker masks the other suppressed ids itself
     return [SamplingParams(max_tokens=thinker_tokens, temperature=0.7, ignore_eos=True, seed=0),
             SamplingParams(max_tokens=talker_frames, temperature=0.9, top_k=50, repetition_penalty=1.05,
                            bad_token_ids=banned, seed=0),

@@ -28,7 +28,7 @@ inherit the variable). `benchmarks/tts_check_cuda.py` checks the two paths give 
     OMNISTAGE_TTS_PREDICTOR_GRAPHS=0 python benchmarks/tts_bench.py --out plain.json
     python benchmarks/tts_bench.py --variant base   # Base: every request clones a 3 s reference (in-context)
     python benchmarks/tts_bench.py --smoke          # the tiny folder on the CPU, 1 and 2 requests
-    python benchmarks/tts_bench.py --smoke --levels 1,8   # ... at 1 and 8
+    python benchmarks/tts_bench.py --smoke --levels 1,8 --layout process   # ... at 1 and 8, stage processes
     # tables of 20 talker and decoder steps at 64 rows (the warm-up round and the round's start skipped):
     OMNISTAGE_TORCH_PROFILER_DIR=/tmp/tts_prof OMNISTAGE_PROFILER_WARMUP=30 python benchmarks/tts_bench.py --levels 64
 """
@@ -147,7 +147,9 @@ async def main_async(args) -> list[dict]:
 
     folder = build(args.work, args.smoke, args.variant)
     device = "cpu" if args.smoke else "cuda"
-    engine = AsyncOmni(folder, device=device, dtype="float32" if args.smoke else "bfloat16", max_num_seqs=64)
+    deploy = {"stage_layout": args.layout} if args.layout else None
+    engine = AsyncOmni(folder, device=device, dtype="float32" if args.smoke else "bfloat16", max_num_seqs=64,
+                       deploy_config=deploy)
     try:
         sizes = tuple(int(n) for n in args.levels.split(",")) if args.levels else (1, 2) if args.smoke else LEVELS
         for n in sizes:                 # warm-up: each size's first round captures its graphs (predictor
@@ -169,6 +171,8 @@ def main() -> None:
     ap.add_argument("--variant", choices=("custom_voice", "base"), default="custom_voice")
     ap.add_argument("--levels", help="concurrent requests per round, comma-separated (default 1,8,32,64; "
                                      "--smoke: 1,2)")
+    ap.add_argument("--layout", choices=("inline", "shared", "process"),
+                    help="a deploy `stage_layout` for every stage (default: the pipeline's: process on a GPU, inline on a CPU)")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.smoke:

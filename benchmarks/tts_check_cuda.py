@@ -9,7 +9,13 @@
      kernels off, no graphs; what the CPU tests run) at 1, 8 and 64 rows (>= 99% of codes equal:
      they differ by float32 sum order only); in bf16 graphs == eager exactly at 1, 8, 32, 64 rows;
      then ms per sampled frame of graphs / eager fused / eager reference (the floor: reading the
-     predictor's weights G-1 times at the measured copy bandwidth).
+     predictor's weights G-1 times at the measured copy bandwidth);
+  3. each decoder stage (the tiny Qwen3-TTS decoder, the tiny Qwen3-Omni code2wav: its subclass) with the
+     pipeline's chunk options, 3 requests of 7, 30 and 61 random frames streamed at once, on cuda with
+     CUDA graphs and with graphs off (padded eager, after the start-up decodes of every shape), equals
+     the CPU's unpadded decode within 1e-4 of the peak (cuDNN TF32 off for it: padding is what it checks).
+  4. the predictor's sampling kernel (layers/triton_sampling.py) == its reference `pick` at 1, 8 and
+     64 rows, and us per call of each under a CUDA graph.
 
 Seeded sampling is not compared with the fixtures here: they hold the CPU generator's draws.
 
@@ -31,7 +37,7 @@ TESTS = os.path.join(HERE, "..", "tests", "models", "qwen3_tts")
 sys.path.insert(0, TESTS)
 sys.path.insert(0, HERE)
 
-from tts_testutil import frames_of, params_of, reference, run_all  # noqa: E402
+from tts_testutil import decode_all, frames_of, params_of, reference, run_all  # noqa: E402
 
 from omnistage.ar.engine import AREngine  # noqa: E402
 from omnistage.config import EngineConfig  # noqa: E402
@@ -125,7 +131,7 @@ class _Paths:
 def _batch(params, n: int, seed: int):
     from omnistage.ar.sampler import SamplingBatch
 
-    return SamplingBatch(params=[params] * n, prompt_ids=[[]] * n, output_ids=[[]] * n,
+    return SamplingBatch(params=[params] * n,
                          generators=[torch.Generator("cuda").manual_seed(seed + i) for i in range(n)])
 
 
@@ -176,8 +182,77 @@ def check_predictor() -> int:
     return bad
 
 
+def check_decoders() -> int:
+    import numpy as np
+
+    from omnistage.models.qwen3_omni.code2wav import Code2WavStage
+    from omnistage.models.qwen3_omni.pipeline import CODE2WAV_OPTIONS
+    from omnistage.models.qwen3_tts.codec import Qwen3TTSDecoderStage
+    from omnistage.models.qwen3_tts.pipeline import DECODER_OPTIONS
+    from omnistage.testing.qwen3_omni import make_tiny_qwen3_omni
+
+    root = tempfile.mkdtemp(prefix="decoder-check-")
+    stages = (("qwen3_tts decoder", Qwen3TTSDecoderStage, make_tiny_qwen3_tts(os.path.join(root, "cv")),
+               DECODER_OPTIONS),
+              ("qwen3_omni code2wav", Code2WavStage, make_tiny_qwen3_omni(os.path.join(root, "omni")), CODE2WAV_OPTIONS))
+    torch.backends.cudnn.allow_tf32 = False
+    bad = 0
+    for name, cls, folder, options in stages:
+        cpu = cls(folder, **options)
+        rng = np.random.default_rng(0)
+        book = int(cpu.decoder.config["codebook_size"])
+        items = {f"r{n}": rng.integers(0, book, (n, cpu.decoder.groups)) for n in (7, 30, 61)}
+        want = decode_all(cpu, items)
+        peak = max(float(np.abs(w).max()) for w in want.values())
+        for graphs in (True, False):
+            stage = cls(folder, device="cuda", cuda_graphs=graphs, **options)
+            got = decode_all(stage, items)
+            same = all(got[k].shape == want[k].shape for k in items)
+            err = max(float(np.abs(got[k] - want[k]).max()) for k in items) / peak if same else float("inf")
+            bad += not err <= 1e-4
+            print(f"{name} cuda_graphs={graphs}: {'equal' if err <= 1e-4 else 'DIFFERENT'} (max error / peak "
+                  f"{err:.1e}; {stage.stats()['decoder_graphed_batches_total']:.0f} of "
+                  f"{stage.stats()['decoder_batches_total']:.0f} batches graphed)")
+    torch.backends.cudnn.allow_tf32 = True
+def check_sampling() -> int:
+    """The code predictor's sampling kernel (`layers/triton_sampling.py`) against its reference
+    `predictor.pick` (torch.topk of the 50 largest + masks) on the same logits and noise: ids equal at
+    1, 8, 64 rows (V = 2048, the 1.7B codebook), top-k 50 with top-p 1.0 and 0.8; then us per call
+    under a CUDA graph (how the frame graph runs them), kernel vs reference."""
+    from omnistage.layers.triton_sampling import pick_top_k_top_p
+    from omnistage.models.qwen3_tts.predictor import pick
+
+    bad = 0
+    g = torch.Generator(device="cuda").manual_seed(0)
+    print("| rows | top-p | ids equal | kernel us | reference us |")
+    print("|---|---|---|---|---|")
+    for n in (1, 8, 64):
+        for top_p in (1.0, 0.8):
+            logits = torch.randn(n, 2048, device="cuda", generator=g) * 3
+            temp = torch.full((n,), 0.9, device="cuda")
+            top_k = torch.full((n,), 50, device="cuda", dtype=torch.long)
+            top_ps = torch.full((n,), top_p, device="cuda")
+            noise = torch.empty(n, 2048, device="cuda").exponential_(generator=g)
+            ref = pick(logits, temp, top_k, top_ps, noise, k_most=50)
+            got = pick_top_k_top_p(logits, temp, top_k, top_ps, noise)
+            equal = bool(torch.equal(got, ref))
+            bad += not equal
+            times = []
+            for fn in (lambda: pick_top_k_top_p(logits, temp, top_k, top_ps, noise),
+                       lambda: pick(logits, temp, top_k, top_ps, noise, k_most=50)):
+                graph = torch.cuda.CUDAGraph()
+                fn()
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph):
+                    for _ in range(15):             # a frame's sub-steps
+                        fn()
+                times.append(1e3 * _time(graph.replay) / 15)
+            print(f"| {n} | {top_p} | {equal} | {times[0]:.1f} | {times[1]:.1f} |")
+    return bad
+
+
 def main() -> int:
-    bad = check_fixtures() + check_predictor()
+    bad = check_fixtures() + check_predictor() + check_decoders() + check_sampling()
     return 1 if bad else 0
 
 

@@ -21,34 +21,17 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 
-
-class Timer:
-    """Wraps callables and sums the process seconds spent in them while `on` (re-entry counted once)."""
-
-    def __init__(self):
-        self.seconds = 0.0
-        self.on = False
-        self.depth = 0
-
-    def wrap(self, fn):
-        def timed(*args, **kwargs):
-            if not self.on or self.depth:
-                return fn(*args, **kwargs)
-            self.depth += 1
-            t = time.process_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds += time.process_time() - t
-                self.depth -= 1
-        return timed
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ar_host_bench import Timer, print_table  # noqa: E402  (the AR host bench's timer and table)
 
 
 def build(folder: str, rows: int, frames: int):
@@ -146,11 +129,9 @@ def main() -> None:
         if args.profile:                        # a run of its own: the profiler slows what it watches
             engine, device = build(folder, levels[-1], args.frames)
             prof = run(engine, device, levels[-1], args.frames, profile=True)["profile"]
-    print(f"\n| rows | decode steps | step ms (CPU) | device ms | sampler ms | host ms | host us / row |")
-    print("|---|---|---|---|---|---|---|")
-    for n, r in results.items():
-        print(f"| {n} | {r['steps']} | {r['step_ms']:.2f} | {r['device_ms']:.2f} | {r['sampler_ms']:.2f} "
-              f"| {r['host_ms']:.2f} | {1e3 * r['host_ms'] / n:.1f} |")
+    print_table(["rows", "decode steps", "step ms (CPU)", "device ms", "sampler ms", "host ms", "host us / row"],
+                [[str(n), str(r["steps"]), f"{r['step_ms']:.2f}", f"{r['device_ms']:.2f}", f"{r['sampler_ms']:.2f}",
+                  f"{r['host_ms']:.2f}", f"{1e3 * r['host_ms'] / n:.1f}"] for n, r in results.items()])
     if args.profile:
         print(f"\ncProfile of the {levels[-1]}-row decode steps, top {args.profile} by own time:")
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)

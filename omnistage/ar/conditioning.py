@@ -159,6 +159,14 @@ class Conditioning:
         e = min(a + adds.shape[1], n)
         adds[:len(self.layer_embeds), :e - a] = self.layer_embeds[:, a:e].to(adds)
 
+    def generated_rows(self, a: int) -> list[Optional[torch.Tensor]]:
+        """The [H] rows added to the token embedding of generated position a (>= prompt_len), as
+        `fill` adds them, in its order: [streamed row or None, frame row or None] (the runner adds a
+        step's one-row decodes in one batched add per slot)."""
+        j = a - self.prompt_len
+        return [self.extra_rows(j, j + 1)[0] if self.stream_extra else None,
+                self.frame_rows[j] if self.frame_feedback else None]
+
     def fill(self, x: torch.Tensor, a: int) -> None:
         """In place on the token embeddings x [k, H] of positions a..a+k-1: prompt rows given as
         embeddings replace theirs, generated rows add their streamed row."""

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from omnistage.ar.sampler import greedy_ids
+from omnistage.ar.staging import ring_for
 from omnistage.layers.attention import AttentionMetadata
 
 
@@ -89,11 +90,15 @@ class CudaGraphs:
         each row's context length, its new token included -- not `pos + 1`: a multimodal rope position
         (M-RoPE) runs behind the token count after an image or audio."""
         b = next(s for s in self.sizes if s >= len(ids))
-        # pinned: the copies below do not wait for queued steps (a fresh block per step from torch's
-        # pinned-memory cache, which keeps it until the copies that read it have run)
+        # pinned: the copies below do not wait for queued steps (the thread's staging ring, ar/staging.py:
+        # no pinned allocation per step)
         w = max(map(len, tables))
-        host = torch.empty(b * (4 + w), dtype=torch.long, pin_memory=True)
-        graph_inputs(host.numpy(), b, self.scratch_slot, ids, pos, slots, tables, ctx)
+        staged = ring_for(self.ids.device).buffer(b * (4 + w), np.int64)
+        if staged is None:
+            host = torch.empty(b * (4 + w), dtype=torch.long, pin_memory=True)
+            staged = host.numpy(), host
+        graph_inputs(staged[0], b, self.scratch_slot, ids, pos, slots, tables, ctx)
+        host = staged[1]
         # torch views (not numpy's): the copies must hold the pinned block itself
         rows, table = host[:4 * b].view(4, b), host[4 * b:].view(b, w)
         self.ids[:b].copy_(rows[0], non_blocking=True)

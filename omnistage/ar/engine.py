@@ -24,7 +24,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from omnistage.ar import warmup
 from omnistage.ar.conditioning import Conditioning
+from omnistage.ar.cuda_graphs import capture_sizes
 from omnistage.ar.detokenizer import IncrementalDetokenizer
 from omnistage.ar.kv_cache import BlockManager
 from omnistage.ar.runner import Launched, ModelRunner, RunnerOutput, kv_block_bytes, profile_step
@@ -110,18 +112,37 @@ class AREngine:
         self._eos = np.array(sorted(self.eos_ids), dtype=np.int64)    # for one `np.isin` per step
         if self.device.type == "cuda" and config.cuda_graphs and tp == 1:   # TP steps run eager
             self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len)
+        if self.device.type == "cuda" and warmup.ENABLED:   # first-use kernel compiles and graphs, now
+            self._warm_up()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    max(config.max_num_batched_tokens, 1))
         self.requests: dict[str, _Request] = {}
         self._compiling: dict[str, Future] = {}  # request id -> its grammar being compiled (not yet scheduled)
         self._steps, self._step_seconds = 0, 0.0   # model steps run, and their time (schedule excluded)
+        self._prefill_steps = 0                 # model steps that computed prompt tokens (a prefill)
         # The step queued on the device whose ids the host has not read yet (async scheduling): its
         # schedule, its launch, and the sequences whose last token is its placeholder (those still running)
         self._pending: Optional[tuple[SchedulerOutput, Launched, set[str]]] = None
         logger.info("AR engine: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
                     type(self.model).__name__, self.device, self.dtype, num_blocks, config.block_size,
                     self.max_model_len)
+
+    def _warm_up(self) -> None:
+        cfg = self.config
+        graphs = self.runner.graphs
+        sizes = graphs.sizes if graphs is not None else capture_sizes(cfg.max_num_seqs)
+        try:
+            done = warmup.warm_up(self.runner, min(cfg.max_num_batched_tokens, 8192), cfg.max_num_seqs, sizes,
+                                  -(-self.max_model_len // cfg.block_size))
+        except torch.cuda.OutOfMemoryError:     # e.g. a frame head at max_num_seqs rows: the stage still serves
+            torch.cuda.empty_cache()
+            logger.warning("AR engine warm-up of %s ran out of memory; first requests at new shapes pay their "
+                           "kernel compiles and graph captures", type(self.model).__name__, exc_info=True)
+            return
+        logger.info("AR engine warm-up: %s, %d prefill lengths (1..%d tokens), %d eager decodes, frame head at %d "
+                    "batch sizes, %.2f s", type(self.model).__name__, len(done.prefill_lengths),
+                    max(done.prefill_lengths), len(done.decodes), len(done.frame_sizes), done.seconds)
 
     # ---- sizing --------------------------------------------------------------------------------
     def _max_len(self) -> int:
@@ -302,7 +323,8 @@ class AREngine:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "prefix_cache_queries": bm.prefix_queries,
                 "prefix_cache_hits": bm.prefix_hits,
-                "steps_total": self._steps, "step_seconds_total": self._step_seconds}
+                "steps_total": self._steps, "prefill_steps_total": self._prefill_steps,
+                "step_seconds_total": self._step_seconds}
 
     def close(self) -> None:
         """Stops the tensor-parallel ranks (nothing to do with one rank)."""
@@ -355,6 +377,7 @@ class AREngine:
             self.scheduler.update(sched, result.sampled)
             outputs += self._step_outputs(sched, result)
         self._steps += 1
+        self._prefill_steps += any(s.start < s.seq.prompt_len for s in sched.scheduled)
         self._step_seconds += time.perf_counter() - started
         return refused + outputs
 
@@ -494,9 +517,8 @@ def _overlappable(seq: Sequence) -> bool:
     """A sequence whose next step may be queued before its last sampled id is on the host. Its input
     rows may carry conditioning (prompt embeddings, multimodal rope, streamed rows: all on the device
     or known on the host before the step) and report hidden states (device tensors, read after the
-    step); penalties take the queued id from the device (`SamplingBatch.pending_ids`). Not: a grammar
-    (its mask needs the last token on the host), logprobs and a frame head (their results are read
-    on the host in the step itself)."""
-    p = seq.params
-    frame_head = seq.cond is not None and seq.cond.frame_feedback
-    return seq.grammar is None and p.logprobs is None and not frame_head
+    step); penalties take the queued id from the device (`TokenCounts.prepare`'s `pending`); a frame head's
+    codes go to the host with the ids and its frame row stays on the device for the next step's input.
+    Not: a grammar (its mask needs the last token on the host) and logprobs (read on the host in the
+    step itself)."""
+    return seq.grammar is None and seq.params.logprobs is None

@@ -53,7 +53,10 @@ class Launched:
     """A step queued on the device; `ModelRunner.collect` waits for it and reads its sampled ids."""
     seqs: list[Sequence]                        # the sequences that sampled, in row order
     tokens: Optional[torch.Tensor] = None       # [S] long on the device: the sampled ids
-    host: Optional[torch.Tensor] = None         # [S] long, pinned: their copy, valid once `event` is done
+    # [S] long (or [S, G] with `framed`: each row's id then its frame codes), pinned: their copy, valid
+    # once `event` is done
+    host: Optional[torch.Tensor] = None
+    framed: bool = False                        # `host` holds frame codes after each id (a frame-head model)
     event: Any = None                           # CUDA event recorded after the copy (None on CPU)
     result: Optional[RunnerOutput] = None       # already on the host (steps with logprobs or no sampling)
     hidden: dict[str, HiddenStates] = field(default_factory=dict)
@@ -103,6 +106,10 @@ class ModelRunner:
         self.ranks = None                       # ar/tensor_parallel.RankGroup: the other TP ranks (None: one rank)
         self.counts: Optional[TokenCounts] = None   # penalized sequences' token counts, made on first use
         self.decode_rows: Optional[DecodeRows] = None   # conditioned decode rows' table, made on first use
+        # pinned host buffers that launched steps' results are copied into, used in turn: the engine
+        # collects a step before it launches the one after next, so a buffer is free when its turn comes
+        self.host_buffers: list[Optional[torch.Tensor]] = [None, None, None]
+        self.host_turn = 0
 
     def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
         from omnistage.ar.cuda_graphs import CudaGraphs
@@ -170,16 +177,27 @@ class ModelRunner:
 
     def _condition(self, x: torch.Tensor, order: list[ScheduledSeq]) -> None:
         """Prompt embeddings, given / streamed rows and frame rows into the step's input rows
-        (ar/conditioning.py): decode rows that `DecodeRows` takes in one gather, the others row by row."""
+        (ar/conditioning.py): decode rows that `DecodeRows` takes in one gather, other one-row decodes
+        of generated positions in one add per kind of row (streamed, then frame: the order and
+        rounding of `Conditioning.fill`), the rest row by row."""
         gathered, row = [], 0
+        adds: tuple[list, list] = ([], [])      # per kind of row: (row of x, the [H] row added there)
         for s in order:
             cond = s.seq.cond
             if cond is not None:
                 if DecodeRows.takes(cond, s.start, s.num_new_tokens):
                     gathered.append((row, s))
+                elif s.num_new_tokens == 1 and s.start >= cond.prompt_len:
+                    for kind, added in zip(adds, cond.generated_rows(s.start)):
+                        if added is not None:
+                            kind.append((row, added))
                 else:
                     cond.fill(x[row:row + s.num_new_tokens], s.start)
             row += s.num_new_tokens
+        for kind in adds:
+            if kind:
+                dst, rows = zip(*kind)
+                x.index_add_(0, self._to_device(list(dst)), torch.stack([r.to(x.dtype) for r in rows]))
         if gathered:
             if self.decode_rows is None:
                 self.decode_rows = DecodeRows(x.shape[1], self.device, x.dtype)
@@ -284,8 +302,6 @@ class ModelRunner:
             batch = SamplingBatch(
                 params=params,
                 generators=[self._generator_for(q) for q in sampling],
-                prompt_ids=[[] for _ in sampling],
-                output_ids=[[] for _ in sampling],
                 banned=banned,
                 token_bitmask=None if bitmask is None else bitmask.to(self.device, non_blocking=True),
                 token_counts=None if slots is None else self.counts.view(slots))
@@ -294,19 +310,30 @@ class ModelRunner:
             if slots is not None:
                 self.counts.add_sampled(sampling, slots, flags, out.token_ids)
             codes = self._frames(sampling, picked, out.token_ids, batch)
-        done = Launched(sampling, tokens=out.token_ids, hidden=reports)
-        if num_logprobs >= 0 or codes is not None:      # frame heads: conditioned rows, never queued ahead
+        done = Launched(sampling, tokens=out.token_ids, hidden=reports, framed=codes is not None)
+        if num_logprobs >= 0:
             done.result = self._to_host(sampling, out, num_logprobs)
             if codes is not None:
                 done.result.codes = dict(zip((q.seq_id for q in sampling), codes.tolist()))
-        elif out.token_ids.is_cuda:
-            done.host = torch.empty(out.token_ids.shape, dtype=out.token_ids.dtype, pin_memory=True)
-            done.host.copy_(out.token_ids, non_blocking=True)
-            done.event = torch.cuda.Event()
-            done.event.record()
-        else:
-            done.host = out.token_ids
+        else:                                   # ids (and frame codes) in one copy, read at `collect`
+            self._copy_to_host(done, out.token_ids if codes is None else torch.cat([out.token_ids[:, None], codes], 1))
         return done
+
+    def _copy_to_host(self, done: Launched, values: torch.Tensor) -> None:
+        """Queue the copy of a step's results into the next pinned host buffer (`done.host`, valid once
+        `done.event` is done); on the CPU `done.host` is `values` itself."""
+        if not values.is_cuda:
+            done.host = values
+            return
+        turn = self.host_turn
+        self.host_turn = (turn + 1) % len(self.host_buffers)
+        buf = self.host_buffers[turn]
+        if buf is None or buf.numel() < values.numel():
+            buf = self.host_buffers[turn] = torch.empty(max(values.numel(), 1024), dtype=torch.long, pin_memory=True)
+        done.host = buf[:values.numel()].view(values.shape)
+        done.host.copy_(values, non_blocking=True)
+        done.event = torch.cuda.Event()
+        done.event.record()
 
     def _pending_ids(self, seqs: list[Sequence], prev: Optional[Launched]) -> Optional[torch.Tensor]:
         """[S] on the device: for each row whose last token is a placeholder, the id `prev` sampled for
@@ -322,16 +349,24 @@ class ModelRunner:
         if step.result is None:
             if step.event is not None:
                 step.event.synchronize()
-            step.result = RunnerOutput(dict(zip((q.seq_id for q in step.seqs), step.host.tolist())), {})
+            rows = step.host.tolist()
+            ids = (q.seq_id for q in step.seqs)
+            if step.framed:
+                step.result = RunnerOutput({i: r[0] for i, r in zip(ids, rows)}, {},
+                                           codes={q.seq_id: r[1:] for q, r in zip(step.seqs, rows)})
+            else:
+                step.result = RunnerOutput(dict(zip(ids, rows)), {})
         step.result.hidden = step.hidden
         return step.result
 
     def _frames(self, seqs: list[Sequence], last: torch.Tensor, token_ids: torch.Tensor,
                 batch: SamplingBatch) -> Optional[torch.Tensor]:
         """A multi-codebook model's frame head (Qwen3-TTS' code predictor): from each sampled row's
-        last hidden state and its sampled code, the frame's other codes [S, G-1] (to the host) and
-        the row its next position adds (kept by the sequence, `Conditioning.add_frame`). None for
-        models without one. The head keeps no state between calls: each frame is its own."""
+        last hidden state and its sampled code, the frame's other codes [S, G-1] (on the device; they
+        go to the host with the ids) and the row its next position adds (kept by the sequence,
+        `Conditioning.add_frame`, and in `DecodeRows`' table: the next step reads it on the device, so
+        it may be queued before this one's codes are read). None for models without one. The head
+        keeps no state between calls: each frame is its own."""
         head = getattr(self.model, "frame_head", None)
         if head is None:
             return None
@@ -342,7 +377,7 @@ class ModelRunner:
             q.cond.add_frame(row)
         if self.decode_rows is not None:
             self.decode_rows.put_frames(seqs, rows)
-        return codes.cpu()
+        return codes
 
     def _to_host(self, seqs: list[Sequence], out: SamplerOutput, num_logprobs: int) -> RunnerOutput:
         if num_logprobs < 0:

@@ -16,15 +16,13 @@ next step already).
 
 from __future__ import annotations
 
-import itertools
-
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 import torch
 
-from omnistage.ar.sequence import PLACEHOLDER
+from omnistage.ar.staging import upload
 from omnistage.params import SamplingParams
 
 
@@ -32,16 +30,12 @@ from omnistage.params import SamplingParams
 class SamplingBatch:
     params: list[SamplingParams]                # one per sampling row
     generators: list[Optional[torch.Generator]]  # per-row generator for seeded rows, else None
-    prompt_ids: list[list[int]]                 # per row (read by penalties; empty when no row has any)
-    output_ids: list[list[int]]                 # per row, generated so far (likewise)
     banned: list[list[int]] = field(default_factory=list)  # per row: ids masked this step (min_tokens)
     # int32 [S, ceil(V / 32)] on the logits' device: bit j of word i set = token 32 i + j allowed; None = no grammar
     token_bitmask: Optional[torch.Tensor] = None
-    # [S] long on the logits' device: per row, the id a PLACEHOLDER ending its output_ids stands for (the
-    # queued step's sample, async scheduling); None when no row's ids end in one
-    pending_ids: Optional[torch.Tensor] = None
     # (prompt_seen [S, V] bool, output_counts [S, V] float32): the rows' ids as the engine keeps them on the
-    # device (ar/token_counts.py); penalties read these instead of prompt_ids / output_ids. None: from the lists
+    # device (ar/token_counts.py, `TokenCounts.view`), which penalties read; needed when a row has
+    # penalties, else None
     token_counts: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
@@ -58,13 +52,11 @@ class SamplerOutput:
 
 
 def to_device(values: list, device: torch.device, dtype=None) -> torch.Tensor:
-    """A host list as a device tensor, copied from pinned memory so the host does not wait for the
-    device's queued work (a copy from pageable memory would). The sampler's per-row values and the
-    runner's step inputs both go this way."""
-    if isinstance(values, np.ndarray):          # torch.tensor(..., pin_memory=True) refuses numpy input
-        host = torch.from_numpy(values) if dtype is None else torch.from_numpy(values).to(dtype)
-        return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
-    return torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    """A host list (or numpy array) as a device tensor, copied from the thread's persistent pinned
+    ring (`ar/staging.py`) so the host neither waits for the device's queued work (a copy from
+    pageable memory would) nor pins memory per call. The sampler's per-row values and the runner's
+    step inputs both go this way."""
+    return upload(values, device, dtype)
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
@@ -79,64 +71,23 @@ def plain_greedy(p: SamplingParams, banned: list[int]) -> bool:
     return p.greedy and not banned and not p.logit_bias and not p.needs_penalties and p.logprobs is None
 
 
-def _histories(b: SamplingBatch, rows: list[int], ids: list[list[int]], dev: torch.device, vocab: int
-               ) -> torch.Tensor:
-    """The given rows' ids (prompt and / or output ids, `ids[k]` for row `rows[k]`) as flat indices
-    row * vocab + id into an [S, vocab] table, on the device in one copy. A PLACEHOLDER ending a row's
-    ids (a queued step's sample the host has not read) is taken from `pending_ids`, device to device."""
-    lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lens.sum()))
-    owner = np.repeat(np.asarray(rows, dtype=np.int64), lens)
-    ends = np.cumsum(lens) - 1
-    held = [k for k, n in enumerate(lens) if n and flat[ends[k]] == PLACEHOLDER]
-    flat[ends[held]] = 0                        # such an entry is row * vocab until its id is added
-    out = to_device(owner * vocab + flat, dev, torch.long)
-    if held:
-        out[to_device(ends[held], dev, torch.long)] += b.pending_ids[to_device([rows[k] for k in held], dev,
-                                                                               torch.long)]
-    return out
-
-
-def _seen(b: SamplingBatch, s: int, v: int, dev: torch.device) -> torch.Tensor:
-    """[S, V] bool: ids in each row's prompt or output (those of rows with a repetition penalty, at least)."""
-    if b.token_counts is not None:
-        prompt_seen, counts = b.token_counts
-        return prompt_seen | (counts > 0)
-    rows = [i for i, p in enumerate(b.params) if p.repetition_penalty != 1]
-    seen = torch.zeros(s * v, dtype=torch.bool, device=dev)
-    seen[_histories(b, rows, [b.prompt_ids[i] + b.output_ids[i] for i in rows], dev, v)] = True
-    return seen.view(s, v)
-
-
-def _output_counts(b: SamplingBatch, s: int, v: int, dev: torch.device) -> torch.Tensor:
-    """[S, V] float32: how often each row generated each id."""
-    if b.token_counts is not None:
-        return b.token_counts[1]
-    rows = [i for i, out in enumerate(b.output_ids) if out]
-    counts = torch.zeros(s * v, device=dev)
-    if rows:
-        at = _histories(b, rows, [b.output_ids[i] for i in rows], dev, v)
-        counts.index_add_(0, at, torch.ones(at.shape[0], dtype=counts.dtype, device=dev))
-    return counts.view(s, v)
-
-
 def _apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Repetition penalty over each row's prompt and output ids, presence / frequency penalties over its
-    output ids: from the engine's device-side counts (`token_counts`), or the rows' histories sent to
-    the device in one copy and landing in one scatter (no per-row launches)."""
-    s, v = logits.shape
+    output ids, from the engine's device-side counts (`token_counts`)."""
+    if b.token_counts is None:
+        raise ValueError("rows with penalties need SamplingBatch.token_counts (ar/token_counts.py)")
+    prompt_seen, counts = b.token_counts
     dev = logits.device
     if any(p.repetition_penalty != 1 for p in b.params):
         rep = to_device([p.repetition_penalty for p in b.params], dev)
         r = rep[:, None]
-        seen = _seen(b, s, v, dev) & (r != 1)   # device counts hold rows of frequency penalties too
+        seen = (prompt_seen | (counts > 0)) & (r != 1)   # the counts hold rows of frequency penalties too
         # a tiny penalty would push a logit to +inf, and softmax to NaN (a masked token could win)
         boosted = (logits / r).clamp(max=torch.finfo(logits.dtype).max)
         logits = torch.where(seen, torch.where(logits > 0, boosted, logits * r), logits)
     if any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in b.params):
         pres = to_device([p.presence_penalty for p in b.params], dev)
         freq = to_device([p.frequency_penalty for p in b.params], dev)
-        counts = _output_counts(b, s, v, dev)
         logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).float()
     return logits
 

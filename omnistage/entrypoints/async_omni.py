@@ -2,11 +2,13 @@
 
 The engine loop runs in a background thread (model forwards block), taking commands from a queue
 between steps (`AddRequest`, `AbortRequest`, `ResetPrefixCache`, `StopEngine`: the event loop's
-messages to that thread) and pushing each request's partial outputs to that request's asyncio queue through
-`loop.call_soon_threadsafe`. `generate` is an async generator of cumulative `RequestOutput`s;
-leaving it early (client gone, task cancelled) aborts the request in the engine. A request that
-fails raises its own typed error (`request_error`): refused input, a run-time failure of that
-request, or `EngineDeadError` when the engine or a stage holding it is down.
+messages to that thread; the requests queued together are handed to the orchestrator together,
+`Orchestrator.add_requests`, so that a stage process prefills them in one step) and pushing each
+request's partial outputs to that request's asyncio queue through `loop.call_soon_threadsafe`.
+`generate` is an async generator of cumulative `RequestOutput`s; leaving it early (client gone,
+task cancelled) aborts the request in the engine. A request that fails raises its own typed error
+(`request_error`): refused input, a run-time failure of that request, or `EngineDeadError` when the
+engine or a stage holding it is down.
 `close` stops the engine thread and ends every request still open with `EngineDeadError`, then
 closes the stages (and their processes); a server drains first (`num_requests` says how many are
 open). A stage that is down (its process restarting) refuses the requests that need it with
@@ -273,19 +275,35 @@ class AsyncOmni:
             except Exception as e:                              # e.g. a stage process is restarting
                 self._resolve(cmd.done, e)
             return True
-        if cmd.request_id not in self._streams:                 # the caller left before we started
-            self._resolve(cmd.accepted, None)
-            return True
-        try:
-            self.orchestrator.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.stage_params,
-                                          cmd.arrival_time, cmd.entry_stage)
-        except StageDeadError as e:                             # a stage it needs is restarting: 503
-            self._resolve(cmd.accepted, EngineDeadError(str(e)))
-        except Exception as e:                                  # bad request: tell only that caller
-            self._resolve(cmd.accepted, e)
-        else:
-            self._resolve(cmd.accepted, None)
-        return True
+        adds, after = [cmd], None
+        while after is None:                # every request queued behind it joins it (one prefill step)
+            try:
+                queued = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(queued, AddRequest):
+                adds.append(queued)
+            else:
+                after = queued
+        self._add(adds)
+        return True if after is None else self._handle(after)
+
+    def _add(self, adds: list[AddRequest]) -> None:
+        """Hands the requests to the orchestrator at once (`Orchestrator.add_requests`) and tells each
+        caller whether its request was taken."""
+        live = []
+        for cmd in adds:
+            if cmd.request_id in self._streams:
+                live.append(cmd)
+            else:                                               # the caller left before we started
+                self._resolve(cmd.accepted, None)
+        errors = self.orchestrator.add_requests([
+            dict(request_id=c.request_id, inputs=c.prompt, params=c.params, stage_params=c.stage_params,
+                 arrival_time=c.arrival_time, entry_stage=c.entry_stage) for c in live])
+        for cmd, e in zip(live, errors):
+            if isinstance(e, StageDeadError):                   # a stage it needs is restarting: 503
+                e = EngineDeadError(str(e))
+            self._resolve(cmd.accepted, e)                      # None, or a bad request: only that caller
 
     @property
     def is_running(self) -> bool:

@@ -40,17 +40,16 @@ class Omni:
         if len(self.orchestrator.spec.stages) == 1:     # its outputs come straight here; only the last is read
             params_list = [p.clone(output_kind="final_only") if isinstance(p, SamplingParams) else p
                            for p in params_list]
-        ids = []
-        try:
-            for prompt, p in zip(prompts, params_list):
-                rid = str(next(self._ids))
-                self.orchestrator.add_request(rid, prompt, p, stage_params=sampling_params_list,
-                                              entry_stage=entry_stage)
-                ids.append(rid)
-        except Exception:
-            for rid in ids:
-                self.orchestrator.abort(rid)
-            raise
+        ids = [str(next(self._ids)) for _ in prompts]
+        errors = self.orchestrator.add_requests([     # together: a stage process prefills them in one step
+            dict(request_id=rid, inputs=prompt, params=p, stage_params=sampling_params_list, entry_stage=entry_stage)
+            for rid, prompt, p in zip(ids, prompts, params_list)])
+        refused = next((e for e in errors if e is not None), None)
+        if refused is not None:                         # one bad prompt: none of them runs
+            for rid, e in zip(ids, errors):
+                if e is None:
+                    self.orchestrator.abort(rid)
+            raise refused
         spec = self.orchestrator.spec
         stepped = (spec.stage(entry_stage) if entry_stage else spec.main_stage).kind == "diffusion"
         return self._run(ids, use_tqdm and (len(ids) > 1 or stepped))

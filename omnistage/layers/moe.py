@@ -9,13 +9,15 @@ In: hidden rows x [T, H] of one engine step. Out: [T, H], the weighted sum of ea
   fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights, topk_ids) -> [T, H]
         on CUDA with Triton: `triton_moe.fused_moe` (rows sorted by expert, one grouped-GEMM launch for
         gate-up with SiLU * up fused, one for down with the routing weight; no host syncs, so CUDA
-        graphs capture it), or at decode sizes (T*K <= `triton_moe.SMALL_PAIRS`) `fused_moe_small`
+        graphs capture it), or at decode sizes (T*K <= `triton_moe_small.SMALL_PAIRS`) `fused_moe_small`
         (no sort: one GEMV program per pair, then one per token summing its K experts); the router is
-        then one Triton launch too (`triton_moe.route`); elsewhere `fused_moe_ref`, the PyTorch reference: the rows sorted by
-        expert and one matmul pair per expert that has rows
-  routed_moe(x, router_logits, w13, w2, top_k, norm_topk_prob) -> [T, H]
-        `route` + `fused_moe`, what the block runs; at decode sizes on CUDA `triton_moe.routed_moe_small`
-        (the routing inside the gate-up launch: two launches for router softmax, top-k and experts)
+        then one Triton launch too (`triton_moe_small.route`); elsewhere `fused_moe_ref`, the PyTorch
+        reference: the rows sorted by expert and one matmul pair per expert that has rows
+  routed_moe(x, gate [E, H], w13, w2, top_k, norm_topk_prob) -> [T, H]
+        the router GEMM, `route` + `fused_moe`, what the block runs; at decode sizes on CUDA
+        `triton_moe_small.routed_moe_small` (three launches: the router GEMV with softmax and top-k in its
+        last program, gate-up, down) in tiles timed on the device at start-up (`moe_tune`); up to
+        `triton_moe_small.ROUTER_ROWS` rows the router is that one launch before the sorted kernels too
   SparseMoeBlock(hidden, num_experts, top_k, moe_intermediate, norm_topk_prob, shared_expert_intermediate=0)
         the module; `load_weights` takes the checkpoint's names relative to the block
         (`experts.{e}.gate_proj|up_proj|down_proj.weight`, `gate.weight`, `shared_expert.*`,
@@ -35,13 +37,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.layers import fused, triton_moe
+from omnistage.layers import fused, moe_tune, triton_gemv, triton_moe, triton_moe_small
+from omnistage.layers.triton_moe_tiles import small_tiles
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights float32 [T, K], expert ids int64 [T, K]); see the module docstring."""
     if fused.use_triton(router_logits) and triton_moe.triton is not None:
-        return triton_moe.route(router_logits, top_k, norm_topk_prob)
+        return triton_moe_small.route(router_logits, top_k, norm_topk_prob)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
@@ -53,25 +56,38 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               topk_ids: torch.Tensor) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] = [gate | up] per expert; w2 [E, H, I]; topk_* [T, K] -> [T, H]."""
     if fused.use_triton(x) and triton_moe.triton is not None:
-        if topk_ids.numel() <= triton_moe.SMALL_PAIRS:   # decode: one GEMV pair, no sort
-            return triton_moe.fused_moe_small(x, w13, w2, topk_weights, topk_ids)
+        if topk_ids.numel() <= triton_moe_small.SMALL_PAIRS:   # decode: one GEMV pair, no sort
+            return triton_moe_small.fused_moe_small(x, w13, w2, topk_weights, topk_ids)
         return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
 
-def routed_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+def routed_moe(x: torch.Tensor, gate: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                norm_topk_prob: bool, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """`route` then `fused_moe`, plus sigmoid(gate) * shared for `shared` = (a shared expert's output
-    [T, H], its gate logits [T, 1]); at decode sizes on CUDA the routing runs inside the experts' first
-    launch and the shared term inside the second (`triton_moe.routed_moe_small`)."""
-    if (fused.use_triton(x) and triton_moe.triton is not None
-            and router_logits.shape[0] * top_k <= triton_moe.SMALL_PAIRS):
-        return triton_moe.routed_moe_small(x, router_logits, w13, w2, top_k, norm_topk_prob, shared=shared)
-    weights, ids = route(router_logits, top_k, norm_topk_prob)
+    """The router (x @ gate^T, gate [E, H]), `route`, then `fused_moe`, plus sigmoid(gate) * shared for
+    `shared` = (a shared expert's output [T, H], its gate logits [T, 1]); at decode sizes on CUDA three
+    launches (`triton_moe_small.routed_moe_small`: the router with its softmax and top-k, gate-up, down with the
+    shared term) in the tiles `moe_tune` measured at start-up."""
+    if _small_path(x, top_k):
+        tiles = moe_tune.tiles_for(x, gate, w13, w2, top_k, norm_topk_prob)
+        return triton_moe_small.routed_moe_small(x, gate, w13, w2, top_k, norm_topk_prob, tiles=tiles, shared=shared)
+    if fused.use_triton(x) and triton_moe.triton is not None and x.shape[0] <= triton_moe_small.ROUTER_ROWS:
+        # the router GEMV with its top-k (one launch, the gate weight re-read from L2 per row) beats
+        # cuBLAS' GEMM + the route launch up to a few dozen rows
+        tiles = small_tiles(x.shape[0], top_k, x.shape[1], w2.shape[2], triton_gemv._num_sms(x.device))
+        weights, ids = triton_moe_small.small_route(x, gate, top_k, norm_topk_prob, tiles)
+    else:
+        weights, ids = route(F.linear(x, gate), top_k, norm_topk_prob)
     out = fused_moe(x, w13, w2, weights, ids)
     if shared is not None:
         out = out + torch.sigmoid(shared[1]) * shared[0]
     return out
+
+
+def _small_path(x: torch.Tensor, top_k: int) -> bool:
+    """Whether rows like `x` take the decode kernels (`triton_moe_small.routed_moe_small`)."""
+    return (fused.use_triton(x) and triton_moe.triton is not None
+            and x.shape[0] * top_k <= triton_moe_small.SMALL_PAIRS)
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -124,12 +140,25 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = SharedExpert(hidden, shared_expert_intermediate) if shared_expert_intermediate else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_expert_intermediate else None
 
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block(norm(x + residual)), x + residual), `norm` an RMSNorm (`weight`, `eps`): what a decoder
+        layer's post-attention norm + MLP do. At decode sizes on CUDA without a shared expert the residual
+        add and the norm run inside the router launch (`triton_moe_small.routed_moe_small(prenorm=)`)."""
+        if self.shared_expert is None and _small_path(x, self.top_k):
+            tiles = moe_tune.tiles_for(x, self.gate.weight, self.w13, self.w2, self.top_k, self.norm_topk_prob)
+            return triton_moe_small.routed_moe_small(x, self.gate.weight, self.w13, self.w2, self.top_k,
+                                                     self.norm_topk_prob, tiles=tiles,
+                                                     prenorm=(residual, norm.weight, norm.eps))
+        normed, h = norm(x, residual)
+        return self(normed), h
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         shared = None
         if self.shared_expert is not None:
             shared = (self.shared_expert(x), self.shared_expert_gate(x))
-        return routed_moe(x, self.gate(x), self.w13, self.w2, self.top_k, self.norm_topk_prob, shared)
+        return routed_moe(x, self.gate.weight, self.w13, self.w2, self.top_k, self.norm_topk_prob, shared)
 
     # ---- loading -------------------------------------------------------------------------------
     def expected_weights(self) -> set[str]:

@@ -1,20 +1,28 @@
 """Triton paged-decode attention for CUDA (one new token per sequence, GQA-aware, split context).
 
-Grid: (sequence, KV head, split). A sequence's context is cut into NSPLIT equal runs of KV blocks
-(the run length follows the real context, read on the device); each program walks its run of the
-block table with an online softmax, serving all query heads of its KV head with tensor-core dots
-(the head group is padded to 16 rows), and writes a partial (max, sum, weighted values) triple; a
-small combine step (one program per sequence and query head, its splits in one vector load) merges
-the runs that exist. NSPLIT depends only on the batch size (enough
+In: q [B, H, D] (one row per sequence), the paged KV cache, block tables and context lengths. Out: [B, H, D].
+Runs in the stage process, inside the decode CUDA graphs.
+
+One launch, grid (sequence, KV head, split). A sequence's context is cut into runs of at least MIN_RUN
+KV blocks, at most NSPLIT of them (the run length follows the real context, read on the device); each
+program walks its run of the block table with an online softmax, serving all query heads of its KV
+head with tensor-core dots (the head group is padded to 16 rows). A context of one run (at most MIN_RUN
+blocks) is finished in its program: the output is stored directly. Longer contexts write a partial
+(max, sum, weighted values) triple per run and take a ticket from a per-(sequence, KV head) counter;
+the program that takes the last ticket merges the runs in run order (deterministic whichever finishes
+last), stores the output and resets the counter to 0 (so a graph replays it as captured). No separate
+combine launch (it cost ~3 us per layer at batch 1). NSPLIT depends only on the batch size (enough
 programs to fill the GPU: a batch-1 decode spreads its context over up to 64 programs, a 256-row
 batch uses 1-2 per sequence), so the grid is static under CUDA graphs while the work per program
-follows the context.
+follows the context; programs past the context's runs exit at once.
 Must give the same result as the SDPA reference path in attention.py.
 """
 
 from __future__ import annotations
 
 import torch
+
+from omnistage.layers import triton_decode
 
 try:
     import triton
@@ -23,15 +31,17 @@ except ImportError:                                  # CPU-only installs
     triton = None
 
 MAX_SPLITS = 64                                      # context splits per (sequence, KV head) at most
+MIN_RUN = 2                                          # KV blocks per split at least (see the module docstring)
 PROGRAMS_PER_SM = 4                                  # programs the split count aims for, per multiprocessor
 _SM_COUNT: dict = {}
 
 
 if triton is not None:
     @triton.jit(do_not_specialize=["stride_bt"])      # the table width changes from step to step
-    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, scale, stride_bt,
-                             H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                             D: tl.constexpr, BS: tl.constexpr, NSPLIT: tl.constexpr, IEEE: tl.constexpr):
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, count_ptr, scale,
+                             stride_bt, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
+                             D: tl.constexpr, BS: tl.constexpr, NSPLIT: tl.constexpr, MIN_RUN: tl.constexpr,
+                             IEEE: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -41,10 +51,12 @@ if triton is not None:
         gmask = g < G
         ctx = tl.load(ctx_ptr + b)
         nblocks = tl.cdiv(ctx, BS)
-        run = tl.cdiv(nblocks, NSPLIT)                   # blocks per split; splits past the context are empty
+        run = tl.cdiv(nblocks, tl.minimum(NSPLIT, tl.cdiv(nblocks, MIN_RUN)))   # blocks per split, >= MIN_RUN
+        used = tl.cdiv(nblocks, run)                     # splits with blocks; the rest exit
+        if sp >= used:
+            return
         first = sp * run
         last = tl.minimum(first + run, nblocks)
-        part_off = ((b * KVH + kh) * NSPLIT + sp) * G_PAD + g
         q = tl.load(q_ptr + b * H * D + (kh * G + g)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         l = tl.zeros([G_PAD], tl.float32)
@@ -69,30 +81,38 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
-        tl.store(m_ptr + part_off, m)
-        tl.store(l_ptr + part_off, l)
-        tl.store(acc_ptr + part_off[:, None] * D + d[None, :], acc)
+        out_off = b * H * D + (kh * G + g)[:, None] * D + d[None, :]
+        if used == 1:                                    # a short context: the whole of it in this program
+            tl.store(out_ptr + out_off, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+        else:
+            base = (b * KVH + kh) * NSPLIT
+            tl.store(m_ptr + (base + sp) * G_PAD + g, m)
+            tl.store(l_ptr + (base + sp) * G_PAD + g, l)
+            tl.store(acc_ptr + ((base + sp) * G_PAD + g)[:, None] * D + d[None, :], acc)
+            tl.debug_barrier()                           # every thread's partials before the ticket
+            ticket = tl.atomic_add(count_ptr + b * KVH + kh, 1, sem="acq_rel")
+            if ticket == used - 1:                       # the last split merges all, in split order
+                _combine(m_ptr, l_ptr, acc_ptr, out_ptr, base, used, out_off, gmask, G_PAD, D, NSPLIT)
+                tl.atomic_xchg(count_ptr + b * KVH + kh, 0)
 
     @triton.jit
-    def _combine_kernel(m_ptr, l_ptr, acc_ptr, ctx_ptr, out_ptr, H: tl.constexpr, KVH: tl.constexpr,
-                        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                        NSPLIT: tl.constexpr):
-        # one program per (sequence, query head): all of its splits in one vector load, no loop
-        b = tl.program_id(0)
-        hq = tl.program_id(1)
-        kh = hq // G
-        gi = hq % G
-        sp = tl.arange(0, NSPLIT)
+    def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, base, used, out_off, gmask, G_PAD: tl.constexpr, D: tl.constexpr,
+                 NSPLIT: tl.constexpr):
+        """The `used` splits' (max, sum, weighted values) of one (sequence, KV head) -> its heads' output."""
+        g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
-        nblocks = tl.cdiv(tl.load(ctx_ptr + b), BS)
-        used = sp < tl.cdiv(nblocks, tl.cdiv(nblocks, NSPLIT))   # splits that got blocks
-        off = ((b * KVH + kh) * NSPLIT + sp) * G_PAD + gi
-        m = tl.load(m_ptr + off, mask=used, other=float("-inf"))
-        w = tl.where(used, tl.exp(m - tl.max(m, axis=0)), 0.0)
-        total = tl.sum(w * tl.load(l_ptr + off, mask=used, other=0.0), axis=0)
-        acc = tl.load(acc_ptr + off[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
-        out = tl.sum(w[:, None] * acc, axis=0) / total
-        tl.store(out_ptr + b * H * D + hq * D + d, out.to(out_ptr.dtype.element_ty))
+        sps = tl.arange(0, NSPLIT)
+        on = (sps < used)[:, None]
+        part = (base + sps)[:, None] * G_PAD + g[None, :]    # [NSPLIT, G_PAD]
+        ms = tl.load(m_ptr + part, mask=on, other=float("-inf"), cache_modifier=".cg")
+        w = tl.where(on, tl.exp(ms - tl.max(ms, axis=0)[None, :]), 0.0)
+        total = tl.sum(w * tl.load(l_ptr + part, mask=on, other=0.0, cache_modifier=".cg"), axis=0)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        for s in range(0, used):
+            ws = tl.sum(tl.where(sps[:, None] == s, w, 0.0), axis=0)
+            a = tl.load(acc_ptr + ((base + s) * G_PAD + g)[:, None] * D + d[None, :], cache_modifier=".cg")
+            acc += ws[:, None] * a
+        tl.store(out_ptr + out_off, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
 def available(q: torch.Tensor, cache: torch.Tensor) -> bool:
@@ -113,8 +133,9 @@ def num_splits(batch: int, kv_heads: int, width: int, device: torch.device) -> i
 
 
 def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                           ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, H, D]; cache [2, blocks, BS, KVH, D]; block_tables [B, W]; ctx_lens [B] -> [B, H, D]."""
+                           ctx_lens: torch.Tensor, scale: float, min_run: int = MIN_RUN) -> torch.Tensor:
+    """q [B, H, D]; cache [2, blocks, BS, KVH, D]; block_tables [B, W]; ctx_lens [B] -> [B, H, D]. `min_run`:
+    KV blocks per split at least (a context of at most that many blocks runs in one program per KV head)."""
     bsz, h, d = q.shape
     kvh, bs = cache.shape[3], cache.shape[2]
     g = h // kvh
@@ -123,10 +144,12 @@ def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: t
     m = torch.empty(bsz, kvh, nsplit, g_pad, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(bsz, kvh, nsplit, g_pad, d, dtype=torch.float32, device=q.device)
-    _paged_decode_kernel[(bsz, kvh, nsplit)](
-        q.contiguous(), cache[0], cache[1], block_tables, ctx_lens, m, l, acc, scale, block_tables.stride(0),
-        H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs, NSPLIT=nsplit, IEEE=q.dtype == torch.float32, num_warps=4)
     out = torch.empty_like(q)
-    _combine_kernel[(bsz, h)](m, l, acc, ctx_lens, out, H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs, NSPLIT=nsplit,
-                                num_warps=4)
+    tickets = triton_decode.counters(cache, q.device)
+    if bsz * kvh > tickets.numel():
+        raise ValueError(f"paged_decode_attention: {bsz} rows x {kvh} KV heads, more than {tickets.numel()} tickets")
+    _paged_decode_kernel[(bsz, kvh, nsplit)](
+        q.contiguous(), cache[0], cache[1], block_tables, ctx_lens, m, l, acc, out, tickets, scale,
+        block_tables.stride(0), H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs, NSPLIT=nsplit, MIN_RUN=min_run,
+        IEEE=q.dtype == torch.float32, num_warps=4)
     return out

@@ -97,6 +97,25 @@ def _build_stage(spec: StageSpec, pipeline: PipelineSpec) -> Any:
     return engine
 
 
+def _enter(stage: Any, items: list[tuple]) -> list[Optional[Exception]]:
+    """Hands new requests, (request_id, inputs, params, arrival_time) each, to their entry stage; per
+    request None, or why the stage refused it. A stage with `add_requests` (a stage process, a
+    replica set) takes them in one message; an in-process engine one by one (all before its next step)."""
+    if hasattr(stage, "add_requests"):
+        try:
+            return stage.add_requests(items)
+        except Exception as e:                  # a failure of the batch as a whole
+            return [e] * len(items)
+    errors: list[Optional[Exception]] = []
+    for item in items:
+        try:
+            stage.add_request(*item)
+            errors.append(None)
+        except Exception as e:                  # a bad request: only it is refused
+            errors.append(e)
+    return errors
+
+
 @dataclass
 class _Route:
     """What the orchestrator tracks for one request."""
@@ -112,6 +131,7 @@ class _Route:
     closed: set[tuple[str, str]] = field(default_factory=set)       # edges whose last piece was sent
     fields: dict[str, Any] = field(default_factory=dict)             # request-level prompt fields (voice, ...)
     inputs: Any = None                                               # what the request entered with
+    request_id: str = ""                                             # the request's id
     memory: dict[tuple[str, str], dict] = field(default_factory=dict)  # (src, dst) -> edge adapter's state
     audio: AudioTiming = field(default_factory=AudioTiming)          # its audio as it leaves the pipeline
     audio_samples: int = 0                                           # audio samples merged so far
@@ -153,7 +173,43 @@ class Orchestrator:
                     stage_params: Optional[list[Any]] = None, arrival_time: Optional[float] = None,
                     entry_stage: Optional[str] = None) -> None:
         """`params` applies to the entry stage (default: the main stage); `stage_params` gives one
-        object per stage (None entries take the stage's defaults)."""
+        object per stage (None entries take the stage's defaults). Raises why it was refused."""
+        [error] = self.add_requests([dict(request_id=request_id, inputs=inputs, params=params,
+                                          stage_params=stage_params, arrival_time=arrival_time,
+                                          entry_stage=entry_stage)])
+        if error is not None:
+            raise error
+
+    def add_requests(self, requests: list[dict[str, Any]]) -> list[Optional[Exception]]:
+        """`add_request(**kwargs)` for each of `requests`; per request None (taken), or why it was
+        refused (each request alone). The requests entering one stage reach it together (a stage
+        process or replica set: `add_requests`, one message), so that the stage takes all of them
+        between the same two steps and prefills them in one step."""
+        errors: list[Optional[Exception]] = [None] * len(requests)
+        by_entry: dict[str, list[tuple[int, _Route]]] = {}   # entry stage -> (place in `requests`, route)
+        taken: set[str] = set()                 # ids in this batch so far
+        for i, kwargs in enumerate(requests):
+            try:
+                if kwargs["request_id"] in taken:
+                    raise ValueError(f"request id {kwargs['request_id']!r} is already in use")
+                route = self._new_route(**kwargs)
+            except Exception as e:              # bad request (or a stage it needs is down): only it is refused
+                errors[i] = e
+                continue
+            taken.add(route.request_id)
+            by_entry.setdefault(route.entry, []).append((i, route))
+        for name, entering in by_entry.items():
+            items = [(r.request_id, r.inputs, r.params[name], r.arrival) for _, r in entering]
+            for (i, route), error in zip(entering, _enter(self.stages[name], items)):
+                errors[i] = error
+                if error is None:
+                    route.started.add(name)
+                    self.routes[route.request_id] = route
+        return errors
+
+    def _new_route(self, request_id: str, inputs: Any, params: Any = None, stage_params: Optional[list[Any]] = None,
+                   arrival_time: Optional[float] = None, entry_stage: Optional[str] = None) -> "_Route":
+        """The request's route, its params per stage checked; raises for a request to refuse."""
         if request_id in self.routes:
             raise ValueError(f"request id {request_id!r} is already in use")
         fields: dict[str, Any] = {}
@@ -190,10 +246,8 @@ class Orchestrator:
             if check is not None and name != entry:
                 check(chosen[name])
         inputs = self._with_upstream_inputs(entry, names, inputs)
-        route = _Route(entry, names, chosen, arrival_time or time.time(), fields=fields, inputs=inputs)
-        self.stages[entry].add_request(request_id, inputs, chosen[entry], route.arrival)
-        route.started.add(entry)
-        self.routes[request_id] = route
+        return _Route(entry, names, chosen, arrival_time or time.time(), fields=fields, inputs=inputs,
+                      request_id=request_id)
 
     def _with_upstream_inputs(self, entry: str, names: list[str], inputs: Any) -> Any:
         """The entry stage's inputs plus what the adapters of the request's edges from it ask for."""

@@ -4,11 +4,13 @@
 In: the stage's `StageSpec` with `engine.num_replicas` = N (and optionally `replica_devices`, one
 device per replica). Out: the replicas' outputs, merged, as if one stage produced them.
 
-* A new request (`add_request`, `submit`) goes to the least-loaded replica that is ready: fewest
-  requests in flight, then fewest prompt tokens in flight (a text prompt counts its characters / 4,
-  an input without a length counts 1), then the replica that took a request longest ago, so that
-  light traffic still spreads. The request then sticks to that replica: its later pieces
-  (`add_input`, streamed edge pieces) and its abort go there only.
+* A new request (`add_request`, `add_requests`, `submit`) goes to the least-loaded replica that is
+  ready: fewest requests in flight, then fewest prompt tokens in flight (a text prompt counts its
+  characters / 4, an input without a length counts 1), then the replica that took a request longest
+  ago, so that light traffic still spreads. Requests added together are placed one by one, the
+  batch's earlier ones counted as in flight, and each replica's share goes to it in one message.
+  The request then sticks to that replica: its later pieces (`add_input`, streamed edge pieces) and
+  its abort go there only.
 * A replica whose process dies fails only the requests it held (its `StageClient` reports them as
   fatal errors: 503) and restarts in the background while the others take every new request; the
   stage refuses work (`unavailable`) only when no replica is ready.
@@ -83,32 +85,48 @@ class ReplicaSet:
         self._tick = itertools.count(1)
 
     # ---- balancing ------------------------------------------------------------------------------
-    def _pick(self) -> int:
-        """The least-loaded ready replica (see the module docstring); when none is ready, the first,
-        whose client refuses the request saying why."""
-        load = [r.in_flight for r in self.replicas]
+    def _pick(self, batch: Optional[list[int]] = None) -> int:
+        """The least-loaded ready replica (see the module docstring; `batch`: requests of the batch
+        being placed that each replica was given already, counted as in flight); when none is ready,
+        the first, whose client refuses the request saying why."""
+        load = [r.in_flight + (batch[i] if batch else 0) for i, r in enumerate(self.replicas)]
         ready = [i for i, r in enumerate(self.replicas) if r.unavailable is None] or [0]
         return min(ready, key=lambda i: (load[i], self.tokens[i], self._last[i]))
 
-    def _assign(self, request_id: str, inputs: Any) -> StageClient:
-        i = self._pick()
+    def _assign(self, request_id: str, inputs: Any, batch: Optional[list[int]] = None) -> int:
+        i = self._pick(batch)
         self.owner[request_id] = i
         self._sizes[request_id] = _size(inputs)
         self.tokens[i] += self._sizes[request_id]
         self.requests[i] += 1
         self._last[i] = next(self._tick)
-        return self.replicas[i]
+        return i
 
     def add_request(self, request_id: str, inputs: Any, params: Any, arrival_time: Optional[float] = None) -> None:
-        replica = self._assign(request_id, inputs)
-        try:
-            replica.add_request(request_id, inputs, params, arrival_time)
-        except BaseException:
-            self._release(request_id)
-            raise
+        [error] = self.add_requests([(request_id, inputs, params, arrival_time)])
+        if error is not None:
+            raise error
+
+    def add_requests(self, requests: list[tuple]) -> list[Optional[Exception]]:
+        """`add_request` for each (request_id, inputs, params, arrival_time): each request placed as
+        one alone would be (the batch's earlier ones counted), then each replica's share sent in one
+        message (`StageClient.add_requests`). Per request: None, or why it was refused."""
+        batch = [0] * len(self.replicas)        # replica -> requests of this batch placed on it
+        shares: dict[int, list[int]] = {}       # replica -> places in `requests`
+        for k, (request_id, inputs, *_) in enumerate(requests):
+            i = self._assign(request_id, inputs, batch)
+            batch[i] += 1
+            shares.setdefault(i, []).append(k)
+        errors: list[Optional[Exception]] = [None] * len(requests)
+        for i, places in shares.items():
+            for k, error in zip(places, self.replicas[i].add_requests([requests[k] for k in places])):
+                errors[k] = error
+                if error is not None:
+                    self._release(requests[k][0])
+        return errors
 
     def submit(self, request_id: str, inputs: Any, params: Any, arrival_time: Optional[float] = None) -> None:
-        self._assign(request_id, inputs).submit(request_id, inputs, params, arrival_time)
+        self.replicas[self._assign(request_id, inputs)].submit(request_id, inputs, params, arrival_time)
 
     def _add_input(self, request_id: str, piece: Any) -> None:
         i = self.owner.get(request_id)

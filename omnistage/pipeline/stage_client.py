@@ -10,7 +10,9 @@ stages; `step()` here only collects what it has produced. `add_request` and the 
 `check_params` and `reset_prefix_cache` are round trips, so a bad request raises here as it would in-process, a
 `ParamError` with its field (check verdicts and results are remembered per params value; checks go
 over their own channel, answered by a thread of the stage process even mid-step, so any thread may
-check: the HTTP routes do it on the event loop); `submit`
+check: the HTTP routes do it on the event loop); `add_requests` is one round trip for a batch of new
+requests (one message: the process takes them all between the same two steps, and a refusal stays
+its request's); `submit`
 (add_request for requests handed on by an upstream stage), `add_input` and `abort` are one-way, so
 the orchestrator never waits for a busy downstream stage; `voices` is read once at start, as are
 what entry points read of a main stage (`max_model_len`, and the `tokenizer`, loaded here from the
@@ -312,8 +314,28 @@ class StageClient:
 
     # ---- StageEngine ----------------------------------------------------------------------------
     def add_request(self, request_id: str, inputs: Any, params: Any, arrival_time: Optional[float] = None) -> None:
-        self._call("add_request", request_id, inputs, params, arrival_time)
-        self._held.add(request_id)
+        [error] = self.add_requests([(request_id, inputs, params, arrival_time)])
+        if error is not None:
+            raise error
+
+    def add_requests(self, requests: list[tuple]) -> list[Optional[Exception]]:
+        """`add_request` for each (request_id, inputs, params, arrival_time), in one message and one
+        reply: the stage process takes all of them between the same two steps, so requests that
+        arrive together are prefilled in one step. Per request: None (taken), why it was refused
+        (each alone: `ParamError`, `ValueError`), or `StageDeadError` for all when the process is
+        down or died before answering (the ones it took are lost with it). One message, not one per
+        request: a process that died between two sends would leave replies awaited for ever on the
+        sockets of its replacement."""
+        try:
+            verdicts = self._call("add_requests", [list(r) for r in requests])
+        except StageDeadError as e:
+            return [e] * len(requests)
+        errors: list[Optional[Exception]] = []
+        for (request_id, *_), verdict in zip(requests, verdicts):
+            errors.append(verdict.exception() if verdict is not None else None)
+            if verdict is None:
+                self._held.add(request_id)
+        return errors
 
     def submit(self, request_id: str, inputs: Any, params: Any, arrival_time: Optional[float] = None) -> None:
         """`add_request` without waiting for the stage process (it may be mid-step): for requests
@@ -524,7 +546,10 @@ def _loop(engine: Any, cmd: Any, out: Any, parent: int, name: str, held: set[str
             if isinstance(msg, StopStage):
                 return
             try:
-                result, error = getattr(engine, msg.method)(*msg.args), None
+                if msg.method == "add_requests":
+                    result, error = _add_all(engine, held, *msg.args), None
+                else:
+                    result, error = getattr(engine, msg.method)(*msg.args), None
                 if msg.method == "add_request":
                     held.add(msg.args[0])
                 elif msg.method == "abort":
@@ -552,6 +577,21 @@ def _loop(engine: Any, cmd: Any, out: Any, parent: int, name: str, held: set[str
             sent += had
             if had and sent % 256 == 0 and "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
                 sys.modules["torch"].cuda.ipc_collect()   # free blocks whose CUDA IPC readers are done
+
+
+def _add_all(engine: Any, held: set[str], requests: list[list]) -> list[Optional[CallError]]:
+    """`engine.add_request(*args)` for each of `requests` (a `StageClient.add_requests` batch); per
+    request None, or why the engine refused it (the others are taken all the same)."""
+    verdicts: list[Optional[CallError]] = []
+    for args in requests:
+        try:
+            engine.add_request(*args)
+        except Exception as e:                  # a bad request: only it is refused
+            verdicts.append(CallError.of(e))
+            continue
+        held.add(args[0])
+        verdicts.append(None)
+    return verdicts
 
 
 def _step_and_send(engine: Any, out: Any, held: set[str], name: str, deltas: DeltaPacker) -> int:

@@ -34,7 +34,8 @@ class CallStage:
     """Run `engine.<method>(*args)` between two steps."""
 
     seq: int                                    # > 0: answer with a `CallReply` of this seq; 0: one-way
-    method: str                                 # a `StageEngine` verb: add_request, add_input, abort, check_params
+    method: str                                 # a `StageEngine` verb: add_request, add_input, abort, check_params;
+                                                # add_requests: args is [[add_request's args] per request]
     args: list                                  # its positional arguments
 
 

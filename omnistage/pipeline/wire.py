@@ -3,7 +3,8 @@
 `encode(obj) -> bytes` / `decode(bytes) -> obj` carry plain data (str, int, float, bool, None, bytes,
 lists, tuples as lists, str-keyed dicts), omnistage dataclasses (`SamplingParams`, `TTSInput`,
 `RequestOutput`, `StageOutput`, the messages of `pipeline.stage_messages`, ...; rebuilt by class
-path, only from the `omnistage` package), numpy arrays, torch tensors and PIL images (a diffusion
+path, only from the `omnistage` package; a field still at its plain or empty-list / dict default
+is left out and made again by the class's `__init__`), numpy arrays, torch tensors and PIL images (a diffusion
 stage's input and output images; video frames are arrays). Runs in both the orchestrator's and the
 stage's process.
 
@@ -118,18 +119,35 @@ def _image_from_wire(obj: dict):
     return image
 
 
-_SHAPES: dict[type, Optional[tuple[str, tuple[str, ...]]]] = {}   # class -> (its path, field names) or None
+_EMPTY = object()                               # a field whose default is an empty list / dict (default_factory)
+# class -> (its path, per field (name, default or _EMPTY or _NO_DEFAULT)) or None
+_SHAPES: dict[type, Optional[tuple[str, tuple[tuple[str, Any], ...]]]] = {}
+_NO_DEFAULT = object()                          # a field that is always sent
 
 
-def _dataclass_shape(cls: type) -> Optional[tuple[str, tuple[str, ...]]]:
-    """A dataclass's class path and field names (looked up once per class: an AR stage sends a few
+def _default_of(f: dataclasses.Field) -> Any:
+    """What a field may be left out of a message as: its plain default (None, a number, a string,
+    a bool), `_EMPTY` for an empty list / dict factory, else `_NO_DEFAULT` (never left out; so are
+    fields that `__init__` does not take: the receiver sets only those it gets)."""
+    if not f.init:
+        return _NO_DEFAULT
+    if f.default is not dataclasses.MISSING and type(f.default) in _PLAIN:
+        return f.default
+    if f.default_factory in (list, dict):
+        return _EMPTY
+    return _NO_DEFAULT
+
+
+def _dataclass_shape(cls: type) -> Optional[tuple[str, tuple[tuple[str, Any], ...]]]:
+    """A dataclass's class path and fields (looked up once per class: an AR stage sends a few
     dataclasses per request per step); None for other classes."""
     try:
         return _SHAPES[cls]
     except KeyError:
         shape = None
         if dataclasses.is_dataclass(cls):
-            shape = (f"{cls.__module__}:{cls.__qualname__}", tuple(f.name for f in dataclasses.fields(cls)))
+            shape = (f"{cls.__module__}:{cls.__qualname__}",
+                     tuple((f.name, _default_of(f)) for f in dataclasses.fields(cls)))
         _SHAPES[cls] = shape
         return shape
 
@@ -139,11 +157,18 @@ def _to_wire(obj: Any, pending: list, inline: bool = False) -> Any:
         return obj
     shape = _dataclass_shape(type(obj))
     if shape is not None:
-        path, names = shape
+        # fields still at their default are left out: the receiver's `__init__` makes them again
+        # (most of an AR stage's per-step output is defaults)
+        path, fields = shape
         wire = {_TYPE: path}
-        for name in names:
+        for name, default in fields:
             value = getattr(obj, name)
-            wire[name] = value if type(value) in _PLAIN else _to_wire(value, pending, inline)
+            kind = type(value)
+            if default is not _NO_DEFAULT and (
+                    (kind is type(default) and value == default) if default is not _EMPTY
+                    else (kind is list or kind is dict) and not value):
+                continue
+            wire[name] = value if kind in _PLAIN else _to_wire(value, pending, inline)
         return wire
     if isinstance(obj, np.ndarray):
         return _array_to_wire(obj, inline)
@@ -159,6 +184,8 @@ def _to_wire(obj: Any, pending: list, inline: bool = False) -> Any:
         return {str(k): v if type(v) in _PLAIN else _to_wire(v, pending, inline) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set, frozenset)):
         if all(type(v) in _PLAIN for v in obj):     # ids, codes: msgpack takes them as they are
+            return obj if isinstance(obj, list) else list(obj)
+        if all(type(v) is list and all(type(u) in _PLAIN for u in v) for v in obj):   # frames of codes
             return obj if isinstance(obj, list) else list(obj)
         return [_to_wire(v, pending, inline) for v in obj]
     raise TypeError(f"{type(obj).__name__} cannot cross a stage-process boundary")

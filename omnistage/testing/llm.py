@@ -206,3 +206,15 @@ def make_tiny_lm(
     model.save_pretrained(save_dir, safe_serialization=True, **save_kwargs)
     tokenizer.save_pretrained(save_dir)
     return save_dir
+
+
+def draw_norms_and_biases(model: torch.nn.Module, norm_range: tuple[float, float], bias_std: float) -> None:
+    """Draws, in place from the global torch RNG, `model`'s norm weights from U(norm_range) and its
+    other 1-D parameters (biases) from N(0, bias_std): a fresh model's ones and zeros would hide a
+    path that applies them wrong (the fused decode kernels' tests and benchmarks)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(*norm_range)
+            elif p.dim() == 1:
+                p.normal_(0, bias_std)

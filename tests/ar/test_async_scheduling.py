@@ -154,6 +154,8 @@ def test_penalties_read_a_queued_token_from_the_device():
     """A row whose output ends in the queued step's placeholder is penalized as if the host had its id."""
     import torch
 
+    from penalty_testutil import counts_of
+
     from omnistage.ar.sampler import SamplingBatch, sample
     from omnistage.ar.sequence import PLACEHOLDER
 
@@ -162,7 +164,8 @@ def test_penalties_read_a_queued_token_from_the_device():
     params = [SamplingParams(temperature=0, repetition_penalty=2.0), SamplingParams(temperature=0, presence_penalty=2.0)]
 
     def pick(outputs, pending=None):
-        batch = SamplingBatch(params, [None, None], [[1, 2], [1, 2]], outputs, pending_ids=pending)
+        batch = SamplingBatch(params, [None, None], token_counts=counts_of(params, [[1, 2], [1, 2]], outputs, 16,
+                                                                         pending))
         return sample(logits.clone(), batch).token_ids.tolist()
 
     known = pick([[3, 5], [3, 5]])

@@ -132,12 +132,13 @@ def test_graph_inputs_pad_a_decode_batch():
     assert buf[16:].reshape(4, 3).tolist() == [[2, 9, 0], [1, 0, 0], [4, 8, 12], [0, 0, 0]]
 
 
-def test_penalties_in_one_scatter_equal_the_per_row_formula():
-    """`sampler._apply_penalties` (every row's history in one copy and one scatter) against the
-    formula applied row by row: repetition over prompt + output ids, presence / frequency over output
-    ids; rows without penalties untouched; a PLACEHOLDER ending a row's output (async scheduling) reads
-    that row's `pending_ids`."""
+def test_penalties_from_the_device_counts_equal_the_per_row_formula():
+    """`sampler._apply_penalties` (from the rows' device-side token counts: uploaded in one copy, each
+    table landing in one scatter) against the formula applied row by row: repetition over prompt +
+    output ids, presence / frequency over output ids; rows without penalties untouched; a PLACEHOLDER
+    ending a row's output (async scheduling) reads that row's queued id from the device."""
     import torch
+    from penalty_testutil import counts_of, penalized
 
     from omnistage.ar.sampler import SamplingBatch, _apply_penalties
     from omnistage.ar.sequence import PLACEHOLDER
@@ -151,16 +152,6 @@ def test_penalties_in_one_scatter_equal_the_per_row_formula():
     prompts = [[1, 2, 2], [3], [4, 5], [6]]
     outputs = [[2, 7, PLACEHOLDER], [8], [], [9, 9, 10, PLACEHOLDER]]
     pending = torch.tensor([7, 0, 0, 3])
-    batch = SamplingBatch(params, [None] * 4, prompts, outputs, pending_ids=pending)
+    batch = SamplingBatch(params, [None] * 4, token_counts=counts_of(params, prompts, outputs, v, pending))
     got = _apply_penalties(logits.clone(), batch)
-
-    want = logits.clone()
-    for i, p in enumerate(params):
-        out = [pending[i].item() if t == PLACEHOLDER else t for t in outputs[i]]
-        if p.repetition_penalty != 1:
-            for t in set(prompts[i] + out):
-                x = want[i, t]
-                want[i, t] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
-        for t in set(out):
-            want[i, t] -= p.frequency_penalty * out.count(t) + p.presence_penalty
-    assert torch.allclose(got, want, atol=1e-6)
+    assert torch.allclose(got, penalized(logits, params, prompts, outputs, pending), atol=1e-6)

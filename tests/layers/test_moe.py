@@ -76,9 +76,9 @@ def test_load_weights_names_what_it_does_not_know():
 
 CHECK = """
 import json, torch
-from omnistage.layers import moe, triton_moe
+from omnistage.layers import fused, moe, triton_moe, triton_moe_small
 torch.manual_seed(0)
-grouped, small, routes = [], [], []
+grouped, small, routes, routers = [], [], [], []
 # float16 for the 16-bit rounding path: the interpreter cannot do bfloat16 dots (see layers/kernel_check.py)
 for t, e, k, h, i, bm, dt in [(5, 8, 2, 64, 32, 16, torch.float32), (23, 4, 3, 40, 24, 16, torch.float32),
                               (9, 8, 2, 64, 32, 16, torch.float16)]:
@@ -87,30 +87,49 @@ for t, e, k, h, i, bm, dt in [(5, 8, 2, 64, 32, 16, torch.float32), (23, 4, 3, 4
     ref = moe.fused_moe_ref(x, w13, w2, w, ids)
     grouped.append(((triton_moe.fused_moe(x, w13, w2, w, ids, block_m=bm).float() - ref.float()).abs().max().item(),
                     ref.float().abs().max().item(), str(dt)))
-# the decode path (no sort) and the one-launch router; H and I not multiples of the tiles
-for t, e, k, h, i, dt in [(1, 8, 2, 64, 32, torch.float32), (5, 8, 3, 40, 24, torch.float32),
+# the decode path (no sort), the one-launch router and the router GEMV with its top-k; H and I not multiples
+# of the tiles, 6 experts (not a multiple of route_r = 4)
+for t, e, k, h, i, dt in [(1, 8, 2, 64, 32, torch.float32), (5, 6, 3, 40, 24, torch.float32),
                           (3, 8, 2, 64, 32, torch.float16)]:
     x, w13, w2 = torch.randn(t, h).to(dt), (torch.randn(e, 2 * i, h) * 0.2).to(dt), (torch.randn(e, h, i) * 0.2).to(dt)
     logits = torch.randn(t, e)
     for norm in (True, False):
         w, ids = moe.route(logits, k, norm)
-        w_k, ids_k = triton_moe.route(logits, k, norm)
+        w_k, ids_k = triton_moe_small.route(logits, k, norm)
         routes.append((torch.equal(ids, ids_k), (w - w_k).abs().max().item()))
     ref = moe.fused_moe_ref(x, w13, w2, w, ids)
     # default tiles, then K steps that leave H and I remainders, narrow column tiles, unrolled K loops
-    tiles_b = triton_moe.SmallTiles(up_n=8, up_k=32, up_unroll=2, down_n=4, down_k=16, down_unroll=2)
-    for tiles in (None, tiles_b):
-        got = triton_moe.fused_moe_small(x, w13, w2, w, ids, tiles=tiles)
+    tiles_b = triton_moe_small.SmallTiles(up_n=8, up_k=32, up_unroll=2, down_n=4, down_k=16, down_unroll=2,
+                                    route_r=4, route_k=16)
+    tiles_c = triton_moe_small.SmallTiles(up_n=8, up_k=16, up_split=2)    # split-K gate-up (H 40: a short slice)
+    for tiles in (None, tiles_b, tiles_c):
+        got = triton_moe_small.fused_moe_small(x, w13, w2, w, ids, tiles=tiles)
         small.append(((got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item(), str(dt)))
-    # the routing inside the gate-up launch (logits in, as the block calls it; w, ids above: norm off)
-    got = triton_moe.routed_moe_small(x, logits, w13, w2, k, False)
-    small.append(((got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item(), str(dt)))
+    # the block's path: router weight in (logits as nn.Linear stores them); the router's and the split
+    # gate-up's tickets were used by the calls before (each launch resets its own)
+    gate = (torch.randn(e, h) * 0.3).to(dt)
+    w, ids = moe.route(torch.nn.functional.linear(x, gate), k, False)
+    ref = moe.fused_moe_ref(x, w13, w2, w, ids)
+    for tiles in (tiles_b, tiles_c):                                # tiles_c: the default router tiles
+        w_k, ids_k = triton_moe_small.small_route(x, gate, k, False, tiles)
+        routers.append((torch.equal(ids, ids_k), (w - w_k).abs().max().item(), str(dt)))
+        got = triton_moe_small.routed_moe_small(x, gate, w13, w2, k, False, tiles=tiles)
+        small.append(((got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item(), str(dt)))
     # with a shared expert's output and gate logit added in the down launch (the talker's block)
     shared = (torch.randn(t, h).to(dt), torch.randn(t, 1).to(dt))
     want = ref + torch.sigmoid(shared[1]) * shared[0]
-    got = triton_moe.routed_moe_small(x, logits, w13, w2, k, False, shared=shared)
+    got = triton_moe_small.routed_moe_small(x, gate, w13, w2, k, False, tiles=tiles_b, shared=shared)
     small.append(((got.float() - want.float()).abs().max().item(), want.float().abs().max().item(), str(dt)))
-print(json.dumps({"grouped": grouped, "small": small, "routes": routes}))
+    # the residual add + RMSNorm inside the router launch (the thinker layer's post-attention norm)
+    res, nw = torch.randn(t, h).to(dt), (1 + 0.1 * torch.randn(h)).to(dt)
+    hsum = x + res
+    normed = fused.rms_norm_ref(hsum, nw, 1e-6)
+    w, ids = moe.route(torch.nn.functional.linear(normed, gate), k, False)
+    want = moe.fused_moe_ref(normed, w13, w2, w, ids)
+    got, got_h = triton_moe_small.routed_moe_small(x, gate, w13, w2, k, False, tiles=tiles_b, prenorm=(res, nw, 1e-6))
+    small.append(((got.float() - want.float()).abs().max().item(), want.float().abs().max().item(), str(dt)))
+    small.append(((got_h.float() - hsum.float()).abs().max().item(), hsum.float().abs().max().item(), str(dt)))
+print(json.dumps({"grouped": grouped, "small": small, "routes": routes, "routers": routers}))
 """
 
 
@@ -130,11 +149,35 @@ def test_triton_fused_moe_equals_reference_in_the_interpreter(interpreted):
 def test_small_t_moe_and_router_equal_reference_in_the_interpreter(interpreted):
     """The decode path (T*K <= SMALL_PAIRS): float32 to rounding of sums; 16-bit within 4e-3 of the
     peak (the K slots are summed in float32, the reference adds them in the model dtype)."""
-    assert len(interpreted["small"]) == 12
+    assert len(interpreted["small"]) == 24
     for err, peak, dtype in interpreted["small"]:
         assert err <= (1e-5 if dtype == "torch.float32" else 4e-3) * peak, (err, peak, dtype)
     for same_ids, err in interpreted["routes"]:
         assert same_ids and err <= 1e-6
+    # the router GEMV + top-k: the experts of the reference's logits; weights to float32 rounding, or within
+    # a few float16 steps (its logits are rounded once from float32 sums, the CPU reference's may differ by one)
+    assert len(interpreted["routers"]) == 6
+    for same_ids, err, dtype in interpreted["routers"]:
+        assert same_ids and err <= (1e-6 if dtype == "torch.float32" else 4e-3), (err, dtype)
+
+
+def test_talker_block_with_its_shared_inputs_merged_equals_the_unmerged_one():
+    """The talker block's shared-expert gate | up and its sigmoid gate read the same rows: merged into one
+    GEMM (`layers.merged_linear.merge_linears`, what the talker's loader does) the block's output stays."""
+    from omnistage.layers.merged_linear import LinearPart, merge_linears
+
+    torch.manual_seed(0)
+    block = moe.SparseMoeBlock(24, 8, 2, 16, False, 40)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(5, 24)
+    with torch.no_grad():
+        want = block(x)
+        assert merge_linears(block, ("shared_expert.gate_up_proj", "shared_expert_gate"))
+        assert isinstance(block.shared_expert_gate, LinearPart)
+        got = block(x)
+    assert torch.allclose(got, want, atol=1e-6 * want.abs().max().item()), (got - want).abs().max()
+    assert block.shared_expert.gate_up_proj.group.gemms == 1
 
 
 def test_align_pads_each_expert_to_the_block():

@@ -16,6 +16,7 @@ from omnistage.layers import triton_decode as td
 from omnistage.layers.attention import AttentionMetadata
 from omnistage.layers.fp8_linear import quantize_rows
 from omnistage.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from omnistage.testing.llm import draw_norms_and_biases
 
 torch.manual_seed(0)
 out = {"gemv": [], "layers": [], "opt_in": not td.ENABLED}     # off unless OMNISTAGE_DECODE_KERNELS=1
@@ -91,12 +92,7 @@ for cls, cfgc, m, dt, fp8 in [(Qwen2ForCausalLM, Qwen2Config, 1, torch.float16, 
     cfg = cfgc(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                num_hidden_layers=2, vocab_size=100)
     model = cls(cfg, 64)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif p.dim() == 1:
-                p.normal_(0, 0.1)
+    draw_norms_and_biases(model, (0.5, 1.5), 0.1)
     if fp8:
         model.quantize_fp8()
     model = model.to(dt)

@@ -237,12 +237,16 @@ def test_adapter_streams_rows_as_the_thinker_computes_them(folder, run):
         adapter(thinker_output(run, prompt_len, n, True), EdgeContext({"voice": "nobody"}, None, {}))
 
 
-def _decode(folder, items: dict[str, np.ndarray], **options) -> dict[str, np.ndarray]:
+def _decode(folder, items: dict[str, np.ndarray], pad_shapes=None, **options) -> dict[str, np.ndarray]:
+    """`pad_shapes`: (batch buckets, frame lengths) every batch is padded to, as on CUDA (run eagerly here)."""
     from omnistage.codec.engine import CodecEngine
     from omnistage.models.qwen3_omni.code2wav import Code2WavStage
     from omnistage.models.qwen3_tts.codec import FramesInput
 
-    engine = CodecEngine(Code2WavStage(folder, **options))
+    stage = Code2WavStage(folder, **options)
+    if pad_shapes is not None:
+        (stage.buckets, stage.windows), stage.padded = pad_shapes, True
+    engine = CodecEngine(stage)
     for rid, codes in items.items():
         engine.add_request(rid, FramesInput(codes.T.tolist(), finished=True))
     audio, chunks = {}, {rid: 0 for rid in items}
@@ -267,11 +271,18 @@ def test_code2wav_whole_and_streamed_equal_transformers(folder, ref, run):
         short = ref.code2wav(torch.as_tensor(b[:, :7])[None]).reshape(-1).numpy()
     assert streamed["b"].shape == short.shape
     np.testing.assert_allclose(streamed["b"], short, atol=WAV_ATOL)
+    # padded as on CUDA (2 rows -> 4; windows of 1..29 frames -> 4 or 30): the real samples do not change
+    padded = _decode(folder, {"a": a, "b": b[:, :7]}, pad_shapes=([1, 4], [4, 30]), first_chunk_frames=2,
+                     chunk_frames=3, left_context_frames=25)
+    for k in ("a", "b"):
+        assert padded[k].shape == streamed[k].shape
+        np.testing.assert_allclose(padded[k], streamed[k], atol=1e-5)
 
 
 def test_code2wav_chunks_grow_from_a_small_first_one_and_pad_to_few_windows(folder):
     """The pipeline's code2wav options: chunks of 2, 2, 4, 8, 16 frames (each as long as the audio so
-    far), then 24; every decode window is padded to the longest of its place in that schedule."""
+    far), then 24; on CUDA every decode window is padded to the longest of its place in that schedule
+    (and its rows to a batch bucket)."""
     from omnistage.models.qwen3_omni.code2wav import Code2WavStage
     from omnistage.models.qwen3_omni.pipeline import CODE2WAV_OPTIONS
     from omnistage.models.qwen3_tts.codec import DecoderState
@@ -286,4 +297,37 @@ def test_code2wav_chunks_grow_from_a_small_first_one_and_pad_to_few_windows(fold
     assert sizes[:7] == [2, 2, 4, 8, 16, 24, 24]
     ahead = stage.decoder.look_ahead
     assert stage.windows == [w + ahead for w in (2, 2 + 2, 4 + 4, 8 + 8, 16 + 16, 25 + 24)]
-    assert stage.window_frames(29 + ahead) == 32 + ahead and stage.window_frames(80) == 80
+    assert stage.padded_shape(3, 29 + ahead) == (4, 32 + ahead) and stage.padded_shape(1, 80) == (1, 80)
+
+
+def test_start_up_warm_up_leaves_the_talker_codes_equal_transformers(folder, ref, run):
+    """The warm-up a CUDA engine runs at start-up (`ar/warmup.py`: prefills of each launch-shape class,
+    eager decodes, the frame head at every decode batch size), run here on the CPU engine: it writes no request's
+    state, so the codes after it still equal transformers'."""
+    from omnistage.ar.warmup import warm_up
+
+    engine = talker_engine(folder)
+    done = warm_up(engine.runner, 40, 4, [1, 2, 3, 4], 3)
+    assert done.prefill_lengths == [1, 2, 3, 4, 5, 6, 7, 8, 16, 17, 18]
+    assert done.decodes == [(b, w) for b in (1, 2, 4) for w in (1, 2, 3)]
+    assert done.frame_sizes == [1, 2, 3, 4]
+    frames = talk(engine, {"Ethan": adapter_input(folder, run, "Ethan")}, greedy(ref))
+    want = run["codes"]
+    np.testing.assert_array_equal(frames["Ethan"][:, :want.shape[1]], want)
+
+
+def test_talker_logits_mask_the_ids_transformers_suppresses(folder, ref):
+    """vocab - 1024 .. vocab but codec eos are -inf in the talker's own logits (so its params need no
+    per-row bad_token_ids); every other id keeps its logit."""
+    from omnistage.models.qwen3_omni.pipeline import talker_params
+
+    engine = talker_engine(folder)
+    talker = ref.config.talker_config
+    vocab, eos = talker.text_config.vocab_size, talker.codec_eos_token_id
+    model = engine.runner.model
+    logits = model.compute_logits(torch.randn(3, model.embed_tokens.weight.shape[1]))
+    banned = torch.zeros(vocab, dtype=torch.bool)
+    banned[vocab - 1024:] = True
+    banned[eos] = False
+    assert torch.isinf(logits[:, banned]).all() and torch.isfinite(logits[:, ~banned]).all()
+    assert "bad_token_ids" not in talker_params(ref.config)

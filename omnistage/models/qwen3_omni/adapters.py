@@ -78,6 +78,7 @@ class TalkerConstants:
     codec_pad_id: int                           # the talker prompt's token ids (bookkeeping; never sampled)
     default_voice: str                          # used when a request names no voice
     _moved: dict = field(default_factory=dict, repr=False)   # device -> constants there
+    _act: Any = field(default=None, repr=False)   # the activation module, made on first use
 
     def on(self, device: torch.device) -> dict[str, Any]:
         key = str(device)
@@ -90,9 +91,11 @@ class TalkerConstants:
         return self._moved[key]
 
     def _mlp(self, x: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
-        from transformers.activations import ACT2FN
+        if self._act is None:                   # ACT2FN makes a new module per lookup: once, not per row
+            from transformers.activations import ACT2FN
 
-        return F.linear(ACT2FN[self.act](F.linear(x.float(), w[0], w[1])), w[2], w[3])
+            self._act = ACT2FN[self.act]
+        return F.linear(self._act(F.linear(x.float(), w[0], w[1])), w[2], w[3])
 
     def project(self, x: torch.Tensor, which: str = "text") -> torch.Tensor:
         """TP(x) ("text") or HP(x) ("hidden") of thinker-width rows [k, thinker hidden], float32."""

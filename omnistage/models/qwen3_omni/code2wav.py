@@ -12,9 +12,8 @@ runs on that code with two differences, declared here:
 Weights: the checkpoint's `code2wav.*` tensors, config.json `code2wav_config`; decoded in float32.
 Streaming, batching and chunk sizes are the Qwen3-TTS decoder stage's (`Qwen3TTSDecoderStage`): a
 small first chunk, then larger ones, each with left context and one frame of look-ahead, batched
-across requests with right padding, in its growing chunk schedule (`chunk_frames_next`). Here every
-decode is also padded to the longest window of its place in that schedule (`windows`) when it runs
-eagerly, each decoded once per batch size at start-up on a GPU, so no request waits for a first-use shape.
+across requests with right padding, in its growing chunk schedule (`chunk_frames_next`), padded on a GPU
+to the longest window of its place in that schedule (`windows`), each shape met at start-up.
 """
 
 from __future__ import annotations
@@ -74,22 +73,6 @@ class Code2WavStage(Qwen3TTSDecoderStage):
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
             speakers = json.load(f)["talker_config"].get("speaker_id") or {}
         self.speakers = sorted(name.lower() for name in speakers)
-        if torch.device(device).type == "cuda" and self.graphs is None:
-            self._warm_up()                         # with graphs, their capture met every shape already
-
-    def window_frames(self, longest: int) -> int:
-        """The smallest of `windows` that holds `longest` frames: a GPU then sees a few decode shapes
-        only, each first met at start-up (`_warm_up`), not by a waiting listener (a new conv shape costs
-        a library plan / kernel selection on its first call)."""
-        return next((w for w in self.windows if w >= longest), longest)
-
-    def _warm_up(self) -> None:
-        """One decode of every window length at every batch size up to `max_batch` (zero codes); the
-        activations' memory goes back to the device after (stages sharing the GPU plan on what is free)."""
-        for rows in range(1, self.max_batch + 1):
-            for frames in self.windows:
-                self.decoder(torch.zeros(rows, self.decoder.groups, frames, dtype=torch.long))
-        torch.cuda.empty_cache()
 
     def voices(self) -> list[dict[str, Any]]:
         # any_case: the talker looks speakers up lowercased, so "Ethan" names "ethan" (HTTP checks agree)

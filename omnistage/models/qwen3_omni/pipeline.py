@@ -54,11 +54,11 @@ CODE2WAV_OPTIONS = {"first_chunk_frames": 2, "chunk_frames": 24, "left_context_f
 
 def talker_params(config) -> dict[str, Any]:
     """transformers' talker `generate` defaults (`Qwen3OmniMoeForConditionalGeneration.generate`)
-    as `SamplingParams` fields: ids from vocab - 1024 up are never sampled, except codec eos."""
-    talker = config.talker_config
-    vocab, eos = talker.text_config.vocab_size, talker.codec_eos_token_id
+    as `SamplingParams` fields (the ids it suppresses, vocab - 1024 up but codec eos, the talker
+    model masks itself: `Qwen3OmniTalker.compute_logits`)."""
+    eos = config.talker_config.codec_eos_token_id
     return {"temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05, "stop_token_ids": [eos],
-            "bad_token_ids": [i for i in range(max(0, vocab - 1024), vocab) if i != eos], "max_tokens": 4096}
+            "max_tokens": 4096}
 
 
 def has_audio_output(model_dir: str) -> bool:

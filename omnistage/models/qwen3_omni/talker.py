@@ -17,7 +17,9 @@ None, {codec eos})`:
     sampling for every sampled row at once, it predicts codebooks 1..G-1 from the row's last
     hidden state and its code 0 (G-1 small AR steps over a KV cache made for that frame alone) and
     returns the row the token's own position adds (the sum of their embeddings), as transformers'
-    `Qwen3OmniMoeTalkerForConditionalGeneration.prepare_inputs_for_generation` does.
+    `Qwen3OmniMoeTalkerForConditionalGeneration.prepare_inputs_for_generation` does;
+  * `compute_logits` masks the ids transformers' talker never samples (vocab - 1024 up, but codec eos),
+    and each layer's shared-expert gate | up and shared gate run as one GEMM (`merge_moe_inputs`).
 
 The talker's prompt rows and its streamed text rows come from the thinker through the
 `qwen3_omni.thinker_to_talker` adapter (`adapters.py`), which owns the text / hidden projections.
@@ -29,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from omnistage.layers.merged_linear import merge_linears
 from omnistage.models import dummy
 from omnistage.models.qwen3_omni.thinker import (MoeDecoderLayer, Qwen3MoeForCausalLM, interleaved_mrope, omni_config,
                                                  read_tensors)
@@ -64,6 +67,27 @@ class Qwen3OmniTalker(Qwen3MoeForCausalLM):
         for i in range(config.num_hidden_layers):
             self.layers[i] = MoeDecoderLayer(config, shared)
         self.frame_head: Optional[FramePredictor] = None
+        self.suppressed: Optional[torch.Tensor] = None   # [V] bool: ids never sampled (`suppress`)
+
+    def suppress(self, eos: int) -> None:
+        """The ids from vocab - 1024 up but codec eos are never sampled (transformers' talker `generate`
+        suppresses them): masked in `compute_logits`, once per step on the device (inside the decode
+        graphs), rather than as 1023 `bad_token_ids` of every row that the sampler uploads each step."""
+        vocab = self.config.vocab_size
+        mask = torch.zeros(vocab, dtype=torch.bool, device=self.embed_tokens.weight.device)
+        mask[max(0, vocab - 1024):] = True
+        mask[eos] = False
+        self.suppressed = mask
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        return logits if self.suppressed is None else logits.masked_fill(self.suppressed, float("-inf"))
+
+    def merge_moe_inputs(self) -> None:
+        """Each layer's shared-expert gate | up and its sigmoid gate read the same rows: one GEMM
+        (`layers.merged_linear`; under fp8 that GEMM stays in the model dtype)."""
+        for layer in self.layers:
+            merge_linears(layer.mlp, ("shared_expert.gate_up_proj", "shared_expert_gate"))
 
 
 def load_talker(model_dir: str, device: torch.device, dtype: torch.dtype, max_positions: Optional[int]):
@@ -83,6 +107,8 @@ def load_talker(model_dir: str, device: torch.device, dtype: torch.dtype, max_po
                    ("lm_head.weight", tensors["codec_head.weight"])]
         decoder += [(k, v) for k, v in tensors.items() if k.startswith(("model.layers.", "model.norm."))]
         model.load_weights(decoder)
+    model.merge_moe_inputs()
+    model.suppress(int(talker.codec_eos_token_id))
     model.rotary.build(device)
     predictor = CodePredictor(predictor_config(talker), config.hidden_size)
     predictor.load({k[len("code_predictor."):]: v for k, v in tensors.items() if k.startswith("code_predictor.")})

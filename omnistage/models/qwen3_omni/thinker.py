@@ -10,7 +10,9 @@ reads); logits through the thinker's own `lm_head`.
 
 The decoder is `models.llama`'s Qwen3 structure (GQA attention with per-head q/k RMSNorm and the
 config's `head_dim`, fused residual norms) with `layers.moe.SparseMoeBlock` as the MLP of every layer
-transformers makes sparse (`decoder_sparse_step`, `mlp_only_layers`); the others keep the dense MLP.
+transformers makes sparse (`decoder_sparse_step`, `mlp_only_layers`); the others keep the dense MLP. A
+MoE layer hands its post-attention residual add + RMSNorm to the block (`forward_normed`: at decode sizes
+on CUDA inside the router launch, one launch fewer per layer).
 Rope is Qwen3-Omni's interleaved MRoPE (`mrope_interleaved`; transformers always interleaves here).
 Weights: `thinker.model.*` (experts one by one, or fused as transformers holds them in memory) and
 `thinker.lm_head.weight`; the audio and vision towers are the chat renderer's (`processor.py`). A
@@ -28,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from omnistage.layers import triton_decode
 from omnistage.layers.attention import AttentionMetadata
 from omnistage.layers.moe import SparseMoeBlock
 from omnistage.models.llama import DecoderLayer, Qwen3ForCausalLM
@@ -53,6 +56,19 @@ class MoeDecoderLayer(DecoderLayer):
         self.mlp = SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                                   config.moe_intermediate_size, bool(config.norm_topk_prob),
                                   shared_expert_intermediate)
+
+    def forward(self, x, residual, rope, meta):
+        """`DecoderLayer.forward`, the post-attention residual add + RMSNorm handed to the MoE block
+        (`SparseMoeBlock.forward_normed`: at decode sizes on CUDA inside its router launch). With the
+        fused decode kernels on, the attention half is theirs (`DecoderLayer.forward`)."""
+        attn = self.self_attn
+        if triton_decode.serves(x, attn.qkv_proj, attn.o_proj):
+            return super().forward(x, residual, rope, meta)
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        return self.mlp.forward_normed(attn(h, rope, meta), residual, self.post_attention_layernorm)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):

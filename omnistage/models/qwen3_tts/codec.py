@@ -15,10 +15,11 @@ windows are padded on the right (the decoder is causal, so padding never reaches
 samples). A decoder that looks ahead (`SpeechDecoder.look_ahead`: Qwen3-Omni's code2wav, whose stage
 subclasses this stage) also needs that many frames after the chunk, decoded and cut off too, until
 the input is done; the last chunk then ends where the whole decode ends (`tail_loss`).
-On CUDA (`cuda_graphs`, the engine's setting) each batch replays a CUDA graph captured at start-up for
-its (batch bucket, window length), the window lengths those of the schedule (`windows`: the longest
-window of each of its places, with the stage's first chunk): the decoder is hundreds of small convolutions and norms, launch-bound
-at a first chunk's few frames. Out (through the engine): float32 mono at 24 kHz, chunk by chunk; `prompt_token_ids`
+On CUDA each batch is padded to its (batch bucket, window length), the window lengths those of the
+schedule (`windows`: the longest window of each of its places, with the stage's first chunk), and
+every such shape is met at start-up: with `cuda_graphs` (the engine's setting) captured, and each
+batch replays its graph (the decoder is hundreds of small convolutions and norms, launch-bound at a
+first chunk's few frames), else decoded once, so no request waits for a first-use shape. Out (through the engine): float32 mono at 24 kHz, chunk by chunk; `prompt_token_ids`
 are the group-0 codes decoded so far.
 """
 
@@ -109,26 +110,35 @@ class Qwen3TTSDecoderStage:
         self.first_chunk, self.chunk, self.context = first_chunk_frames, chunk_frames, left_context_frames
         self.max_batch = max_batch
         self.windows = self.schedule_windows()  # the longest window of each place of the chunk schedule
+        self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch] + [max_batch]  # batch sizes padded to
+        # On CUDA every decode is padded to the smallest (bucket, window) that holds it (`padded_shape`: empty
+        # rows below, frames on the right; causal, so the real samples do not change), and each of those shapes
+        # is met here at start-up (`_warm_up`): captured as a CUDA graph with `cuda_graphs`, else decoded once
+        # (a new conv shape costs a library plan / kernel selection on its first call), so no listener waits for
+        # a first-use shape. A window past the longest (a request's own longer first chunk) runs eagerly at its
+        # length. On the CPU decodes run unpadded.
+        self.padded = self.decoder.device.type == "cuda"
+        self.graphs: Optional[GraphCache] = None
+        if self.padded and cuda_graphs:
+            self.graphs = GraphCache(max_graphs=len(self.buckets) * len(self.windows))
         self._batches = 0
         self._graphed = 0
-        # Every window a step decodes fits one of `windows` (a request with its own first chunk may need a
-        # longer, eager one): on CUDA each (batch bucket, length) replays as a CUDA graph, captured here. A batch is padded up to the next bucket with empty rows and its frames on the right
-        # to the next length (causal: the real samples do not change). `graph_shapes` None: eager, unpadded.
-        self.graph_shapes: Optional[tuple[list[int], list[int]]] = None
-        self.graphs: Optional[GraphCache] = None
-        self.capture_seconds = 0.0
-        if cuda_graphs and self.decoder.device.type == "cuda":
-            buckets = [b for b in (1, 2, 4, 8, 16, 32, 64) if b < max_batch] + [max_batch]
-            lengths = self.windows
-            self.graph_shapes = (buckets, lengths)
-            self.graphs = GraphCache(max_graphs=len(buckets) * len(lengths))
-            start = time.perf_counter()
-            for b in buckets:
-                for t in lengths:
-                    self._run(torch.zeros(b, self.decoder.groups, t, dtype=torch.long))
-            self.capture_seconds = time.perf_counter() - start
-            logger.info("decoder: captured %d graphs (batches %s x frames %s) in %.1f s",
-                        self.graphs.captures, buckets, lengths, self.capture_seconds)
+        self.capture_seconds = 0.0               # start-up seconds of `_warm_up` (graph captures or eager decodes)
+        if self.padded:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One decode of zero codes at every (bucket, window); the eager activations' memory goes back to
+        the device after (stages sharing the GPU plan on what is free)."""
+        start = time.perf_counter()
+        for rows in self.buckets:
+            for frames in self.windows:
+                self._run([[[0] * self.decoder.groups] * frames] * rows)
+        torch.cuda.empty_cache()
+        self.capture_seconds = time.perf_counter() - start
+        logger.info("decoder: %s (batches %s x frames %s) in %.1f s",
+                    "decoded each shape once" if self.graphs is None else f"captured {self.graphs.captures} graphs",
+                    self.buckets, self.windows, self.capture_seconds)
 
     @staticmethod
     def load_decoder(model_dir: str, device: torch.device) -> SpeechDecoder:
@@ -187,11 +197,7 @@ class Qwen3TTSDecoderStage:
             contexts.append(ctx)
             tail = end + ahead > len(state.frames)  # the answer's last chunk: ends as the whole decode does
             keep.append((end - start) * up - (self.decoder.tail_loss if tail else 0))
-        longest = self.window_frames(max(len(w) for w in windows))
-        codes = torch.zeros(len(windows), self.decoder.groups, longest, dtype=torch.long)
-        for i, w in enumerate(windows):
-            codes[i, :, :len(w)] = torch.tensor(w, dtype=torch.long).T
-        wav = self._run(codes).float().cpu().numpy()
+        wav = self._run(windows).float().cpu().numpy()
         self._batches += 1
         audio = []
         for i in range(len(states)):
@@ -200,25 +206,28 @@ class Qwen3TTSDecoderStage:
             state.done = end
         return audio
 
-    def _run(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes [B, G, T] -> samples [B, T * upsample]: padded to a captured shape and replayed when one
-        fits (`graph_shapes`), else the decoder's eager call."""
-        b, t = codes.shape[0], codes.shape[-1]
-        shape = None
-        if self.graph_shapes is not None:
-            buckets, lengths = self.graph_shapes
-            shape = next(((pb, pt) for pb in buckets if pb >= b for pt in lengths if pt >= t), None)
-        if shape is None:
-            return self.decoder(codes)
-        padded = torch.zeros(shape[0], codes.shape[1], shape[1], dtype=torch.long)
-        padded[:b, :, :t] = codes
-        padded = padded.to(self.decoder.device)
-        if self.graphs is None:                 # padded but eager: what tests check the padding with on the CPU
-            wav = self.decoder(padded)
-        else:
-            wav = self.graphs.run(shape, [padded], self.decoder)
+    def _run(self, windows: list[list[list[int]]]) -> torch.Tensor:
+        """Frame windows (per row: its frames, each of G codes) -> samples [rows, longest * upsample] in
+        one decode: the windows in one zero codes tensor (`padded_shape` when `padded`, else as long as
+        the longest), replayed from that shape's CUDA graph when there is one, else the eager decoder."""
+        rows, longest = len(windows), max(map(len, windows))
+        shape = self.padded_shape(rows, longest) if self.padded else (rows, longest)
+        codes = torch.zeros(shape[0], self.decoder.groups, shape[1], dtype=torch.long)
+        for i, w in enumerate(windows):
+            codes[i, :, :len(w)] = torch.tensor(w, dtype=torch.long).T
+        codes = codes.to(self.decoder.device)
+        if self.graphs is not None and shape[1] in self.windows:
+            wav = self.graphs.run(shape, [codes], self.decoder)
             self._graphed += 1
-        return wav[:b, :t * self.decoder.upsample]
+        else:
+            wav = self.decoder(codes)
+        return wav[:rows, :longest * self.decoder.upsample]
+
+    def padded_shape(self, rows: int, frames: int) -> tuple[int, int]:
+        """(rows, frames) a decode of `rows` windows of up to `frames` frames is padded to on CUDA: the
+        smallest of `buckets` and of `windows` that hold them (past the longest window: `frames`)."""
+        return (next((b for b in self.buckets if b >= rows), rows),
+                next((w for w in self.windows if w >= frames), frames))
 
     def chunk_frames_next(self, state: DecoderState) -> int:
         """Frames of the request's next chunk: its first chunk, then as many as it has decoded so far,
@@ -239,10 +248,6 @@ class Qwen3TTSDecoderStage:
             if size == self.chunk and done >= self.context:
                 return sorted(windows)
             done += size
-
-    def window_frames(self, longest: int) -> int:
-        """Frames a decode's windows are padded to on the right (the decoder is causal): the longest."""
-        return longest
 
     def sample_rate(self, state: DecoderState) -> int:
         return SAMPLE_RATE

@@ -21,8 +21,10 @@ weight reads, set its time): q|k|v and gate|up are one GEMM each (`MergedLayer`,
 RMSNorm with the residual add, q/k-norm + rope + the cache write, and SiLU-mul are
 `layers/fused.py`'s kernels (their PyTorch references on the CPU), GQA repeats no K/V (a one-row
 sub-step puts a kv head's query heads as its query rows; the 2-row prefill uses SDPA's
-`enable_gqa`), and sampling looks only at each row's top-k logits when every sampled row has a
-top-k of at most `TOP_K_MOST` (`pick`; generation_config's subtalker top-k is 50).
+`enable_gqa`), and sampling is one Triton kernel per sub-step on CUDA (`layers/triton_sampling.py`:
+top-k, top-p and the draw from a sort in registers); its reference `pick` looks only at each row's
+top-k logits when every sampled row has a top-k of at most `TOP_K_MOST` (generation_config's
+subtalker top-k is 50).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from omnistage.ar.sampler import SamplingBatch, filter_logits, filter_values, to_device
+from omnistage.layers import fused, triton_sampling
 from omnistage.layers.fused import rms_norm, rotary_and_cache, silu_and_mul
 from omnistage.params import SamplingParams
 
@@ -104,7 +107,11 @@ def pick(logits: torch.Tensor, temp: torch.Tensor, top_k: Optional[torch.Tensor]
     largest probability / Exp(1) noise [S, V] (the Gumbel-max form of a multinomial draw).
     `k_most` > 0 (every row's top-k in 1..k_most): only the rows' `k_most` largest logits are
     sorted and filtered, with the noise at those ids -- the same tokens survive, with the same
-    probabilities, as in the whole-vocabulary sort (`filter_logits`), at a fraction of its work."""
+    probabilities, as in the whole-vocabulary sort (`filter_logits`), at a fraction of its work.
+    On CUDA (the fused kernels on) a row that filters is one Triton program
+    (`layers/triton_sampling.py`, this function is its reference): no topk / sort launches."""
+    if top_k is not None and fused.use_triton(logits) and triton_sampling.fits(logits):
+        return triton_sampling.pick_top_k_top_p(logits, temp, top_k, top_p, noise)
     if k_most <= 0 or top_k is None:
         probs = filter_logits(logits, temp, top_k, top_p).softmax(-1)
         return (probs / noise).argmax(-1)

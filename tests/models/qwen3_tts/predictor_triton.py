@@ -27,8 +27,7 @@ def main(folder: str) -> None:
     out = {}
     for mode, temp in (("sampled", 0.9),):
         def batch():
-            return SamplingBatch(params=[SamplingParams(temperature=temp)] * n, prompt_ids=[[]] * n,
-                                 output_ids=[[]] * n,
+            return SamplingBatch(params=[SamplingParams(temperature=temp)] * n,
                                  generators=[torch.Generator().manual_seed(7 + i) for i in range(n)])
         ref, _ = head(hidden, code0, batch())
         calls.clear()

@@ -33,7 +33,7 @@ def test_bucket_path_equals_plain_path(talkers):
                    [SamplingParams(temperature=0.9), SamplingParams(temperature=0.0),
                     SamplingParams(temperature=0.7, top_k=5, top_p=0.8)]):
         def batch():
-            return SamplingBatch(params=params, prompt_ids=[[]] * n, output_ids=[[]] * n,
+            return SamplingBatch(params=params,
                                  generators=[torch.Generator().manual_seed(7 + i) for i in range(n)])
 
         assert head.graphs is None                              # the CPU runs the plain path
@@ -47,7 +47,6 @@ def test_bucket_path_equals_plain_path(talkers):
         assert torch.equal(codes, plain_codes) and torch.equal(rows, plain_rows)
         assert codes.shape == (n, 3)
     greedy_row = head(hidden, code0, SamplingBatch(params=[SamplingParams(temperature=0.0)] * n,
-                                                   prompt_ids=[[]] * n, output_ids=[[]] * n,
                                                    generators=[None] * n))[0][1]
     assert torch.equal(plain_codes[1], greedy_row)             # a greedy row beside sampled ones stays greedy
 
@@ -80,3 +79,28 @@ def test_fused_kernels_path_equals_reference_in_the_triton_interpreter(tts_folde
     out = run_in_interpreter(script, tts_folders["custom_voice"], HF_HUB_OFFLINE="1")
     for mode, (equal, calls) in out.items():
         assert calls > 0 and equal, (mode, out)
+
+
+SAMPLING_CHECK = """
+import json, torch
+from omnistage.layers.triton_sampling import pick_top_k_top_p
+from omnistage.models.qwen3_tts.predictor import pick
+g = torch.Generator().manual_seed(0)
+logits = torch.randn(8, 100, generator=g) * 3
+temp = torch.tensor([0.9, 1.0, 0.5, 1.3, 0.9, 0.7, 1.0, 0.8])
+top_k = torch.tensor([50, -1, 1, 5, 50, 64, 0, 20])
+top_p = torch.tensor([1.0, 0.3, 1.0, 0.9, 0.5, 0.05, 0.8, 1.0])
+noise = torch.empty(8, 100).exponential_(generator=g)
+ref = pick(logits, temp, top_k, top_p, noise)
+got = pick_top_k_top_p(logits, temp, top_k, top_p, noise)
+print(json.dumps([got.tolist(), ref.tolist()]))
+"""
+
+
+def test_sampling_kernel_equals_pick_in_the_triton_interpreter():
+    """`layers/triton_sampling.py`'s one-program-per-row draw (top-k -1 / 0: all; top-p below 1 too)
+    picks the ids of `pick`'s whole-vocabulary reference for the same logits and noise."""
+    from interpreted import run_in_interpreter
+
+    got, ref = run_in_interpreter("-c", SAMPLING_CHECK)
+    assert len(got) == 8 and got == ref

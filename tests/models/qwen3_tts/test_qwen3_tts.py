@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from omnistage.params import ParamError
-from tts_testutil import frames_of, params_of, reference, run_all, seeded_params_of
+from tts_testutil import decode_all, frames_of, params_of, reference, run_all, seeded_params_of
 
 GREEDY = ["custom_voice_greedy", "custom_voice_instruct_streaming_text", "voice_design_greedy"]
 SAMPLED = ["custom_voice_sampled", "voice_design_sampled"]
@@ -99,22 +99,14 @@ def test_omni_waveform_equals_reference(tts_folders, cases):
 
 def _decode(folder: str, items: dict[str, np.ndarray], pad_shapes=None, params=None, **options) -> dict[str, np.ndarray]:
     """Frames per request -> audio, through a decoder CodecEngine fed all frames at once. `pad_shapes`:
-    (batch buckets, frame lengths) every batch is padded to, as for the CUDA graphs (run eagerly here);
+    (batch buckets, frame lengths) every batch is padded to, as on CUDA (run eagerly here);
     `params`: every request's TTSParams (None: the stage's defaults)."""
-    from omnistage.codec.engine import CodecEngine
-    from omnistage.models.qwen3_tts.codec import FramesInput, Qwen3TTSDecoderStage
+    from omnistage.models.qwen3_tts.codec import Qwen3TTSDecoderStage
 
     stage = Qwen3TTSDecoderStage(folder, **options)
-    stage.graph_shapes = pad_shapes
-    engine = CodecEngine(stage)
-    for rid, frames in items.items():
-        engine.add_request(rid, FramesInput(frames.tolist(), finished=True), params)
-    audio = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                audio[out.request_id] = out.output.audio.samples
-    return audio
+    if pad_shapes is not None:
+        (stage.buckets, stage.windows), stage.padded = pad_shapes, True
+    return decode_all(stage, items, params)
 
 
 def test_decoder_streamed_batched_equals_whole(tts_folders):

@@ -66,3 +66,20 @@ def run_all(engine, requests: dict, stagger: int = 0) -> dict:
                 last[out.request_id] = out
         step += 1
     return last
+
+
+def decode_all(stage, items: dict[str, np.ndarray], params=None) -> dict[str, np.ndarray]:
+    """Frames [T, G] per request, all added at once with every frame, through a `CodecEngine` of the
+    decoder stage `stage` (`params`: every request's, None: the stage's defaults) -> each one's audio."""
+    from omnistage.codec.engine import CodecEngine
+    from omnistage.models.qwen3_tts.codec import FramesInput
+
+    engine = CodecEngine(stage)
+    for rid, frames in items.items():
+        engine.add_request(rid, FramesInput(np.asarray(frames).tolist(), finished=True), params)
+    audio = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                audio[out.request_id] = out.output.audio.samples
+    return audio

@@ -92,26 +92,33 @@ if triton is not None:
             tl.debug_barrier()                           # every thread's partials before the ticket
             ticket = tl.atomic_add(count_ptr + b * KVH + kh, 1, sem="acq_rel")
             if ticket == used - 1:                       # the last split merges all, in split order
-                _combine(m_ptr, l_ptr, acc_ptr, out_ptr, base, used, out_off, gmask, G_PAD, D, NSPLIT)
+                _combine(m_ptr, l_ptr, acc_ptr, out_ptr, base, used, out_off, gmask, G_PAD, D, NSPLIT, 4)
                 tl.atomic_xchg(count_ptr + b * KVH + kh, 0)
 
     @triton.jit
     def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, base, used, out_off, gmask, G_PAD: tl.constexpr, D: tl.constexpr,
-                 NSPLIT: tl.constexpr):
-        """The `used` splits' (max, sum, weighted values) of one (sequence, KV head) -> its heads' output."""
+                 NSPLIT: tl.constexpr, CHUNK: tl.constexpr):
+        """The `used` splits' (max, sum, weighted values) of one (sequence, KV head) -> its heads' output,
+        CHUNK splits' values per load."""
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
         sps = tl.arange(0, NSPLIT)
         on = (sps < used)[:, None]
         part = (base + sps)[:, None] * G_PAD + g[None, :]    # [NSPLIT, G_PAD]
         ms = tl.load(m_ptr + part, mask=on, other=float("-inf"), cache_modifier=".cg")
-        w = tl.where(on, tl.exp(ms - tl.max(ms, axis=0)[None, :]), 0.0)
+        top = tl.max(ms, axis=0)
+        w = tl.where(on, tl.exp(ms - top[None, :]), 0.0)
         total = tl.sum(w * tl.load(l_ptr + part, mask=on, other=0.0, cache_modifier=".cg"), axis=0)
         acc = tl.zeros([G_PAD, D], tl.float32)
-        for s in range(0, used):
-            ws = tl.sum(tl.where(sps[:, None] == s, w, 0.0), axis=0)
-            a = tl.load(acc_ptr + ((base + s) * G_PAD + g)[:, None] * D + d[None, :], cache_modifier=".cg")
-            acc += ws[:, None] * a
+        for c0 in range(0, used, CHUNK):
+            cs = c0 + tl.arange(0, CHUNK)
+            c_ok = (cs < used)[:, None]
+            rows = (base + cs)[:, None] * G_PAD + g[None, :]     # [CHUNK, G_PAD]
+            mc = tl.load(m_ptr + rows, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
+            wc = tl.where(c_ok, tl.exp(mc - top[None, :]), 0.0)
+            a = tl.load(acc_ptr + rows[:, :, None] * D + d[None, None, :], mask=c_ok[:, :, None], other=0.0,
+                        cache_modifier=".cg")
+            acc += tl.sum(wc[:, :, None] * a, axis=0)
         tl.store(out_ptr + out_off, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 

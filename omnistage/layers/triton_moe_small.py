@@ -241,7 +241,7 @@ if triton is not None:
 
 
 SMALL_PAIRS = 64                                # T*K at most for `fused_moe_small` (decode sizes)
-ROUTER_ROWS = 64                                # T at most for `small_route` before the sorted kernels (`moe.routed_moe`)
+ROUTER_ROWS = 64                                # T at most for `small_route` before the sorted kernels (moe.py)
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,7 +302,7 @@ def small_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob:
         x, residual, norm_weight, hsum, normed, gate, logits, weights, ids, triton_decode.counters(gate, x.device), e,
         h, float(eps), x.stride(0), residual.stride(0), gate.stride(0), NORMED=prenorm is not None, TOP_K=top_k,
         NORM=bool(norm_topk_prob), BLOCK_R=tiles.route_r, BLOCK_K=min(tiles.route_k, triton.next_power_of_2(h)),
-        BLOCK_E=triton.next_power_of_2(e), BLOCK_S=triton.next_power_of_2(top_k), num_warps=4)
+        BLOCK_E=triton.next_power_of_2(e), BLOCK_S=triton.next_power_of_2(top_k), num_warps=tiles.route_warps)
     return (weights, ids) if prenorm is None else (weights, ids, normed, hsum)
 
 

@@ -174,3 +174,18 @@ def test_align_pads_each_expert_to_the_block():
     for e, run in enumerate(runs):
         real = run[run < n]
         assert sorted(real.tolist()) == (flat == e).nonzero().flatten().tolist()
+
+
+def test_start_up_tiles_off_cuda_are_the_table_and_candidates_start_from_it():
+    """`moe_tune` times candidates on CUDA only (benchmarks/moe_bench.py checks that on the GPU); off CUDA
+    it returns `small_tiles`' choice untimed, and each kernel's candidate list starts with that choice."""
+    from omnistage.layers import moe_tune, triton_moe_tiles
+
+    x, gate = torch.randn(1, 2048), torch.randn(128, 2048)
+    w13, w2 = torch.empty(128, 2 * 768, 2048), torch.empty(128, 2048, 768)
+    base = triton_moe_tiles.small_tiles(1, 8, 2048, 768, 4)
+    assert moe_tune.tiles_for(x, gate, w13, w2, 8, True) == base and not moe_tune.CHOSEN
+    assert [moe_tune.bucket(t) for t in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    for which in ("route", "up", "down"):
+        tiles = triton_moe_tiles.candidates(base, which)
+        assert tiles[0] == base and len(set(tiles)) == len(tiles) > 3

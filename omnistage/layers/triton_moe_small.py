@@ -182,6 +182,7 @@ if triton is not None:
     @triton.jit
     def _router_kernel(x_ptr, r_ptr, nw_ptr, h_ptr, xn_ptr, g_ptr, logits_ptr, weights_ptr, ids_ptr, count_ptr,
                        num_experts, hidden, eps, stride_x, stride_r, stride_g, NORMED: tl.constexpr,
+                       SINGLE: tl.constexpr,
                        TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
         # grid (token, blocks of BLOCK_R experts): each program's router logits (x @ gate^T, rounded to the
@@ -196,8 +197,8 @@ if triton is not None:
         dt = x_ptr.dtype.element_ty
         x_row = x_ptr + token.to(tl.int64) * stride_x
         r_row = r_ptr + token.to(tl.int64) * stride_r
-        rstd = 0.0
-        if NORMED:
+        rstd = eps * 0.0
+        if NORMED and not SINGLE:               # SINGLE (one K step): the mean square below, from the same loads
             ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
             for k0 in range(0, hidden, BLOCK_K):
                 k_ok = (k0 + ks) < hidden
@@ -207,8 +208,12 @@ if triton is not None:
         acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             k_ok = (k0 + ks) < hidden
+            w = tl.load(g_ptr + rows[:, None] * stride_g + (k0 + ks)[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                        other=0.0)              # first: in flight while the row is normed
             if NORMED:                          # rounded as fused.rms_norm_ref: h, h * rstd, then times the weight
                 hv = _residual_sum(x_row, r_row, k0 + ks, k_ok, dt)
+                if SINGLE:
+                    rstd = tl.rsqrt(tl.sum(hv * hv, axis=0) / hidden + eps)
                 nw = tl.load(nw_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
                 a = (nw * (hv * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
                 if tl.program_id(1) == 0:
@@ -217,8 +222,6 @@ if triton is not None:
                     tl.store(xn_ptr + out_at, a.to(dt), mask=k_ok)
             else:
                 a = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(g_ptr + rows[:, None] * stride_g + (k0 + ks)[None, :], mask=r_ok[:, None] & k_ok[None, :],
-                        other=0.0)
             acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
         row_base = logits_ptr + token.to(tl.int64) * num_experts
         tl.store(row_base + rows, acc.to(dt).to(tl.float32), mask=r_ok)
@@ -298,10 +301,11 @@ def small_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob:
         hsum, normed = torch.empty_like(x), torch.empty_like(x)
     else:
         residual, norm_weight, eps, hsum, normed = x, x, 0.0, x, x
+    block_k = min(tiles.route_k, triton.next_power_of_2(h))
     _router_kernel[(t, triton.cdiv(e, tiles.route_r))](
         x, residual, norm_weight, hsum, normed, gate, logits, weights, ids, triton_decode.counters(gate, x.device), e,
-        h, float(eps), x.stride(0), residual.stride(0), gate.stride(0), NORMED=prenorm is not None, TOP_K=top_k,
-        NORM=bool(norm_topk_prob), BLOCK_R=tiles.route_r, BLOCK_K=min(tiles.route_k, triton.next_power_of_2(h)),
+        h, float(eps), x.stride(0), residual.stride(0), gate.stride(0), NORMED=prenorm is not None,
+        SINGLE=block_k >= h, TOP_K=top_k, NORM=bool(norm_topk_prob), BLOCK_R=tiles.route_r, BLOCK_K=block_k,
         BLOCK_E=triton.next_power_of_2(e), BLOCK_S=triton.next_power_of_2(top_k), num_warps=tiles.route_warps)
     return (weights, ids) if prenorm is None else (weights, ids, normed, hsum)
 

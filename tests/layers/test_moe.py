@@ -101,7 +101,8 @@ for t, e, k, h, i, dt in [(1, 8, 2, 64, 32, torch.float32), (5, 6, 3, 40, 24, to
     # default tiles, then K steps that leave H and I remainders, narrow column tiles, unrolled K loops
     tiles_b = triton_moe_small.SmallTiles(up_n=8, up_k=32, up_unroll=2, down_n=4, down_k=16, down_unroll=2,
                                     route_r=4, route_k=16, route_warps=1)
-    tiles_c = triton_moe_small.SmallTiles(up_n=8, up_k=16, up_split=2)    # split-K gate-up (H 40: a short slice)
+    # split-K gate-up and down (H 40, I 24: short last slices)
+    tiles_c = triton_moe_small.SmallTiles(up_n=8, up_k=16, up_split=2, down_n=8, down_k=8, down_split=2)
     for tiles in (None, tiles_b, tiles_c):
         got = triton_moe_small.fused_moe_small(x, w13, w2, w, ids, tiles=tiles)
         small.append(((got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item(), str(dt)))

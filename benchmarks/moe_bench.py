@@ -136,7 +136,7 @@ def run_shape(name: str, bandwidth: float) -> tuple[list, dict]:
         down_best, down_tiles = sweep(down_us, default, "down", DOWN_NK, inter, triton_moe.triton.next_power_of_2(k))
         best = dataclasses.replace(up_tiles, **{f: getattr(down_tiles, f) for f in
                                                 ("down_n", "down_k", "down_warps", "down_unroll")},
-                                   **{f: getattr(route_tiles, f) for f in ("route_r", "route_k")})
+                                   **{f: getattr(route_tiles, f) for f in ("route_r", "route_k", "route_warps")})
         key = (t, k, h, inter)
         saved = triton_moe_tiles.TUNED.get(key)
         with torch.no_grad():

@@ -3,18 +3,21 @@
 In: q [B, H, D] (one row per sequence), the paged KV cache, block tables and context lengths. Out: [B, H, D].
 Runs in the stage process, inside the decode CUDA graphs.
 
-One launch, grid (sequence, KV head, split). A sequence's context is cut into runs of at least MIN_RUN
-KV blocks, at most NSPLIT of them (the run length follows the real context, read on the device); each
-program walks its run of the block table with an online softmax, serving all query heads of its KV
-head with tensor-core dots (the head group is padded to 16 rows). A context of one run (at most MIN_RUN
-blocks) is finished in its program: the output is stored directly. Longer contexts write a partial
-(max, sum, weighted values) triple per run and take a ticket from a per-(sequence, KV head) counter;
-the program that takes the last ticket merges the runs in run order (deterministic whichever finishes
-last), stores the output and resets the counter to 0 (so a graph replays it as captured). No separate
-combine launch (it cost ~3 us per layer at batch 1). NSPLIT depends only on the batch size (enough
+Grid (sequence, KV head, split). A sequence's context is cut into runs of at least MIN_RUN KV blocks,
+at most NSPLIT of them (the run length follows the real context, read on the device); each program
+walks its run of the block table with an online softmax, serving all query heads of its KV head with
+tensor-core dots (the head group is padded to 16 rows). A context of one run is finished in its
+program: the output is stored directly. Longer contexts write a partial (max, sum, weighted values)
+triple per run, merged either in the same launch -- each program takes a ticket from a per-(sequence,
+KV head) counter, the one with the last ticket merges the runs in run order (deterministic) and
+resets the counter (so a graph replays it as captured) -- or by a combine launch (one program per
+sequence and query head, its splits in one vector load). The ticket merge serves up to TICKET_SPLITS
+splits (large batches: it saves the combine launch); above, one program merging many runs for a whole
+head group is a longer serial tail than the combine launch (H200, batch 1, 128-256 tokens: 8.8 us vs
+3.4 + 3.1), so small batches keep the combine launch. NSPLIT depends only on the batch size (enough
 programs to fill the GPU: a batch-1 decode spreads its context over up to 64 programs, a 256-row
-batch uses 1-2 per sequence), so the grid is static under CUDA graphs while the work per program
-follows the context; programs past the context's runs exit at once.
+batch uses 1-2 per sequence), so the grid and the merge are static under CUDA graphs while the work
+per program follows the context; programs past the context's runs exit at once.
 Must give the same result as the SDPA reference path in attention.py.
 """
 
@@ -31,7 +34,8 @@ except ImportError:                                  # CPU-only installs
     triton = None
 
 MAX_SPLITS = 64                                      # context splits per (sequence, KV head) at most
-MIN_RUN = 2                                          # KV blocks per split at least (see the module docstring)
+MIN_RUN = 1                                          # KV blocks per split at least (see the module docstring)
+TICKET_SPLITS = 4                                    # at most this many splits: merged in the decode launch (ticket)
 PROGRAMS_PER_SM = 4                                  # programs the split count aims for, per multiprocessor
 _SM_COUNT: dict = {}
 
@@ -41,7 +45,7 @@ if triton is not None:
     def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, count_ptr, scale,
                              stride_bt, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                              D: tl.constexpr, BS: tl.constexpr, NSPLIT: tl.constexpr, MIN_RUN: tl.constexpr,
-                             IEEE: tl.constexpr):
+                             TICKET: tl.constexpr, IEEE: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -51,8 +55,7 @@ if triton is not None:
         gmask = g < G
         ctx = tl.load(ctx_ptr + b)
         nblocks = tl.cdiv(ctx, BS)
-        run = tl.cdiv(nblocks, tl.minimum(NSPLIT, tl.cdiv(nblocks, MIN_RUN)))   # blocks per split, >= MIN_RUN
-        used = tl.cdiv(nblocks, run)                     # splits with blocks; the rest exit
+        run, used = _runs(nblocks, NSPLIT, MIN_RUN)       # splits past `used` have no blocks: they exit
         if sp >= used:
             return
         first = sp * run
@@ -89,29 +92,67 @@ if triton is not None:
             tl.store(m_ptr + (base + sp) * G_PAD + g, m)
             tl.store(l_ptr + (base + sp) * G_PAD + g, l)
             tl.store(acc_ptr + ((base + sp) * G_PAD + g)[:, None] * D + d[None, :], acc)
-            tl.debug_barrier()                           # every thread's partials before the ticket
-            ticket = tl.atomic_add(count_ptr + b * KVH + kh, 1, sem="acq_rel")
-            if ticket == used - 1:                       # the last split merges all, in split order
-                _combine(m_ptr, l_ptr, acc_ptr, out_ptr, base, used, out_off, gmask, G_PAD, D, NSPLIT)
-                tl.atomic_xchg(count_ptr + b * KVH + kh, 0)
+            if TICKET:                                   # else `_combine_kernel` merges them
+                tl.debug_barrier()                       # every thread's partials before the ticket
+                ticket = tl.atomic_add(count_ptr + b * KVH + kh, 1, sem="acq_rel")
+                if ticket == used - 1:                   # the last split merges all, in split order
+                    _combine(m_ptr, l_ptr, acc_ptr, out_ptr, base, used, out_off, gmask, G_PAD, D, NSPLIT, 4)
+                    tl.atomic_xchg(count_ptr + b * KVH + kh, 0)
+
+    @triton.jit
+    def _runs(nblocks, NSPLIT: tl.constexpr, MIN_RUN: tl.constexpr):
+        """(KV blocks per split, splits that get blocks) of a context of `nblocks` blocks."""
+        run = tl.cdiv(nblocks, tl.minimum(NSPLIT, tl.cdiv(nblocks, MIN_RUN)))
+        return run, tl.cdiv(nblocks, run)
+
+    @triton.jit
+    def _combine_kernel(m_ptr, l_ptr, acc_ptr, ctx_ptr, out_ptr, H: tl.constexpr, KVH: tl.constexpr,
+                        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                        NSPLIT: tl.constexpr, MIN_RUN: tl.constexpr):
+        # one program per (sequence, query head): all of its splits in one vector load, no loop; a context of
+        # one split was stored by its decode program
+        b = tl.program_id(0)
+        hq = tl.program_id(1)
+        kh = hq // G
+        gi = hq % G
+        sp = tl.arange(0, NSPLIT)
+        d = tl.arange(0, D)
+        _, used = _runs(tl.cdiv(tl.load(ctx_ptr + b), BS), NSPLIT, MIN_RUN)
+        if used == 1:
+            return
+        on = sp < used
+        off = ((b * KVH + kh) * NSPLIT + sp) * G_PAD + gi
+        m = tl.load(m_ptr + off, mask=on, other=float("-inf"))
+        w = tl.where(on, tl.exp(m - tl.max(m, axis=0)), 0.0)
+        total = tl.sum(w * tl.load(l_ptr + off, mask=on, other=0.0), axis=0)
+        acc = tl.load(acc_ptr + off[:, None] * D + d[None, :], mask=on[:, None], other=0.0)
+        out = tl.sum(w[:, None] * acc, axis=0) / total
+        tl.store(out_ptr + b * H * D + hq * D + d, out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
     def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, base, used, out_off, gmask, G_PAD: tl.constexpr, D: tl.constexpr,
-                 NSPLIT: tl.constexpr):
-        """The `used` splits' (max, sum, weighted values) of one (sequence, KV head) -> its heads' output."""
+                 NSPLIT: tl.constexpr, CHUNK: tl.constexpr):
+        """The `used` splits' (max, sum, weighted values) of one (sequence, KV head) -> its heads' output,
+        CHUNK splits' values per load."""
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, D)
         sps = tl.arange(0, NSPLIT)
         on = (sps < used)[:, None]
         part = (base + sps)[:, None] * G_PAD + g[None, :]    # [NSPLIT, G_PAD]
         ms = tl.load(m_ptr + part, mask=on, other=float("-inf"), cache_modifier=".cg")
-        w = tl.where(on, tl.exp(ms - tl.max(ms, axis=0)[None, :]), 0.0)
+        top = tl.max(ms, axis=0)
+        w = tl.where(on, tl.exp(ms - top[None, :]), 0.0)
         total = tl.sum(w * tl.load(l_ptr + part, mask=on, other=0.0, cache_modifier=".cg"), axis=0)
         acc = tl.zeros([G_PAD, D], tl.float32)
-        for s in range(0, used):
-            ws = tl.sum(tl.where(sps[:, None] == s, w, 0.0), axis=0)
-            a = tl.load(acc_ptr + ((base + s) * G_PAD + g)[:, None] * D + d[None, :], cache_modifier=".cg")
-            acc += ws[:, None] * a
+        for c0 in range(0, used, CHUNK):
+            cs = c0 + tl.arange(0, CHUNK)
+            c_ok = (cs < used)[:, None]
+            rows = (base + cs)[:, None] * G_PAD + g[None, :]     # [CHUNK, G_PAD]
+            mc = tl.load(m_ptr + rows, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
+            wc = tl.where(c_ok, tl.exp(mc - top[None, :]), 0.0)
+            a = tl.load(acc_ptr + rows[:, :, None] * D + d[None, None, :], mask=c_ok[:, :, None], other=0.0,
+                        cache_modifier=".cg")
+            acc += tl.sum(wc[:, :, None] * a, axis=0)
         tl.store(out_ptr + out_off, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
@@ -133,23 +174,30 @@ def num_splits(batch: int, kv_heads: int, width: int, device: torch.device) -> i
 
 
 def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                           ctx_lens: torch.Tensor, scale: float, min_run: int = MIN_RUN) -> torch.Tensor:
+                           ctx_lens: torch.Tensor, scale: float, min_run: int = MIN_RUN,
+                           ticket: bool | None = None) -> torch.Tensor:
     """q [B, H, D]; cache [2, blocks, BS, KVH, D]; block_tables [B, W]; ctx_lens [B] -> [B, H, D]. `min_run`:
-    KV blocks per split at least (a context of at most that many blocks runs in one program per KV head)."""
+    KV blocks per split at least (a context of at most that many blocks runs in one program per KV head).
+    `ticket`: merge the splits in the decode launch (True) or in `_combine_kernel` (False); None: the
+    ticket at most TICKET_SPLITS splits (large batches), the combine launch above (small batches)."""
     bsz, h, d = q.shape
     kvh, bs = cache.shape[3], cache.shape[2]
     g = h // kvh
     g_pad = max(16, triton.next_power_of_2(g))
     nsplit = num_splits(bsz, kvh, block_tables.shape[1], q.device)
+    ticket = nsplit <= TICKET_SPLITS if ticket is None else ticket
     m = torch.empty(bsz, kvh, nsplit, g_pad, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(bsz, kvh, nsplit, g_pad, d, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    tickets = triton_decode.counters(cache, q.device)
-    if bsz * kvh > tickets.numel():
+    tickets = triton_decode.counters(cache, q.device) if ticket else m
+    if ticket and bsz * kvh > tickets.numel():
         raise ValueError(f"paged_decode_attention: {bsz} rows x {kvh} KV heads, more than {tickets.numel()} tickets")
     _paged_decode_kernel[(bsz, kvh, nsplit)](
         q.contiguous(), cache[0], cache[1], block_tables, ctx_lens, m, l, acc, out, tickets, scale,
         block_tables.stride(0), H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs, NSPLIT=nsplit, MIN_RUN=min_run,
-        IEEE=q.dtype == torch.float32, num_warps=4)
+        TICKET=ticket, IEEE=q.dtype == torch.float32, num_warps=4)
+    if not ticket:
+        _combine_kernel[(bsz, h)](m, l, acc, ctx_lens, out, H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs,
+                                  NSPLIT=nsplit, MIN_RUN=min_run, num_warps=4)
     return out

@@ -12,7 +12,8 @@ the grouped GEMM's tiles mostly padding, and align's torch ops cost more launche
                                 with several slices (split-K: more, shorter weight streams in flight) each
                                 stores float32 partials and the last to take the column block's ticket adds
                                 them in slice order (deterministic) and stores the product
-  _token_down_kernel            grid (T, column blocks of H): per token, all K experts' down rows in one
+  _token_down_kernel            grid (T, column blocks of H, slices of I; split-K as gate-up): per token, all K
+                                experts' down rows in one
                                 [K, BLOCK_N, BLOCK_K] tile per step (K experts' loads in flight at once),
                                 times the routing weights, summed over the slots in float32 and stored
                                 once [T, H] (the weighted sum fused; deterministic, no atomics)
@@ -108,13 +109,15 @@ if triton is not None:
         tl.store(out, (s * u).to(dt), mask=col_ok)
 
     @triton.jit
-    def _token_down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, ids_ptr, shared_ptr, gate_ptr, top_k, inter, hidden,
-                           stride_h, stride_we, stride_wn, stride_out, stride_s, stride_g, SHARED: tl.constexpr,
-                           BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           UNROLL: tl.constexpr):
-        # all K slots of the token in one [slots, BLOCK_N, BLOCK_K] tile: K experts' loads in flight at once
+    def _token_down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, ids_ptr, shared_ptr, gate_ptr, part_ptr, count_ptr,
+                           top_k, inter, hidden, stride_h, stride_we, stride_wn, stride_out, stride_s, stride_g,
+                           SHARED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
+        # all K slots of the token in one [slots, BLOCK_N, BLOCK_K] tile: K experts' loads in flight at once;
+        # SPLIT > 1: this program's slice of I, float32 partials, the last slice (ticket) finishes
         token = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        pid_n = tl.program_id(1)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < hidden
         slots = tl.arange(0, BLOCK_S)
         s_ok = slots < top_k
@@ -123,14 +126,39 @@ if triton is not None:
         h_rows = h_ptr + pair * stride_h
         w_rows = w_ptr + expert * stride_we
         ks = tl.arange(0, BLOCK_K)
+        k_per = tl.cdiv(tl.cdiv(inter, SPLIT), BLOCK_K) * BLOCK_K
+        k_lo = tl.program_id(2) * k_per
         acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
-        for k0 in tl.range(0, inter, BLOCK_K, loop_unroll_factor=UNROLL):
+        for k0 in tl.range(k_lo, tl.minimum(inter, k_lo + k_per), BLOCK_K, loop_unroll_factor=UNROLL):
             kk = k0 + ks
             k_ok = kk < inter
             a = tl.load(h_rows[:, None] + kk[None, :], mask=s_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_rows[:, None, None] + cols[None, :, None] * stride_wn + kk[None, None, :],
                         mask=s_ok[:, None, None] & col_ok[None, :, None] & k_ok[None, None, :], other=0.0)
             acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], axis=2)
+        if SPLIT == 1:
+            _down_finish(acc, out_ptr, weight_ptr, shared_ptr, gate_ptr, token, pair, cols, col_ok, s_ok, stride_out,
+                         stride_s, stride_g, SHARED)
+        else:
+            tile = part_ptr + ((tl.program_id(2) * tl.num_programs(0) + token) * BLOCK_S + slots)[:, None] * hidden \
+                + cols[None, :]
+            slab = tl.num_programs(0) * BLOCK_S * hidden
+            tl.store(tile, acc, mask=col_ok[None, :])
+            tl.debug_barrier()
+            ticket_at = count_ptr + token * tl.num_programs(1) + pid_n
+            if tl.atomic_add(ticket_at, 1, sem="acq_rel") == SPLIT - 1:
+                acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
+                for sp in range(0, SPLIT):
+                    acc += tl.load(tile + (sp - tl.program_id(2)) * slab, mask=col_ok[None, :], other=0.0,
+                                   cache_modifier=".cg")
+                _down_finish(acc, out_ptr, weight_ptr, shared_ptr, gate_ptr, token, pair, cols, col_ok, s_ok,
+                             stride_out, stride_s, stride_g, SHARED)
+                tl.atomic_xchg(ticket_at, 0)
+
+    @triton.jit
+    def _down_finish(acc, out_ptr, weight_ptr, shared_ptr, gate_ptr, token, pair, cols, col_ok, s_ok, stride_out,
+                     stride_s, stride_g, SHARED: tl.constexpr):
+        """The K slots' down rows [slots, BLOCK_N] times their weights, summed (+ the shared term), stored."""
         dt = out_ptr.dtype.element_ty
         rw = tl.load(weight_ptr + pair, mask=s_ok, other=0.0).to(dt).to(tl.float32)
         y = (acc.to(dt).to(tl.float32) * rw[:, None]).to(dt).to(tl.float32)   # per slot, as the reference rounds
@@ -182,6 +210,7 @@ if triton is not None:
     @triton.jit
     def _router_kernel(x_ptr, r_ptr, nw_ptr, h_ptr, xn_ptr, g_ptr, logits_ptr, weights_ptr, ids_ptr, count_ptr,
                        num_experts, hidden, eps, stride_x, stride_r, stride_g, NORMED: tl.constexpr,
+                       SINGLE: tl.constexpr,
                        TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                        BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
         # grid (token, blocks of BLOCK_R experts): each program's router logits (x @ gate^T, rounded to the
@@ -196,8 +225,8 @@ if triton is not None:
         dt = x_ptr.dtype.element_ty
         x_row = x_ptr + token.to(tl.int64) * stride_x
         r_row = r_ptr + token.to(tl.int64) * stride_r
-        rstd = 0.0
-        if NORMED:
+        rstd = eps * 0.0
+        if NORMED and not SINGLE:               # SINGLE (one K step): the mean square below, from the same loads
             ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
             for k0 in range(0, hidden, BLOCK_K):
                 k_ok = (k0 + ks) < hidden
@@ -207,8 +236,12 @@ if triton is not None:
         acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             k_ok = (k0 + ks) < hidden
+            w = tl.load(g_ptr + rows[:, None] * stride_g + (k0 + ks)[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                        other=0.0)              # first: in flight while the row is normed
             if NORMED:                          # rounded as fused.rms_norm_ref: h, h * rstd, then times the weight
                 hv = _residual_sum(x_row, r_row, k0 + ks, k_ok, dt)
+                if SINGLE:
+                    rstd = tl.rsqrt(tl.sum(hv * hv, axis=0) / hidden + eps)
                 nw = tl.load(nw_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
                 a = (nw * (hv * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
                 if tl.program_id(1) == 0:
@@ -217,8 +250,6 @@ if triton is not None:
                     tl.store(xn_ptr + out_at, a.to(dt), mask=k_ok)
             else:
                 a = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(g_ptr + rows[:, None] * stride_g + (k0 + ks)[None, :], mask=r_ok[:, None] & k_ok[None, :],
-                        other=0.0)
             acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
         row_base = logits_ptr + token.to(tl.int64) * num_experts
         tl.store(row_base + rows, acc.to(dt).to(tl.float32), mask=r_ok)
@@ -241,7 +272,7 @@ if triton is not None:
 
 
 SMALL_PAIRS = 64                                # T*K at most for `fused_moe_small` (decode sizes)
-ROUTER_ROWS = 64                                # T at most for `small_route` before the sorted kernels (`moe.routed_moe`)
+ROUTER_ROWS = 64                                # T at most for `small_route` before the sorted kernels (moe.py)
 
 
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,11 +329,12 @@ def small_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob:
         hsum, normed = torch.empty_like(x), torch.empty_like(x)
     else:
         residual, norm_weight, eps, hsum, normed = x, x, 0.0, x, x
+    block_k = min(tiles.route_k, triton.next_power_of_2(h))
     _router_kernel[(t, triton.cdiv(e, tiles.route_r))](
         x, residual, norm_weight, hsum, normed, gate, logits, weights, ids, triton_decode.counters(gate, x.device), e,
-        h, float(eps), x.stride(0), residual.stride(0), gate.stride(0), NORMED=prenorm is not None, TOP_K=top_k,
-        NORM=bool(norm_topk_prob), BLOCK_R=tiles.route_r, BLOCK_K=min(tiles.route_k, triton.next_power_of_2(h)),
-        BLOCK_E=triton.next_power_of_2(e), BLOCK_S=triton.next_power_of_2(top_k), num_warps=4)
+        h, float(eps), x.stride(0), residual.stride(0), gate.stride(0), NORMED=prenorm is not None,
+        SINGLE=block_k >= h, TOP_K=top_k, NORM=bool(norm_topk_prob), BLOCK_R=tiles.route_r, BLOCK_K=block_k,
+        BLOCK_E=triton.next_power_of_2(e), BLOCK_S=triton.next_power_of_2(top_k), num_warps=tiles.route_warps)
     return (weights, ids) if prenorm is None else (weights, ids, normed, hsum)
 
 
@@ -335,9 +367,16 @@ def small_down(mid: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, 
     w2 = w2.contiguous()
     out = torch.empty(t, h, dtype=mid.dtype, device=mid.device)
     rows, gate = shared if shared is not None else (out, out)
-    _token_down_kernel[(t, triton.cdiv(h, tiles.down_n))](
-        mid, w2, out, topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1).contiguous(), rows, gate, k, inter,
-        h, mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0), rows.stride(0), gate.stride(0),
-        SHARED=shared is not None, BLOCK_S=triton.next_power_of_2(k),
-        BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k, UNROLL=tiles.down_unroll, num_warps=tiles.down_warps)
+    grid = (t, triton.cdiv(h, tiles.down_n), tiles.down_split)
+    split = tiles.down_split > 1
+    slots = triton.next_power_of_2(k)
+    part = torch.empty(tiles.down_split * t * slots * h if split else 1, dtype=torch.float32, device=mid.device)
+    tickets = triton_decode.counters(w2, mid.device) if split else part
+    if split and grid[0] * grid[1] > tickets.numel():
+        raise ValueError(f"small_down: {grid[0] * grid[1]} column blocks, more than {tickets.numel()} tickets")
+    _token_down_kernel[grid](
+        mid, w2, out, topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1).contiguous(), rows, gate, part,
+        tickets, k, inter, h, mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0), rows.stride(0),
+        gate.stride(0), SHARED=shared is not None, SPLIT=tiles.down_split, BLOCK_S=slots, BLOCK_N=tiles.down_n,
+        BLOCK_K=tiles.down_k, UNROLL=tiles.down_unroll, num_warps=tiles.down_warps)
     return out

@@ -27,8 +27,10 @@ class SmallTiles:
     down_k: int = 256          # down: elements of I per loop step
     down_warps: int = 4        # down: num_warps
     down_unroll: int = 1       # down: K-loop unroll factor
+    down_split: int = 1        # down: slices of I (split-K, as up_split)
     route_r: int = 2           # router: experts (rows of the gate weight) per program
     route_k: int = 1024        # router: elements of H per loop step
+    route_warps: int = 4       # router: num_warps (1: the last program's top-k reductions are warp shuffles only)
 
 
 # (T, top_k, hidden, moe_intermediate) -> the fastest tiles of `benchmarks/moe_bench.py` on an H200
@@ -69,8 +71,12 @@ UP_CANDIDATES = [dict(), dict(up_n=2, up_k=1024), dict(up_n=4, up_k=1024), dict(
                  dict(up_n=32, up_k=128, up_split=8, up_warps=8)]
 DOWN_CANDIDATES = [dict(), dict(down_n=2, down_k=128), dict(down_n=8, down_k=64), dict(down_n=8, down_k=256),
                    dict(down_n=2, down_k=512, down_warps=8), dict(down_n=4, down_k=128),
-                   dict(down_n=4, down_k=64, down_unroll=2), dict(down_n=1, down_k=512)]
-ROUTE_CANDIDATES = [dict(), dict(route_r=1, route_k=2048), dict(route_r=4, route_k=512), dict(route_r=8, route_k=256)]
+                   dict(down_n=4, down_k=64, down_unroll=2), dict(down_n=1, down_k=512),
+                   dict(down_n=8, down_k=128, down_split=3), dict(down_n=4, down_k=128, down_split=3),
+                   dict(down_n=8, down_k=64, down_split=4)]
+ROUTE_CANDIDATES = [dict(), dict(route_warps=1), dict(route_r=1, route_k=2048),
+                    dict(route_r=1, route_k=2048, route_warps=1), dict(route_r=1, route_k=2048, route_warps=2),
+                    dict(route_r=4, route_k=512), dict(route_r=8, route_k=256)]
 
 
 def candidates(base: SmallTiles, which: str) -> list[SmallTiles]:

@@ -108,10 +108,16 @@ def pick(logits: torch.Tensor, temp: torch.Tensor, top_k: Optional[torch.Tensor]
     `k_most` > 0 (every row's top-k in 1..k_most): only the rows' `k_most` largest logits are
     sorted and filtered, with the noise at those ids -- the same tokens survive, with the same
     probabilities, as in the whole-vocabulary sort (`filter_logits`), at a fraction of its work.
-    On CUDA (the fused kernels on) a row that filters is one Triton program
-    (`layers/triton_sampling.py`, this function is its reference): no topk / sort launches."""
+    On CUDA (the fused kernels on) rows that filter are one Triton program each
+    (`layers/triton_sampling.py`, whose reference is `pick_ref`): no topk / sort launches."""
     if top_k is not None and fused.use_triton(logits) and triton_sampling.fits(logits):
         return triton_sampling.pick_top_k_top_p(logits, temp, top_k, top_p, noise)
+    return pick_ref(logits, temp, top_k, top_p, noise, k_most)
+
+
+def pick_ref(logits: torch.Tensor, temp: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
+             noise: torch.Tensor, k_most: int = 0) -> torch.Tensor:
+    """`pick` in plain PyTorch (the CPU path, and the sampling kernel's reference)."""
     if k_most <= 0 or top_k is None:
         probs = filter_logits(logits, temp, top_k, top_p).softmax(-1)
         return (probs / noise).argmax(-1)

@@ -9,7 +9,9 @@
      kernels off, no graphs; what the CPU tests run) at 1, 8 and 64 rows (>= 99% of codes equal:
      they differ by float32 sum order only); in bf16 graphs == eager exactly at 1, 8, 32, 64 rows;
      then ms per sampled frame of graphs / eager fused / eager reference (the floor: reading the
-     predictor's weights G-1 times at the measured copy bandwidth).
+     predictor's weights G-1 times at the measured copy bandwidth);
+  3. the predictor's sampling kernel (layers/triton_sampling.py) == its reference `pick_ref` at 1, 8 and
+     64 rows, and us per call of each under a CUDA graph.
 
 Seeded sampling is not compared with the fixtures here: they hold the CPU generator's draws.
 
@@ -176,8 +178,45 @@ def check_predictor() -> int:
     return bad
 
 
+def check_sampling() -> int:
+    """The code predictor's sampling kernel (`layers/triton_sampling.py`) against its reference
+    `predictor.pick_ref` (torch.topk of the 50 largest + masks) on the same logits and noise: ids equal at
+    1, 8, 64 rows (V = 2048, the 1.7B codebook), top-k 50 with top-p 1.0 and 0.8; then us per call
+    under a CUDA graph (how the frame graph runs them), kernel vs reference."""
+    from omnistage.layers.triton_sampling import pick_top_k_top_p
+    from omnistage.models.qwen3_tts.predictor import pick_ref
+
+    bad = 0
+    g = torch.Generator(device="cuda").manual_seed(0)
+    print("| rows | top-p | ids equal | kernel us | reference us |")
+    print("|---|---|---|---|---|")
+    for n in (1, 8, 64):
+        for top_p in (1.0, 0.8):
+            logits = torch.randn(n, 2048, device="cuda", generator=g) * 3
+            temp = torch.full((n,), 0.9, device="cuda")
+            top_k = torch.full((n,), 50, device="cuda", dtype=torch.long)
+            top_ps = torch.full((n,), top_p, device="cuda")
+            noise = torch.empty(n, 2048, device="cuda").exponential_(generator=g)
+            ref = pick_ref(logits, temp, top_k, top_ps, noise, k_most=50)
+            got = pick_top_k_top_p(logits, temp, top_k, top_ps, noise)
+            equal = bool(torch.equal(got, ref))
+            bad += not equal
+            times = []
+            for fn in (lambda: pick_top_k_top_p(logits, temp, top_k, top_ps, noise),
+                       lambda: pick_ref(logits, temp, top_k, top_ps, noise, k_most=50)):
+                graph = torch.cuda.CUDAGraph()
+                fn()
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph):
+                    for _ in range(15):             # a frame's sub-steps
+                        fn()
+                times.append(1e3 * _time(graph.replay) / 15)
+            print(f"| {n} | {top_p} | {equal} | {times[0]:.1f} | {times[1]:.1f} |")
+    return bad
+
+
 def main() -> int:
-    bad = check_fixtures() + check_predictor()
+    bad = check_fixtures() + check_predictor() + check_sampling()
     return 1 if bad else 0
 
 

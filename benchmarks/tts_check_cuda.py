@@ -14,7 +14,7 @@
      pipeline's chunk options, 3 requests of 7, 30 and 61 random frames streamed at once, on cuda with
      CUDA graphs and with graphs off (padded eager, after the start-up decodes of every shape), equals
      the CPU's unpadded decode within 1e-4 of the peak (cuDNN TF32 off for it: padding is what it checks).
-  4. the predictor's sampling kernel (layers/triton_sampling.py) == its reference `pick` at 1, 8 and
+  4. the predictor's sampling kernel (layers/triton_sampling.py) == its reference `pick_ref` at 1, 8 and
      64 rows, and us per call of each under a CUDA graph.
 
 Seeded sampling is not compared with the fixtures here: they hold the CPU generator's draws.
@@ -214,13 +214,16 @@ def check_decoders() -> int:
                   f"{err:.1e}; {stage.stats()['decoder_graphed_batches_total']:.0f} of "
                   f"{stage.stats()['decoder_batches_total']:.0f} batches graphed)")
     torch.backends.cudnn.allow_tf32 = True
+    return bad
+
+
 def check_sampling() -> int:
     """The code predictor's sampling kernel (`layers/triton_sampling.py`) against its reference
-    `predictor.pick` (torch.topk of the 50 largest + masks) on the same logits and noise: ids equal at
+    `predictor.pick_ref` (torch.topk of the 50 largest + masks) on the same logits and noise: ids equal at
     1, 8, 64 rows (V = 2048, the 1.7B codebook), top-k 50 with top-p 1.0 and 0.8; then us per call
     under a CUDA graph (how the frame graph runs them), kernel vs reference."""
     from omnistage.layers.triton_sampling import pick_top_k_top_p
-    from omnistage.models.qwen3_tts.predictor import pick
+    from omnistage.models.qwen3_tts.predictor import pick_ref
 
     bad = 0
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -233,13 +236,13 @@ def check_sampling() -> int:
             top_k = torch.full((n,), 50, device="cuda", dtype=torch.long)
             top_ps = torch.full((n,), top_p, device="cuda")
             noise = torch.empty(n, 2048, device="cuda").exponential_(generator=g)
-            ref = pick(logits, temp, top_k, top_ps, noise, k_most=50)
+            ref = pick_ref(logits, temp, top_k, top_ps, noise, k_most=50)
             got = pick_top_k_top_p(logits, temp, top_k, top_ps, noise)
             equal = bool(torch.equal(got, ref))
             bad += not equal
             times = []
             for fn in (lambda: pick_top_k_top_p(logits, temp, top_k, top_ps, noise),
-                       lambda: pick(logits, temp, top_k, top_ps, noise, k_most=50)):
+                       lambda: pick_ref(logits, temp, top_k, top_ps, noise, k_most=50)):
                 graph = torch.cuda.CUDAGraph()
                 fn()
                 torch.cuda.synchronize()

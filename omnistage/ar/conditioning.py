@@ -13,6 +13,7 @@ embeddings; `fill_layers`: rows added after the first decoder layers), and wheth
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -38,6 +39,7 @@ class Conditioning:
     given_pad: Optional[torch.Tensor] = None    # [H] with given_rows: the row past them
     # Streamed-row state, fresh for every sequence (not an __init__ argument).
     extra_chunks: list = field(default_factory=list, init=False)   # received rows, in order ([k, H] each)
+    extra_starts: list = field(default_factory=list, init=False)   # per chunk: the index of its first row
     num_extra: int = field(default=0, init=False)                  # rows received so far
     extra_finished: bool = field(default=False, init=False)        # no more rows will come; pad_embed follows them
     pad_embed: Optional[torch.Tensor] = field(default=None, init=False)  # [H] row added past the stream's end
@@ -46,6 +48,7 @@ class Conditioning:
     def __post_init__(self) -> None:
         if self.given_rows is not None:         # every copy (`dataclasses.replace`) starts with them
             self.extra_chunks = [self.given_rows]
+            self.extra_starts = [0]
             self.num_extra = len(self.given_rows)
             self.pad_embed = self.given_pad
             self.extra_finished = True
@@ -115,6 +118,7 @@ class Conditioning:
         """Take one streamed piece (`AREngine.add_input`)."""
         if piece.rows is not None and len(piece.rows):
             self.extra_chunks.append(piece.rows.to(device, dtype))
+            self.extra_starts.append(self.num_extra)
             self.num_extra += len(piece.rows)
         if piece.pad is not None:
             self.pad_embed = piece.pad.to(device, dtype)
@@ -131,8 +135,12 @@ class Conditioning:
 
     def extra_rows(self, i: int, j: int) -> torch.Tensor:
         """Streamed rows i..j-1 (the pad row past the end of a finished stream)."""
+        if j == i + 1 and i < self.num_extra:   # one row (a decode step): a view of its chunk, no copy
+            c = bisect.bisect_right(self.extra_starts, i) - 1
+            return self.extra_chunks[c][i - self.extra_starts[c]:j - self.extra_starts[c]]
         if len(self.extra_chunks) > 1:
             self.extra_chunks = [torch.cat(self.extra_chunks)]
+            self.extra_starts = [0]
         have = self.extra_chunks[0] if self.extra_chunks else None
         got = have[i:min(j, self.num_extra)] if have is not None and i < self.num_extra else None
         missing = j - max(i, self.num_extra)

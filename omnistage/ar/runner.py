@@ -5,7 +5,8 @@ positions, meta)` and `compute_logits(hidden)`. It owns the KV-cache tensors, bu
 flattened inputs (decodes first, then prefill chunks), runs one forward over all of them,
 computes logits only for rows that sample, and moves the sampled ids (plus logprobs when asked
 for) to the host in one transfer. A model with a `frame_head` (multi-codebook talkers) has it
-predict the rest of each sampled token's frame right after sampling. A model with a `report_layer`
+predict the rest of each sampled token's frame right after sampling (the codes go to the host
+with the ids, in the same copy). A model with a `report_layer`
 returns (last hidden states, that layer's hidden states) and the second is what sequences asking
 for hidden states get (`split_outputs`); prompt rows with `layer_embeds` hand the model
 `layer_adds`, rows added after its first decoder layers (deepstack).

@@ -3,7 +3,7 @@ runs it on CPU tensors in tests). Stage process, inside the code predictor's fra
 
 In: float32 logits [S, V] (V <= `MOST_VOCAB`), per-row temperature [S], top-k [S] (-1: all), top-p
 [S], and Exp(1) noise [S, V]. Out: [S] long, each row's argmax of p / noise over the tokens top-k and
-top-p keep (p: the row's softmax over them) -- the exponential race of `predictor.pick`, which is the
+top-p keep (p: the row's softmax over them) -- the exponential race of `predictor.pick_ref`, which is the
 PyTorch reference (`torch.topk` + masks + softmax, a dozen launches per sub-step at 8-64 rows).
 
 One program per row holds the whole row: it sorts it once in registers (`tl.sort`, no global

@@ -47,6 +47,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)   # batch sizes captur
 
 
 TOP_K_MOST = 64                                 # every sampled row with top-k <= this: sample from those logits only
+_PADDING = SamplingParams(temperature=0.0)      # the parameters of a graph bucket's padding rows
 
 
 def _bucket(n: int) -> Optional[int]:
@@ -108,10 +109,16 @@ def pick(logits: torch.Tensor, temp: torch.Tensor, top_k: Optional[torch.Tensor]
     `k_most` > 0 (every row's top-k in 1..k_most): only the rows' `k_most` largest logits are
     sorted and filtered, with the noise at those ids -- the same tokens survive, with the same
     probabilities, as in the whole-vocabulary sort (`filter_logits`), at a fraction of its work.
-    On CUDA (the fused kernels on) a row that filters is one Triton program
-    (`layers/triton_sampling.py`, this function is its reference): no topk / sort launches."""
+    On CUDA (the fused kernels on) rows that filter are one Triton program each
+    (`layers/triton_sampling.py`, whose reference is `pick_ref`): no topk / sort launches."""
     if top_k is not None and fused.use_triton(logits) and triton_sampling.fits(logits):
         return triton_sampling.pick_top_k_top_p(logits, temp, top_k, top_p, noise)
+    return pick_ref(logits, temp, top_k, top_p, noise, k_most)
+
+
+def pick_ref(logits: torch.Tensor, temp: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
+             noise: torch.Tensor, k_most: int = 0) -> torch.Tensor:
+    """`pick` in plain PyTorch (the CPU path, and the sampling kernel's reference)."""
     if k_most <= 0 or top_k is None:
         probs = filter_logits(logits, temp, top_k, top_p).softmax(-1)
         return (probs / noise).argmax(-1)
@@ -225,12 +232,15 @@ class FramePredictor:
             sub = self._subs[key] = SamplingParams(**fields)
         return sub
 
-    def _noise(self, batch: SamplingBatch, vocab: int, device: torch.device) -> torch.Tensor:
-        """[G-1, S, V] Exp(1) draws; a seeded row's from its generator, G-1 draws of V in order."""
+    def _noise(self, batch: SamplingBatch, vocab: int, device: torch.device, rows: int) -> torch.Tensor:
+        """[G-1, rows, V] Exp(1) draws for the batch's S rows (rows >= S: the rest are a graph bucket's
+        padding, 1.0 or unseeded draws); a seeded row's from its generator, G-1 draws of V in order."""
         unseeded = [i for i, g in enumerate(batch.generators) if g is None]
         if len(unseeded) == len(batch.params):
-            return torch.empty(self.groups - 1, len(unseeded), vocab, device=device).exponential_()
-        noise = torch.empty(self.groups - 1, len(batch.params), vocab, device=device)
+            return torch.empty(self.groups - 1, rows, vocab, device=device).exponential_()
+        noise = torch.empty(self.groups - 1, rows, vocab, device=device)
+        if rows > len(batch.params):
+            noise[:, len(batch.params):] = 1.0
         if unseeded:
             draws = torch.empty(self.groups - 1, len(unseeded), vocab, device=device).exponential_()
             noise[:, to_device(unseeded, device)] = draws
@@ -247,35 +257,34 @@ class FramePredictor:
         params = [p if p.greedy else self._sub_params(p) for p in batch.params]
         dev = hidden.device
         sampled = not all(p.greedy for p in params)
-        temp, top_k, top_p = filter_values(params, dev)
-        greedy = to_device([p.greedy for p in params], dev)
-        noise = self._noise(batch, self.heads[0].out_features, dev) if sampled else None
         ks = [p.top_k for p in params if not p.greedy]
         k_most = max(ks) if ks and all(0 < k <= TOP_K_MOST for k in ks) else 0
         k_most = k_most if k_most < self.heads[0].out_features else 0
         s = hidden.shape[0]
         size = _bucket(s) if self.graphs is not None else None
+        pad = 0 if size is None else size - s
+        # a graph bucket's padding rows are greedy and filter nothing (temperature 1, top-k -1, top-p 1):
+        # their per-row values go up padded, in the same copies
+        rows = params + [_PADDING] * pad
+        temp, top_k, top_p = filter_values(rows, dev)
+        greedy = to_device([p.greedy for p in rows], dev)
+        noise = self._noise(batch, self.heads[0].out_features, dev, len(rows)) if sampled else None
         if size is None:
             return self._frame(hidden, code0, temp, top_k, top_p, greedy, noise, k_most)
-        pad = size - s
 
-        def padded(t: Optional[torch.Tensor], dim: int = 0, value=0):
-            if t is None or pad == 0:
-                return t
-            shape = list(t.shape)
-            shape[dim] = pad
-            return torch.cat([t, t.new_full(shape, value)], dim=dim)
+        def padded(t: torch.Tensor) -> torch.Tensor:
+            return t if pad == 0 else torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
 
-        inputs = [padded(hidden), padded(code0), padded(temp, value=1.0), padded(greedy, value=True)]
+        inputs = [padded(hidden), padded(code0), temp, greedy]
         filters = top_k is not None
         if filters:
-            inputs += [padded(top_k, value=-1), padded(top_p, value=1.0)]
+            inputs += [top_k, top_p]
         if sampled:
-            inputs.append(padded(noise, dim=1, value=1.0))
+            inputs.append(noise)
 
         def run(h, c, t, gr, *rest):
             k, p = (rest[0], rest[1]) if filters else (None, None)
             return self._frame(h, c, t, k, p, gr, rest[-1] if sampled else None, k_most)
 
-        codes, rows = self.graphs.run((size, filters, sampled, k_most), inputs, run)
-        return codes[:s].clone(), rows[:s].clone()
+        codes, frame_rows = self.graphs.run((size, filters, sampled, k_most), inputs, run)
+        return codes[:s].clone(), frame_rows[:s].clone()

@@ -84,14 +84,14 @@ def test_fused_kernels_path_equals_reference_in_the_triton_interpreter(tts_folde
 SAMPLING_CHECK = """
 import json, torch
 from omnistage.layers.triton_sampling import pick_top_k_top_p
-from omnistage.models.qwen3_tts.predictor import pick
+from omnistage.models.qwen3_tts.predictor import pick_ref
 g = torch.Generator().manual_seed(0)
 logits = torch.randn(8, 100, generator=g) * 3
 temp = torch.tensor([0.9, 1.0, 0.5, 1.3, 0.9, 0.7, 1.0, 0.8])
 top_k = torch.tensor([50, -1, 1, 5, 50, 64, 0, 20])
 top_p = torch.tensor([1.0, 0.3, 1.0, 0.9, 0.5, 0.05, 0.8, 1.0])
 noise = torch.empty(8, 100).exponential_(generator=g)
-ref = pick(logits, temp, top_k, top_p, noise)
+ref = pick_ref(logits, temp, top_k, top_p, noise)
 got = pick_top_k_top_p(logits, temp, top_k, top_p, noise)
 print(json.dumps([got.tolist(), ref.tolist()]))
 """
@@ -99,7 +99,7 @@ print(json.dumps([got.tolist(), ref.tolist()]))
 
 def test_sampling_kernel_equals_pick_in_the_triton_interpreter():
     """`layers/triton_sampling.py`'s one-program-per-row draw (top-k -1 / 0: all; top-p below 1 too)
-    picks the ids of `pick`'s whole-vocabulary reference for the same logits and noise."""
+    picks the ids of `pick_ref`'s whole-vocabulary reference for the same logits and noise."""
     from interpreted import run_in_interpreter
 
     got, ref = run_in_interpreter("-c", SAMPLING_CHECK)

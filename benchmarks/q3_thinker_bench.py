@@ -14,9 +14,13 @@ expected number of distinct experts the batch hits (128 * (1 - (1 - 8/128)^B) pe
 copy bandwidth measured in the same run. Target: bs1 >= 50% of that floor.
 Then the MoE decode tiles `layers.moe_tune` chose at start-up (per T bucket), and a per-kernel profile of bs1 decode steps (torch.profiler, top 15 by self CUDA time), replayed from
 the CUDA graphs as served and once more eager (the graphs set aside), so what is left of a step shows.
+Last the "bs1 gap" table (bs1_gap.py): the bs1 graph replayed back to back, the profiled kernel time and
+device gaps per step, the engine's wall per decode step in the timed bs1 run, the host time of one
+`replay()` call, and the profiled CPU time of the runtime's waits. `--gap-only`: only that (bs1 row, graph
+profile; no tiny check, no transformers, no bs64 row, no eager profile), well under a minute once started.
 
     PYTHONPATH=$PWD python benchmarks/q3_thinker_bench.py [--work /tmp/q3bench] [--out q3_thinker.json] [--skip-hf]
-        [--skip-tiny] [--profile-steps 32]
+        [--skip-tiny] [--profile-steps 32] [--gap-only]
 """
 
 from __future__ import annotations
@@ -29,12 +33,18 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # the sibling benchmark modules
+
+from ar_bench import copy_bandwidth  # noqa: E402
+from bs1_gap import print_gap_table, profile_gap, replay_host_ms  # noqa: E402
+
 THINKER_30B = dict(vocab_size=152064, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
                    num_key_value_heads=4, head_dim=128, moe_intermediate_size=768, num_experts=128,
                    num_experts_per_tok=8, max_position_embeddings=65536, initializer_range=0.02,
                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [24, 20, 20],
                                     "interleaved": True})
 IN_LEN, OUT_LEN = 128, 128
+MAX_NUM_SEQS = 64            # the engine as served in every run (also with --gap-only: the same bs1 graph and tiles)
 
 
 def config_folder(path: str):
@@ -58,7 +68,8 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return torch.randint(100, THINKER_30B["vocab_size"] - 100, (n, IN_LEN), generator=g).tolist()
 
 
-def bench_ours(path: str, batches, profile_steps: int) -> tuple[list[dict], dict[str, str]]:
+def bench_ours(path: str, batches, profile_steps: int, modes=("cuda graphs", "eager")
+               ) -> tuple[list[dict], dict[str, str], dict]:
     from omnistage.ar.engine import AREngine
     from omnistage.config import EngineConfig
     from omnistage.models.dummy import use_dummy_weights
@@ -66,42 +77,55 @@ def bench_ours(path: str, batches, profile_steps: int) -> tuple[list[dict], dict
     from omnistage.params import SamplingParams
 
     use_dummy_weights(path)                   # as pipeline/build.py does for load_format="dummy"
-    engine = AREngine(path, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
+    engine = AREngine(path, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=MAX_NUM_SEQS,
                                          max_model_len=1024, enable_prefix_caching=False, load_format="dummy"),
                       loader=load_thinker)
     params = SamplingParams(max_tokens=OUT_LEN, temperature=0, ignore_eos=True)
 
-    def run(n: int, seed: int, new: int = OUT_LEN) -> tuple[float, int]:
+    def run(n: int, seed: int, new: int = OUT_LEN) -> tuple[float, int, float]:
+        """(seconds, output tokens, wall ms per `step()` call from the one that returned the first tokens to
+        the last: the decode steps only, prefill excluded; at bs1 one call is one token)."""
         for i, p in enumerate(prompts(n, seed)):
             engine.add_request(f"{seed}-{i}", {"prompt_token_ids": p}, params.clone(max_tokens=new))
         torch.cuda.synchronize()
         t = time.perf_counter()
-        tokens = 0
+        tokens, first, calls = 0, None, 0
         while engine.has_unfinished():
-            for out in engine.step():
+            outs = engine.step()
+            if first is not None:
+                calls += 1
+            elif any(out.output.outputs[0].token_ids for out in outs):
+                first = time.perf_counter()
+            for out in outs:
                 if out.finished:
                     tokens += len(out.output.outputs[0].token_ids)
         torch.cuda.synchronize()
-        return time.perf_counter() - t, tokens
+        end = time.perf_counter()
+        return end - t, tokens, 1e3 * (end - first) / max(calls, 1)
 
     run(4, 1, 16)                                             # warm-up: Triton compiles, graphs
     rows = []
     for i, b in enumerate(batches):
-        dt, n = run(b, 10 + i)
-        rows.append({"batch": b, "seconds": dt, "output_tokens": n, "tok_s": n / dt})
-    tables = profile_bs1(engine, params, profile_steps) if profile_steps else {}
+        dt, n, step_ms = run(b, 10 + i)
+        rows.append({"batch": b, "seconds": dt, "output_tokens": n, "tok_s": n / dt, "decode_step_ms": step_ms})
+    gap = replay_host_ms(engine.runner.graphs, 1)
+    gap["engine_decode_step_ms"] = rows[batches.index(1)]["decode_step_ms"]
+    tables = {}
+    if profile_steps:
+        tables, profiled = profile_bs1(engine, params, profile_steps, modes)
+        gap.update(profiled)
     del engine
     torch.cuda.empty_cache()
-    return rows, tables
+    return rows, tables, gap
 
 
-def profile_bs1(engine, params, steps: int) -> dict[str, str]:
-    """torch.profiler tables (top 15 kernels by self CUDA time) of `steps` bs1 decode steps, from the CUDA
-    graphs and eager."""
+def profile_bs1(engine, params, steps: int, modes) -> tuple[dict[str, str], dict]:
+    """torch.profiler tables (top 15 kernels by self CUDA time) of `steps` bs1 decode steps per mode ("cuda
+    graphs", "eager"), and the graphs' device activity and runtime waits per step (bs1_gap.profile_gap)."""
     from torch.profiler import ProfilerActivity, profile
 
-    tables = {}
-    for mode in ("cuda graphs", "eager"):
+    tables, gap = {}, {}
+    for mode in modes:
         graphs = engine.runner.graphs
         if mode == "eager":
             engine.runner.graphs = None          # the runner then launches every kernel itself
@@ -117,6 +141,8 @@ def profile_bs1(engine, params, steps: int) -> dict[str, str]:
         while engine.has_unfinished():
             engine.step()
         engine.runner.graphs = graphs
+        if mode == "cuda graphs":
+            gap = profile_gap(prof, steps)
         events = prof.key_averages()
         for key in ("self_device_time_total", "self_cuda_time_total"):   # the name changed across torch versions
             try:
@@ -124,7 +150,7 @@ def profile_bs1(engine, params, steps: int) -> dict[str, str]:
                 break
             except (KeyError, AttributeError, ValueError):
                 continue
-    return tables
+    return tables, gap
 
 
 def bench_hf(path: str, batches) -> list[dict]:
@@ -153,13 +179,6 @@ def bench_hf(path: str, batches) -> list[dict]:
     del model
     torch.cuda.empty_cache()
     return rows
-
-
-def copy_bandwidth() -> float:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from ar_bench import copy_bandwidth as measured     # one way of measuring it for every benchmark
-
-    return measured()
 
 
 def floor_tok_s(batch: int, bandwidth: float) -> dict:
@@ -217,17 +236,22 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-tiny", action="store_true", help="skip the tiny model's CUDA-vs-transformers check")
     parser.add_argument("--profile-steps", type=int, default=32, help="bs1 decode steps profiled (0: none)")
+    parser.add_argument("--gap-only", action="store_true",
+                        help="only the bs1 row and the bs1 gap table (implies --skip-hf --skip-tiny; graph profile only)")
     args = parser.parse_args()
-    batches = (1, 64)
+    if args.gap_only:
+        args.skip_hf = args.skip_tiny = True
+    batches = (1,) if args.gap_only else (1, 64)
     config_folder(args.work)
     tiny = None if args.skip_tiny else check_tiny_on_cuda(args.work)
     bw = copy_bandwidth()
-    ours, tables = bench_ours(args.work, batches, args.profile_steps)
+    ours, tables, gap = bench_ours(args.work, batches, args.profile_steps,
+                                   ("cuda graphs",) if args.gap_only else ("cuda graphs", "eager"))
     from omnistage.layers import moe_tune
     chosen = {f"T bucket {key[1]}, top_k {key[2]}, hidden {key[3]}, width {key[4]}": repr(tiles)
               for key, tiles in moe_tune.CHOSEN.items()}
     res = {"tiny_cuda_equals_transformers": tiny, "copy_bandwidth_GBs": bw / 1e9, "floor": [floor_tok_s(b, bw) for b in batches],
-           "ours": ours, "profile_bs1": tables, "moe_tiles_chosen": chosen}
+           "ours": ours, "profile_bs1": tables, "moe_tiles_chosen": chosen, "bs1_gap": gap}
     if not args.skip_hf:
         res["transformers"] = bench_hf(args.work, batches)
     if args.out:
@@ -242,6 +266,7 @@ def main() -> None:
         ours, floor = res["ours"][i]["tok_s"], res["floor"][i]["tok_s"]
         hf = f"{res['transformers'][i]['tok_s']:.1f}" if "transformers" in res else "-"
         print(f"| {b} | {ours:.1f} | {hf} | {floor:.0f} | {ours / floor:.0%} |")
+    print_gap_table(gap, args.profile_steps)
     print("MoE decode tiles chosen at start-up (moe_tune):")
     for key, tiles in chosen.items():
         print(f"  {key}: {tiles}")

@@ -3,17 +3,19 @@
     PYTHONPATH=$PWD python benchmarks/decode_layer_bench.py            # (ii) + (iii): the layer, fused vs unfused
     PYTHONPATH=$PWD python benchmarks/decode_layer_bench.py --sweep    # (i): tile sweep, prints `TILES = {...}`
         [--models 1.5B | 7B] [--layers qkv,o,gate_up,down] [--weights bf16,fp8] [--rows 1,2,4,8] [--budget 55]
-        [--space wide | narrow]
-    (each tile is a compile the first time: split a sweep by --weights / --layers to keep runs under 60 s;
-    Triton's cache makes a repeated run fast)
+        [--space small | narrow | wide]
+    (each tile is a compile the first time, about a second: the default `small` space (<= 8 candidates per layer and M)
+    sweeps one layer x one weight kind x M = 1, 2, 4, 8 in ~60 s, e.g. `--layers qkv --weights bf16`; `wide`
+    tries ~10x more, so split its runs by --weights / --layers; Triton's cache makes a repeated run fast)
 
 (i) For each decoder GEMV of the Qwen2.5-1.5B and -7B shapes with the fusions the layer runs (qkv: residual
     add + RMSNorm prologue, bias, rotary + KV write; o: residual epilogue; gate_up: RMSNorm prologue,
     SiLU*mul; down: residual),
     bf16 and FP8 weights, M = 1, 2, 4, 8: every candidate tile (BLOCK_N, BLOCK_K, SPLIT_K, dot, warps, stages)
-    timed in a CUDA graph (checked against `triton_decode.reference` first), the best beside the default
-    tiles, cuBLAS (bf16 F.linear, the GEMV alone) and the floor (weight bytes / copy bandwidth); then the
-    best tiles as a Python dict to paste into layers/triton_decode_tiles.py. Stops at `--budget` seconds
+    of `--space` timed in a CUDA graph (checked against `triton_decode.reference` first), the best beside the
+    default tiles, cuBLAS (bf16 F.linear, the GEMV alone), the floor (weight bytes / copy bandwidth) and how
+    many candidates the entry tried; then the best tiles as a Python dict to paste into
+    layers/triton_decode_tiles.py. Stops at `--budget` seconds
     (what was swept so far still printed).
 (ii) One Qwen2 decoder layer (random weights, 256-token contexts) in a CUDA graph, fused
     (`triton_decode.ENABLED`) vs unfused, M = 1, 2, 4, 8, bf16 and FP8, and x 28 layers.
@@ -114,10 +116,50 @@ def gemv_cases(shape: dict):
             ("gate_up", 2 * inter, h, dict(norm=True, gated=True)), ("down", h, inter, dict(add=True))]
 
 
+# the "small" space: (BLOCK_N, K step in bytes of each weight row, use_dot, warps, stages). The tiles that won
+# the session-7 sweep (benchmarks/RESULTS.md, 1.5B, bf16 and FP8), then CUDA-core tiles of 16-64 weight rows
+# with K steps of 128-512 elements (M == 1) or 128 (M > 1), given in elements (scaled by the weight's bytes).
+SMALL_M1_WON = [(4, 1024, False, 4, 2), (8, 1024, False, 4, 2), (8, 2048, False, 8, 2)]
+SMALL_M1_CORE = [(16, 512, False, 4, 3), (32, 256, False, 4, 3), (64, 128, False, 8, 3)]
+SMALL_MN_WON = [(16, 512, True, 4, 3), (32, 256, True, 4, 2)]
+SMALL_MN_CORE = [(16, 128, False, 4, 3), (32, 128, False, 8, 3)]
+SMALL_MAX = 8                # candidates per (layer, M): the first pass, then K-split neighbours of the fastest
+
+
+def small_candidates(m: int, cols: int, k: int, weight_bytes: int, sms: int):
+    """The "small" space's first pass: each tile once, at the K split `triton_decode.tiles`' rule would give
+    it (the fewest power-of-two slices, each at least two K steps, that give every SM 4 programs). With M
+    > 1 the `tl.dot` tiles (16 padded rows) are one compile for M = 2, 4 and 8."""
+    from omnistage.layers.triton_decode import MAX_SPLIT
+
+    won, core = (SMALL_M1_WON, SMALL_M1_CORE) if m == 1 else (SMALL_MN_WON, SMALL_MN_CORE)
+    tiles = won + [(bn, bk * weight_bytes, dot, w, st) for bn, bk, dot, w, st in core]
+    for bn, kbytes, dot, warps, stages in tiles:
+        bk = kbytes // weight_bytes
+        if bk > k:
+            continue
+        split = 1
+        while split < MAX_SPLIT and -(-cols // bn) * split < 4 * sms and k >= 4 * split * bk:
+            split *= 2
+        yield bn, bk, split, dot, warps, stages
+
+
+def split_neighbours(cfg: tuple, k: int):
+    """The "small" space's second pass: one of the first pass's fastest tiles at half and at twice its K
+    split (a runtime argument: no new compile)."""
+    from omnistage.layers.triton_decode import MAX_SPLIT
+
+    bn, bk, split, dot, warps, stages = cfg
+    for s in (split // 2, split * 2):
+        if 1 <= s <= MAX_SPLIT and k >= s * bk:
+            yield bn, bk, s, dot, warps, stages
+
+
 def candidates(m: int, k: int, weight_bytes: int, space: str):
-    """(BLOCK_N, BLOCK_K, SPLIT_K, use_dot, num_warps, num_stages) to time; each tile (all but SPLIT_K, a
-    runtime argument) is a compile. "narrow": the session-7 set; "wide" adds CUDA-core tiles of 16-64
-    weight rows with short K steps and deep pipelines (M == 1) and CUDA-core tiles at M = 2..8."""
+    """(BLOCK_N, BLOCK_K, SPLIT_K, use_dot, num_warps, num_stages) to time ("narrow", "wide": every split
+    of 1-16); each tile (all but SPLIT_K, a runtime argument) is a compile. "narrow": the session-7 set;
+    "wide" adds CUDA-core tiles of 16-64 weight rows with short K steps and deep pipelines (M == 1) and
+    CUDA-core tiles at M = 2..8."""
     if m == 1:      # (BLOCK_N, K step in bytes of each weight row, warps, stages)
         tiles = [(4, 1024, 4, 2), (8, 1024, 4, 2), (8, 2048, 8, 2), (16, 1024, 8, 2)]
         if space == "wide":
@@ -145,9 +187,11 @@ def sweep(models: list[str], rows: list[int], budget: float, layers: list[str], 
     start = time.time()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s\n")
-    print("| shape | layer (N x K) | weights | M | default us | best us | best tile | cuBLAS bf16 us | floor us "
-          "| best % of floor |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"candidate space: {space}")
+    print("| shape | layer (N x K) | weights | M | default us | best us | best tile | candidates tried "
+          "| cuBLAS bf16 us | floor us | best % of floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     best_tiles: dict = {}
     torch.manual_seed(0)
     for name in models:
@@ -173,24 +217,54 @@ def sweep(models: list[str], rows: list[int], budget: float, layers: list[str], 
                         kw["rope"] = sweep_rope(MODELS[name], m)
                     ref = first(triton_decode.reference(x, w, scale, **kw))
                     default = graph_us(lambda _: triton_decode.decode_gemv(x, w, scale, **kw))
-                    best = (float("inf"), None)
-                    for cfg in candidates(m, k, w.element_size(), space):
-                        if time.time() - start > budget:
-                            break
-                        try:
-                            if rel_err(first(triton_decode.decode_gemv(x, w, scale, **kw, config=cfg)), ref) > 2e-2:
-                                continue
-                            t = graph_us(lambda _: triton_decode.decode_gemv(x, w, scale, **kw, config=cfg))
-                        except Exception:           # a tile the compiler refuses (registers, shared memory)
-                            continue
-                        best = min(best, (t, cfg))
+                    two = bool(flags.get("gated") or flags.get("rope"))     # pairs of weight rows per column
+                    pool = (small_candidates(m, n // 2 if two else n, k, w.element_size(), sms) if space == "small"
+                            else candidates(m, k, w.element_size(), space))
+
+                    def timer(cfg):
+                        return time_tile(x, w, scale, kw, ref, cfg)
+
+                    timed, tried = time_all(pool, timer, start + budget)
+                    if space == "small":        # the fastest tiles again at their neighbouring K splits
+                        top = [cfg for _, cfg in timed[:max(1, (SMALL_MAX - tried) // 2)]]
+                        more, tried_more = time_all((c for cfg in top for c in split_neighbours(cfg, k)), timer,
+                                                    start + budget)
+                        timed, tried = sorted(timed + more), tried + tried_more
+                    best = timed[0] if timed else (float("inf"), None)
                     cublas = graph_us(lambda _: F.linear(x, w16))
                     floor = n * k * w.element_size() / bw * 1e6
-                    best_tiles[(m, n, k, w.element_size(), bool(flags.get("gated") or flags.get("rope")))] = best[1]
+                    best_tiles[(m, n, k, w.element_size(), two)] = best[1]
                     print(f"| {name} | {layer} ({n} x {k}) | {'fp8' if fp8 else 'bf16'} | {m} | {default:.1f} "
-                          f"| {best[0]:.1f} | {best[1]} | {cublas:.1f} | {floor:.1f} | {100 * floor / best[0]:.0f}% |",
+                          f"| {best[0]:.1f} | {best[1]} | {tried} | {cublas:.1f} | {floor:.1f} "
+                          f"| {100 * floor / best[0]:.0f}% |",
                           flush=True)
     print_tiles(best_tiles)
+
+
+def time_all(cfgs, timer, deadline: float) -> tuple[list[tuple[float, tuple]], int]:
+    """([(us, tile)] of the tiles of `cfgs` that ran, fastest first; how many were tried before `deadline`)."""
+    timed, tried = [], 0
+    for cfg in cfgs:
+        if time.time() > deadline:
+            break
+        tried += 1
+        t = timer(cfg)
+        if t is not None:
+            timed.append((t, cfg))
+    return sorted(timed), tried
+
+
+def time_tile(x, w, scale, kw: dict, ref: torch.Tensor, cfg: tuple):
+    """GPU us of one `decode_gemv` call with tile `cfg` in a CUDA graph; None when its output is off `ref`
+    or the compiler refuses the tile (registers, shared memory)."""
+    from omnistage.layers import triton_decode
+
+    try:
+        if rel_err(first(triton_decode.decode_gemv(x, w, scale, **kw, config=cfg)), ref) > 2e-2:
+            return None
+        return graph_us(lambda _: triton_decode.decode_gemv(x, w, scale, **kw, config=cfg))
+    except Exception:
+        return None
 
 
 def sweep_rope(shape: dict, m: int):
@@ -227,7 +301,8 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--layers", default="qkv,o,gate_up,down", help="the sweep's GEMVs")
     parser.add_argument("--weights", default="bf16,fp8", help="the sweep's weight kinds")
-    parser.add_argument("--space", choices=("wide", "narrow"), default="wide", help="the sweep's candidate tiles")
+    parser.add_argument("--space", choices=("small", "narrow", "wide"), default="small",
+                        help="the sweep's candidate tiles (small: <= 8 per layer and M, ~60 s per layer x weight kind)")
     parser.add_argument("--budget", type=float, default=55.0)
     args = parser.parse_args()
     if args.sweep:

@@ -13,6 +13,8 @@ Optional verbs, looked up with `getattr`:
     so that a request is refused before any upstream stage spends work on it.
   * `params_type`: the params class of the stage, built from a stage's default params in the spec.
 
+`add_each` adds a batch of requests to an engine one by one, each refusal its request's own.
+
 The AR stage's messages are here too: `ARPrompt` (what starts a request; `ARPrompt.of` converts the
 plain string, token-id list or dict a user passes), `ExtraRows` (a streamed piece of rows added to
 its generated positions, through `add_input`) and `HiddenStates` (what it reports per step).
@@ -167,3 +169,17 @@ class StageEngine(Protocol):
     def has_unfinished(self) -> bool: ...
 
     def stats(self) -> dict[str, float]: ...
+
+
+def add_each(engine: Any, requests: list) -> list[Optional[Exception]]:
+    """`engine.add_request(*args)` for each args of `requests`, all before its next step; per request
+    None (taken) or why the engine refused it (a bad request: the others are taken all the same)."""
+    errors: list[Optional[Exception]] = []
+    for args in requests:
+        try:
+            engine.add_request(*args)
+        except Exception as e:
+            errors.append(e)
+        else:
+            errors.append(None)
+    return errors

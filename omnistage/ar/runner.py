@@ -351,10 +351,10 @@ class ModelRunner:
             if step.event is not None:
                 step.event.synchronize()
             rows = step.host.tolist()
-            ids = (q.seq_id for q in step.seqs)
+            ids = [q.seq_id for q in step.seqs]
             if step.framed:
                 step.result = RunnerOutput({i: r[0] for i, r in zip(ids, rows)}, {},
-                                           codes={q.seq_id: r[1:] for q, r in zip(step.seqs, rows)})
+                                           codes={i: r[1:] for i, r in zip(ids, rows)})
             else:
                 step.result = RunnerOutput(dict(zip(ids, rows)), {})
         step.result.hidden = step.hidden

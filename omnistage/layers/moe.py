@@ -41,9 +41,14 @@ from omnistage.layers import fused, moe_tune, triton_gemv, triton_moe, triton_mo
 from omnistage.layers.triton_moe_tiles import small_tiles
 
 
+def _triton(t: torch.Tensor) -> bool:
+    """Whether `t`'s MoE work takes the Triton kernels (CUDA, fused kernels on, Triton installed)."""
+    return fused.use_triton(t) and triton_moe.triton is not None
+
+
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights float32 [T, K], expert ids int64 [T, K]); see the module docstring."""
-    if fused.use_triton(router_logits) and triton_moe.triton is not None:
+    if _triton(router_logits):
         return triton_moe_small.route(router_logits, top_k, norm_topk_prob)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
@@ -55,7 +60,7 @@ def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tupl
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] = [gate | up] per expert; w2 [E, H, I]; topk_* [T, K] -> [T, H]."""
-    if fused.use_triton(x) and triton_moe.triton is not None:
+    if _triton(x):
         if topk_ids.numel() <= triton_moe_small.SMALL_PAIRS:   # decode: one GEMV pair, no sort
             return triton_moe_small.fused_moe_small(x, w13, w2, topk_weights, topk_ids)
         return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids)
@@ -71,7 +76,7 @@ def routed_moe(x: torch.Tensor, gate: torch.Tensor, w13: torch.Tensor, w2: torch
     if _small_path(x, top_k):
         tiles = moe_tune.tiles_for(x, gate, w13, w2, top_k, norm_topk_prob)
         return triton_moe_small.routed_moe_small(x, gate, w13, w2, top_k, norm_topk_prob, tiles=tiles, shared=shared)
-    if fused.use_triton(x) and triton_moe.triton is not None and x.shape[0] <= triton_moe_small.ROUTER_ROWS:
+    if _triton(x) and x.shape[0] <= triton_moe_small.ROUTER_ROWS:
         # the router GEMV with its top-k (one launch, the gate weight re-read from L2 per row) beats
         # cuBLAS' GEMM + the route launch up to a few dozen rows
         tiles = small_tiles(x.shape[0], top_k, x.shape[1], w2.shape[2], triton_gemv._num_sms(x.device))
@@ -86,8 +91,7 @@ def routed_moe(x: torch.Tensor, gate: torch.Tensor, w13: torch.Tensor, w2: torch
 
 def _small_path(x: torch.Tensor, top_k: int) -> bool:
     """Whether rows like `x` take the decode kernels (`triton_moe_small.routed_moe_small`)."""
-    return (fused.use_triton(x) and triton_moe.triton is not None
-            and x.shape[0] * top_k <= triton_moe_small.SMALL_PAIRS)
+    return _triton(x) and x.shape[0] * top_k <= triton_moe_small.SMALL_PAIRS
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

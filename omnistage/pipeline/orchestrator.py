@@ -40,7 +40,8 @@ from omnistage.outputs import AudioTiming, RequestMetrics, RequestOutput
 from omnistage.adapters import EdgeContext
 from omnistage.pipeline.build import build_engine, edge_adapter, params_type
 from omnistage.spec import EdgeSpec, PipelineSpec, StageSpec
-from omnistage.stage import ARPrompt, RequestFailedError, StageDeadError, StageError, StageOutput, Streamable
+from omnistage.stage import (ARPrompt, RequestFailedError, StageDeadError, StageError, StageOutput, Streamable,
+                             add_each)
 
 logger = logging.getLogger(__name__)
 
@@ -106,14 +107,7 @@ def _enter(stage: Any, items: list[tuple]) -> list[Optional[Exception]]:
             return stage.add_requests(items)
         except Exception as e:                  # a failure of the batch as a whole
             return [e] * len(items)
-    errors: list[Optional[Exception]] = []
-    for item in items:
-        try:
-            stage.add_request(*item)
-            errors.append(None)
-        except Exception as e:                  # a bad request: only it is refused
-            errors.append(e)
-    return errors
+    return add_each(stage, items)
 
 
 @dataclass

@@ -56,7 +56,7 @@ from omnistage.pipeline.output_deltas import DeltaPacker, DeltaUnpacker
 from omnistage.pipeline.step_profiler import StepProfiler
 from omnistage.pipeline.stage_messages import (CallError, CallReply, CallStage, InitStage, StageFatal, StageOutputs,
                                                StageReady, StageStarting, StopStage)
-from omnistage.stage import StageDeadError, StageError, StageOutput
+from omnistage.stage import StageDeadError, StageError, StageOutput, add_each
 
 logger = logging.getLogger(__name__)
 
@@ -582,16 +582,9 @@ def _loop(engine: Any, cmd: Any, out: Any, parent: int, name: str, held: set[str
 def _add_all(engine: Any, held: set[str], requests: list[list]) -> list[Optional[CallError]]:
     """`engine.add_request(*args)` for each of `requests` (a `StageClient.add_requests` batch); per
     request None, or why the engine refused it (the others are taken all the same)."""
-    verdicts: list[Optional[CallError]] = []
-    for args in requests:
-        try:
-            engine.add_request(*args)
-        except Exception as e:                  # a bad request: only it is refused
-            verdicts.append(CallError.of(e))
-            continue
-        held.add(args[0])
-        verdicts.append(None)
-    return verdicts
+    errors = add_each(engine, requests)
+    held.update(args[0] for args, e in zip(requests, errors) if e is None)
+    return [None if e is None else CallError.of(e) for e in errors]
 
 
 def _step_and_send(engine: Any, out: Any, held: set[str], name: str, deltas: DeltaPacker) -> int:

@@ -5,9 +5,8 @@ Run on the GPU machine:  PYTHONPATH=$PWD python benchmarks/decode_attn_bench.py 
 Shape: the Qwen3-Omni-30B-A3B thinker's attention (32 query / 4 KV heads of 128, KV blocks of 16 tokens),
 bf16, random cache and queries, each row's blocks scattered. Per (batch, context) it prints the max abs
 error against the SDPA reference path (`attention.attend` with Triton off) beside the reference's peak,
-the us per call replayed from a CUDA graph for each variant -- splits merged by a combine launch or in
-the decode launch (ticket), runs of >= 1 or 2 blocks, one program over the whole context -- the merge
-`paged_decode_attention`'s rule picks (TICKET_SPLITS), and the floor: the K and V bytes read at 4 TB/s.
+the us per call replayed from a CUDA graph for each variant -- runs of >= 1 or 2 blocks merged by the
+combine launch, one program over the whole context -- and the floor: the K and V bytes read at 4 TB/s.
 """
 
 from __future__ import annotations
@@ -20,9 +19,8 @@ from omnistage.layers.attention import AttentionMetadata, attend
 H, KVH, D, BS = 32, 4, 128, 16
 BATCHES = (1, 8, 64)
 CONTEXTS = (64, 256, 1024, 4096)
-# (label, ticket merge, min_run): the merge in the decode launch or a combine launch, runs of >= 1 or 2 blocks
-VARIANTS = (("combine", False, 1), ("ticket", True, 1), ("comb r2", False, 2), ("ticket r2", True, 2),
-            ("one prog", True, 1 << 20))
+# (label, min_run): runs of >= 1 or 2 blocks, or one program over the whole context
+VARIANTS = (("combine", 1), ("comb r2", 2), ("one prog", 1 << 20))
 CALLS = 16                                      # calls per graph
 
 
@@ -50,7 +48,7 @@ def main() -> None:
     torch.manual_seed(0)
     dev = "cuda"
     print(f"{'batch':>5} {'ctx':>5} {'err':>8} {'peak':>6} "
-          + " ".join(f"{label:>9}" for label, _, _ in VARIANTS) + f" {'rule':>7} {'floor':>6}  (us, CUDA graphs)")
+          + " ".join(f"{label:>9}" for label, _ in VARIANTS) + f" {'floor':>6}  (us, CUDA graphs)")
     for b in BATCHES:
         for ctx in CONTEXTS:
             width = -(-ctx // BS)
@@ -68,14 +66,12 @@ def main() -> None:
                 fused.ENABLED, triton_attention.triton = saved, saved_triton
             got = triton_attention.paged_decode_attention(q, cache, tables, ctx_lens, D ** -0.5)
             err = (got.float() - ref.float()).abs().max().item()
-            times = [per_call_us(lambda r=r, tk=tk: triton_attention.paged_decode_attention(
-                q, cache, tables, ctx_lens, D ** -0.5, r, tk)) for _, tk, r in VARIANTS]
-            nsplit = triton_attention.num_splits(b, KVH, width, q.device)
-            rule = "ticket" if nsplit <= triton_attention.TICKET_SPLITS else "combine"
+            times = [per_call_us(lambda r=r: triton_attention.paged_decode_attention(
+                q, cache, tables, ctx_lens, D ** -0.5, r)) for _, r in VARIANTS]
             floor_us = b * ctx * KVH * D * 2 * 2 / 4e12 * 1e6
             print(f"{b:>5} {ctx:>5} {err:>8.1e} {ref.float().abs().max().item():>6.2f} "
-                  + " ".join(f"{t:>9.2f}" for t in times) + f" {rule:>7} {floor_us:>6.2f}")
-    print(f"(default MIN_RUN = {triton_attention.MIN_RUN}, ticket merge at <= {triton_attention.TICKET_SPLITS} splits)")
+                  + " ".join(f"{t:>9.2f}" for t in times) + f" {floor_us:>6.2f}")
+    print(f"(default MIN_RUN = {triton_attention.MIN_RUN})")
 
 
 if __name__ == "__main__":

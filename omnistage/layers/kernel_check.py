@@ -101,18 +101,15 @@ def _rotary_errors(h, kvh, d, bs, dtype, device, rnd, g) -> dict[str, list[float
 def _decode_error(h, kvh, d, bs, dtype, device, rnd, g) -> list[float]:
     """Paged decode attention of a 5-row batch and of one row alone (the split counts differ: a lone
     row spreads its context over more programs, leaving some splits empty) vs the SDPA path: contexts of
-    one run (stored by their program) and of several, merged by the last split's program (ticket) or by
-    the combine launch; the lone row also with one program over its whole context (`min_run` 16)."""
+    one run (stored by their program) and of several (merged by the combine launch), runs of >= 1 and 2
+    blocks; the lone row also with one program over its whole context (`min_run` 16)."""
     nb = 40
     cache = rnd(2, nb, bs, kvh, d, dtype=dtype)
     ctx = torch.tensor([1, 7, bs, 2 * bs + 1, 13 * bs - 3], device=device)
     tables = torch.stack([torch.randperm(nb, generator=g)[:13] for _ in range(5)]).to(device)
     q = rnd(5, h, d, dtype=dtype)
     worst = []
-    # (rows, min_run, ticket): the rule's merge for each (the batch: ticket; the lone row: combine launch),
-    # then the other merge for each, and a lone row in one program (min_run 16: no merge at all)
-    for rows, min_run, ticket in ((slice(0, 5), 1, None), (slice(4, 5), 1, None), (slice(0, 5), 2, False),
-                                  (slice(4, 5), 2, True), (slice(4, 5), 16, None)):
+    for rows, min_run in ((slice(0, 5), 1), (slice(4, 5), 1), (slice(0, 5), 2), (slice(4, 5), 16)):
         meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long, device=device),
                                  num_decodes=q[rows].shape[0], decode_block_tables=tables[rows],
                                  decode_ctx_lens=ctx[rows])
@@ -122,8 +119,7 @@ def _decode_error(h, kvh, d, bs, dtype, device, rnd, g) -> list[float]:
             ref = attend(q[rows], q[rows], q[rows], cache, meta, d ** -0.5)
         finally:
             fused.ENABLED, triton_attention.triton = saved, saved_triton
-        got = triton_attention.paged_decode_attention(q[rows], cache, tables[rows], ctx[rows], d ** -0.5, min_run,
-                                                      ticket)
+        got = triton_attention.paged_decode_attention(q[rows], cache, tables[rows], ctx[rows], d ** -0.5, min_run)
         worst.append(_err(got, ref))
     return _worst(*worst)
 

@@ -8,24 +8,18 @@ at most NSPLIT of them (the run length follows the real context, read on the dev
 walks its run of the block table with an online softmax, serving all query heads of its KV head with
 tensor-core dots (the head group is padded to 16 rows). A context of one run is finished in its
 program: the output is stored directly. Longer contexts write a partial (max, sum, weighted values)
-triple per run, merged either in the same launch -- each program takes a ticket from a per-(sequence,
-KV head) counter, the one with the last ticket merges the runs in run order (deterministic) and
-resets the counter (so a graph replays it as captured) -- or by a combine launch (one program per
-sequence and query head, its splits in one vector load). The ticket merge serves up to TICKET_SPLITS
-splits (large batches: it saves the combine launch); above, one program merging many runs for a whole
-head group is a longer serial tail than the combine launch (H200, batch 1, 128-256 tokens: 8.8 us vs
-3.4 + 3.1), so small batches keep the combine launch. NSPLIT depends only on the batch size (enough
-programs to fill the GPU: a batch-1 decode spreads its context over up to 64 programs, a 256-row
-batch uses 1-2 per sequence), so the grid and the merge are static under CUDA graphs while the work
-per program follows the context; programs past the context's runs exit at once.
-Must give the same result as the SDPA reference path in attention.py.
+triple per run, merged by a combine launch (one program per sequence and query head, its splits in one
+vector load). A merge inside the decode launch (the last program of a (sequence, KV head) to take a
+ticket merging all runs) was measured slower than decode + combine at every batch and context on an
+H200 (64 rows x 256 tokens: 41.7 vs 21.4 us; batch 1 x 256: 28.7 vs 5.6), so there is none. NSPLIT
+depends only on the batch size (enough programs to fill the GPU: a batch-1 decode spreads its context
+over up to 64 programs, a 256-row batch uses 1-2 per sequence), so the grid and the merge are static
+under CUDA graphs while the work per program follows the context; programs past the context's runs
+exit at once. Must give the same result as the SDPA reference path in attention.py.
 """
-
 from __future__ import annotations
 
 import torch
-
-from omnistage.layers import triton_decode
 
 try:
     import triton
@@ -35,17 +29,16 @@ except ImportError:                                  # CPU-only installs
 
 MAX_SPLITS = 64                                      # context splits per (sequence, KV head) at most
 MIN_RUN = 1                                          # KV blocks per split at least (see the module docstring)
-TICKET_SPLITS = 4                                    # at most this many splits: merged in the decode launch (ticket)
 PROGRAMS_PER_SM = 4                                  # programs the split count aims for, per multiprocessor
 _SM_COUNT: dict = {}
 
 
 if triton is not None:
     @triton.jit(do_not_specialize=["stride_bt"])      # the table width changes from step to step
-    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, count_ptr, scale,
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, scale,
                              stride_bt, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                              D: tl.constexpr, BS: tl.constexpr, NSPLIT: tl.constexpr, MIN_RUN: tl.constexpr,
-                             TICKET: tl.constexpr, IEEE: tl.constexpr):
+                             IEEE: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -92,12 +85,6 @@ if triton is not None:
             tl.store(m_ptr + (base + sp) * G_PAD + g, m)
             tl.store(l_ptr + (base + sp) * G_PAD + g, l)
             tl.store(acc_ptr + ((base + sp) * G_PAD + g)[:, None] * D + d[None, :], acc)
-            if TICKET:                                   # else `_combine_kernel` merges them
-                tl.debug_barrier()                       # every thread's partials before the ticket
-                ticket = tl.atomic_add(count_ptr + b * KVH + kh, 1, sem="acq_rel")
-                if ticket == used - 1:                   # the last split merges all, in split order
-                    _combine(m_ptr, l_ptr, acc_ptr, out_ptr, base, used, out_off, gmask, G_PAD, D, NSPLIT, 4)
-                    tl.atomic_xchg(count_ptr + b * KVH + kh, 0)
 
     @triton.jit
     def _runs(nblocks, NSPLIT: tl.constexpr, MIN_RUN: tl.constexpr):
@@ -129,32 +116,6 @@ if triton is not None:
         out = tl.sum(w[:, None] * acc, axis=0) / total
         tl.store(out_ptr + b * H * D + hq * D + d, out.to(out_ptr.dtype.element_ty))
 
-    @triton.jit
-    def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, base, used, out_off, gmask, G_PAD: tl.constexpr, D: tl.constexpr,
-                 NSPLIT: tl.constexpr, CHUNK: tl.constexpr):
-        """The `used` splits' (max, sum, weighted values) of one (sequence, KV head) -> its heads' output,
-        CHUNK splits' values per load."""
-        g = tl.arange(0, G_PAD)
-        d = tl.arange(0, D)
-        sps = tl.arange(0, NSPLIT)
-        on = (sps < used)[:, None]
-        part = (base + sps)[:, None] * G_PAD + g[None, :]    # [NSPLIT, G_PAD]
-        ms = tl.load(m_ptr + part, mask=on, other=float("-inf"), cache_modifier=".cg")
-        top = tl.max(ms, axis=0)
-        w = tl.where(on, tl.exp(ms - top[None, :]), 0.0)
-        total = tl.sum(w * tl.load(l_ptr + part, mask=on, other=0.0, cache_modifier=".cg"), axis=0)
-        acc = tl.zeros([G_PAD, D], tl.float32)
-        for c0 in range(0, used, CHUNK):
-            cs = c0 + tl.arange(0, CHUNK)
-            c_ok = (cs < used)[:, None]
-            rows = (base + cs)[:, None] * G_PAD + g[None, :]     # [CHUNK, G_PAD]
-            mc = tl.load(m_ptr + rows, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
-            wc = tl.where(c_ok, tl.exp(mc - top[None, :]), 0.0)
-            a = tl.load(acc_ptr + rows[:, :, None] * D + d[None, None, :], mask=c_ok[:, :, None], other=0.0,
-                        cache_modifier=".cg")
-            acc += tl.sum(wc[:, :, None] * a, axis=0)
-        tl.store(out_ptr + out_off, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=gmask[:, None])
-
 
 def available(q: torch.Tensor, cache: torch.Tensor) -> bool:
     """Tensor-core dots need head_dim and block size to be powers of two of at least 16."""
@@ -174,30 +135,23 @@ def num_splits(batch: int, kv_heads: int, width: int, device: torch.device) -> i
 
 
 def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                           ctx_lens: torch.Tensor, scale: float, min_run: int = MIN_RUN,
-                           ticket: bool | None = None) -> torch.Tensor:
+                           ctx_lens: torch.Tensor, scale: float, min_run: int = MIN_RUN) -> torch.Tensor:
     """q [B, H, D]; cache [2, blocks, BS, KVH, D]; block_tables [B, W]; ctx_lens [B] -> [B, H, D]. `min_run`:
-    KV blocks per split at least (a context of at most that many blocks runs in one program per KV head).
-    `ticket`: merge the splits in the decode launch (True) or in `_combine_kernel` (False); None: the
-    ticket at most TICKET_SPLITS splits (large batches), the combine launch above (small batches)."""
+    KV blocks per split at least (a context of at most that many blocks runs in one program per KV head)."""
     bsz, h, d = q.shape
     kvh, bs = cache.shape[3], cache.shape[2]
     g = h // kvh
     g_pad = max(16, triton.next_power_of_2(g))
     nsplit = num_splits(bsz, kvh, block_tables.shape[1], q.device)
-    ticket = nsplit <= TICKET_SPLITS if ticket is None else ticket
     m = torch.empty(bsz, kvh, nsplit, g_pad, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(bsz, kvh, nsplit, g_pad, d, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    tickets = triton_decode.counters(cache, q.device) if ticket else m
-    if ticket and bsz * kvh > tickets.numel():
-        raise ValueError(f"paged_decode_attention: {bsz} rows x {kvh} KV heads, more than {tickets.numel()} tickets")
     _paged_decode_kernel[(bsz, kvh, nsplit)](
-        q.contiguous(), cache[0], cache[1], block_tables, ctx_lens, m, l, acc, out, tickets, scale,
+        q.contiguous(), cache[0], cache[1], block_tables, ctx_lens, m, l, acc, out, scale,
         block_tables.stride(0), H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs, NSPLIT=nsplit, MIN_RUN=min_run,
-        TICKET=ticket, IEEE=q.dtype == torch.float32, num_warps=4)
-    if not ticket:
+        IEEE=q.dtype == torch.float32, num_warps=4)
+    if nsplit > 1:                                   # else every context is one run, stored by its program
         _combine_kernel[(bsz, h)](m, l, acc, ctx_lens, out, H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs,
                                   NSPLIT=nsplit, MIN_RUN=min_run, num_warps=4)
     return out

@@ -3,7 +3,8 @@
 `kernel_errors(device)` -> {check name: [max abs error, largest |reference| value]}, on random inputs: the fused
 elementwise kernels (`triton_fused`), the varlen prefill attention (`triton_prefill`, three
 chunks with and without cached context after two decode rows, GQA), the paged decode attention
-(`triton_attention`, a batch and a lone row) and the 8-bit attention (`quant_attention`, 16-bit
+(`triton_attention`, a batch and a lone row, also fed raw qkv rows: norms, rotary and KV write in the
+kernel) and the 8-bit attention (`quant_attention`, 16-bit
 dtypes). benchmarks/check_cuda.py runs
 it on CUDA; tests/layers runs it on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`
 set before triton is imported: `python -m omnistage.layers.kernel_check`), which cannot do
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from omnistage.layers import fused, quant_attention, triton_attention, triton_fused, triton_prefill
-from omnistage.layers.attention import AttentionMetadata, PrefillChunk, attend
+from omnistage.layers.attention import AttentionMetadata, PrefillChunk, attend, rope_attend
 
 
 class _Norm:
@@ -67,6 +68,9 @@ def kernel_errors(device: str, dtypes=(torch.float32, torch.bfloat16), attn_dtyp
             if bs >= 16:                                  # the decode kernel's tensor-core dots need it
                 key = f"decode attention {str(dtype).split('.')[-1]} H{h}/{kvh} D{d} bs{bs}"
                 errs[key] = _decode_error(h, kvh, d, bs, dtype, device, rnd, g)
+                for norm in (False, True):
+                    errs[f"rope decode attention{'+qk_norm' if norm else ''} {key[17:]}"] = _rope_decode_error(
+                        h, kvh, d, bs, dtype, device, rnd, g, norm)
         if dtype in (torch.float16, torch.bfloat16):    # 8-bit attention: P and V are 16-bit by design
             q, k, v = (rnd(2, 3, 150, 64, dtype=dtype) for _ in range(3))
             q8, sq, k8, sk = quant_attention.quantize(q, k)
@@ -121,6 +125,41 @@ def _decode_error(h, kvh, d, bs, dtype, device, rnd, g) -> list[float]:
             fused.ENABLED, triton_attention.triton = saved, saved_triton
         got = triton_attention.paged_decode_attention(q[rows], cache, tables[rows], ctx[rows], d ** -0.5, min_run)
         worst.append(_err(got, ref))
+    return _worst(*worst)
+
+
+def _rope_decode_error(h, kvh, d, bs, dtype, device, rnd, g, norm: bool) -> list[float]:
+    """`triton_attention.rope_decode_attention` (raw qkv rows -> q / k norms, rotary, KV write, decode attention)
+    vs `fused.rotary_and_cache` + `attend` on the reference path: the output and the cache after, for the
+    contexts and splits of `_decode_error` but `min_run` 2 (the new token first in its block, alone in its
+    split, a context of one token). Each row its own blocks: a row's new slot is in no other row's context."""
+    nb, width = 70, 13
+    qkv = rnd(5, (h + 2 * kvh) * d, dtype=dtype)
+    q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+    q, k, v = q.view(5, h, d), k.view(5, kvh, d), v.view(5, kvh, d)
+    ang = 10 * rnd(5, d // 2)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    qn, kn = (_Norm(1 + rnd(d, dtype=dtype, scale=0.1)), _Norm(1 + rnd(d, dtype=dtype, scale=0.1))) if norm \
+        else (None, None)
+    cache = rnd(2, nb, bs, kvh, d, dtype=dtype)
+    ctx = torch.tensor([1, 7, bs, 2 * bs + 1, 13 * bs - 3], device=device)
+    tables = torch.randperm(nb, generator=g)[:5 * width].view(5, width).to(device)
+    pos = ctx - 1
+    slots = tables[torch.arange(5, device=device), pos // bs] * bs + pos % bs
+    worst = []
+    for rows, min_run in ((slice(0, 5), 1), (slice(4, 5), 1), (slice(4, 5), 16)):
+        meta = AttentionMetadata(slot_mapping=slots[rows], num_decodes=q[rows].shape[0],
+                                 decode_block_tables=tables[rows], decode_ctx_lens=ctx[rows])
+        ref_cache, got_cache = cache.clone(), cache.clone()
+        saved, fused.ENABLED = fused.ENABLED, False
+        saved_triton, triton_attention.triton = triton_attention.triton, None
+        try:
+            ref = rope_attend(q[rows], k[rows], v[rows], cos[rows], sin[rows], ref_cache, meta, d ** -0.5, qn, kn)
+        finally:
+            fused.ENABLED, triton_attention.triton = saved, saved_triton
+        got = triton_attention.rope_decode_attention(q[rows], k[rows], v[rows], cos[rows], sin[rows], got_cache,
+                                                     slots[rows], tables[rows], ctx[rows], d ** -0.5, qn, kn, min_run)
+        worst += [_err(got, ref), _err(got_cache, ref_cache)]
     return _worst(*worst)
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from omnistage.layers import triton_fused
+
 try:
     import triton
     import triton.language as tl
@@ -35,10 +37,11 @@ _SM_COUNT: dict = {}
 
 if triton is not None:
     @triton.jit(do_not_specialize=["stride_bt"])      # the table width changes from step to step
-    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, scale,
-                             stride_bt, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                             D: tl.constexpr, BS: tl.constexpr, NSPLIT: tl.constexpr, MIN_RUN: tl.constexpr,
-                             IEEE: tl.constexpr):
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, scale, stride_bt,
+                             stride_q, kn_ptr, vn_ptr, stride_kn, stride_vn, cos_ptr, sin_ptr, stride_cs, slot_ptr,
+                             qw_ptr, kw_ptr, q_eps, k_eps, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
+                             G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NSPLIT: tl.constexpr,
+                             MIN_RUN: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr, IEEE: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -53,24 +56,46 @@ if triton is not None:
             return
         first = sp * run
         last = tl.minimum(first + run, nblocks)
-        q = tl.load(q_ptr + b * H * D + (kh * G + g)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
+        q_rows = q_ptr + b * stride_q + (kh * G + g)[:, None] * D
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         l = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
+        if ROPE:
+            # this step's raw rows: every program rotates its head group's q; the new token's k and v (its
+            # last position) never come from the cache: the program whose split holds that position makes them,
+            # stores them into the token's slot for later steps and starts its softmax with them
+            cs = tl.load(cos_ptr + b * stride_cs + d)
+            sn = tl.load(sin_ptr + b * stride_cs + d)
+            q = _norm_rope(q_rows + d[None, :], q_rows + ((d + D // 2) % D)[None, :], gmask[:, None], d, qw_ptr,
+                           q_eps, cs, sn, D, NORM)
+            cached = ctx - 1
+            if sp == used - 1:
+                k_row = kn_ptr + b * stride_kn + kh * D
+                kn = _norm_rope(k_row + d, k_row + (d + D // 2) % D, d < D, d, kw_ptr, k_eps, cs, sn, D, NORM)
+                vn = tl.load(vn_ptr + b * stride_vn + kh * D + d)
+                slot = tl.load(slot_ptr + b).to(tl.int64) * (KVH * D) + kh * D + d
+                tl.store(k_ptr + slot, kn.to(k_ptr.dtype.element_ty))
+                tl.store(v_ptr + slot, vn.to(v_ptr.dtype.element_ty))
+                m = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], axis=1) * scale
+                l = tl.full([G_PAD], 1.0, tl.float32)
+                acc = acc + vn.to(tl.float32)[None, :]
+        else:
+            q = tl.load(q_rows + d[None, :], mask=gmask[:, None], other=0.0)
+            cached = ctx
         for j in range(first, last):
             blk = tl.load(bt_ptr + b * stride_bt + j).to(tl.int64)
             kv_off = blk * (BS * KVH * D) + t[:, None] * (KVH * D) + kh * D + d[None, :]
-            k = tl.load(k_ptr + kv_off)
+            on = j * BS + t < cached                     # positions read from the cache
+            k = tl.load(k_ptr + kv_off, mask=on[:, None], other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = s * scale
-            s = tl.where((j * BS + t < ctx)[None, :], s, float("-inf"))
+            s = tl.where(on[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
-            v = tl.load(v_ptr + kv_off)
+            v = tl.load(v_ptr + kv_off, mask=on[:, None], other=0.0)
             l = l * alpha + tl.sum(p, axis=1)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -85,6 +110,22 @@ if triton is not None:
             tl.store(m_ptr + (base + sp) * G_PAD + g, m)
             tl.store(l_ptr + (base + sp) * G_PAD + g, l)
             tl.store(acc_ptr + ((base + sp) * G_PAD + g)[:, None] * D + d[None, :], acc)
+
+    @triton.jit
+    def _norm_rope(at, swapped, mask, d, w_ptr, eps, c, s, D: tl.constexpr, NORM: tl.constexpr):
+        """Head rows at `at` ([..., D] pointers) -> per-head RMSNorm (NORM) and rotary, rounded to their dtype as
+        `triton_fused`'s rotary kernel does. `swapped`: the same rows with their halves exchanged; c, s: the
+        token's cos, sin [D] float32."""
+        x = tl.load(at, mask=mask, other=0.0)
+        dt = x.dtype
+        x = x.to(tl.float32)
+        xs = tl.load(swapped, mask=mask, other=0.0).to(tl.float32)
+        if NORM:
+            rstd = tl.rsqrt(tl.sum(x * x, axis=-1, keep_dims=True) / D + eps)
+            x = ((x * rstd).to(dt).to(tl.float32) * tl.load(w_ptr + d).to(tl.float32)).to(dt).to(tl.float32)
+            ws = tl.load(w_ptr + (d + D // 2) % D).to(tl.float32)
+            xs = ((xs * rstd).to(dt).to(tl.float32) * ws).to(dt).to(tl.float32)
+        return (x * c + tl.where(d < D // 2, -xs, xs) * s).to(dt)
 
     @triton.jit
     def _runs(nblocks, NSPLIT: tl.constexpr, MIN_RUN: tl.constexpr):
@@ -136,8 +177,29 @@ def num_splits(batch: int, kv_heads: int, width: int, device: torch.device) -> i
 
 def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                            ctx_lens: torch.Tensor, scale: float, min_run: int = MIN_RUN) -> torch.Tensor:
-    """q [B, H, D]; cache [2, blocks, BS, KVH, D]; block_tables [B, W]; ctx_lens [B] -> [B, H, D]. `min_run`:
-    KV blocks per split at least (a context of at most that many blocks runs in one program per KV head)."""
+    """q [B, H, D] (rotated, this step's k and v already in the cache); cache [2, blocks, BS, KVH, D];
+    block_tables [B, W]; ctx_lens [B] -> [B, H, D]. `min_run`: KV blocks per split at least (a context of at
+    most that many blocks runs in one program per KV head)."""
+    q = q.contiguous()
+    return _launch(q, q.shape[1] * q.shape[2], cache, block_tables, ctx_lens, scale, min_run)
+
+
+def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          cache: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor, ctx_lens: torch.Tensor,
+                          scale: float, q_norm=None, k_norm=None, min_run: int = MIN_RUN) -> torch.Tensor:
+    """`fused.rotary_and_cache` then `paged_decode_attention` in the decode kernel: q [B, H, D], k and v [B, KVH, D],
+    this step's raw rows (may be strided views of one qkv output); cos, sin [B, D] float32; slots [B]: the new
+    token's cache slot, its context's last position; q_norm / k_norm: RMSNorm modules (Qwen3) or None -> [B, H, D]."""
+    q, k, v = triton_fused.head_rows(q), triton_fused.head_rows(k), triton_fused.head_rows(v)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    rope = (k, v, k.stride(0), v.stride(0), cos, sin, cos.stride(0), slots)
+    return _launch(q, q.stride(0), cache, block_tables, ctx_lens, scale, min_run, rope, q_norm, k_norm)
+
+
+def _launch(q, stride_q, cache, block_tables, ctx_lens, scale, min_run, rope=None, q_norm=None,
+            k_norm=None) -> torch.Tensor:
+    """The decode launch (`rope`: the new token's k, v, their row strides, cos, sin, their row stride, slots; None:
+    q is rotated and the cache written already) and the combine launch."""
     bsz, h, d = q.shape
     kvh, bs = cache.shape[3], cache.shape[2]
     g = h // kvh
@@ -146,11 +208,14 @@ def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: t
     m = torch.empty(bsz, kvh, nsplit, g_pad, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(bsz, kvh, nsplit, g_pad, d, dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
+    out = torch.empty(bsz, h, d, dtype=q.dtype, device=q.device)
+    norm = q_norm is not None
+    new = rope if rope is not None else (q, q, 0, 0, q, q, 0, q)     # placeholders the kernel does not read
     _paged_decode_kernel[(bsz, kvh, nsplit)](
-        q.contiguous(), cache[0], cache[1], block_tables, ctx_lens, m, l, acc, out, scale,
-        block_tables.stride(0), H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs, NSPLIT=nsplit, MIN_RUN=min_run,
-        IEEE=q.dtype == torch.float32, num_warps=4)
+        q, cache[0], cache[1], block_tables, ctx_lens, m, l, acc, out, scale, block_tables.stride(0), stride_q, *new,
+        q_norm.weight if norm else q, k_norm.weight if norm else q, q_norm.eps if norm else 0.0,
+        k_norm.eps if norm else 0.0, H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs, NSPLIT=nsplit, MIN_RUN=min_run,
+        ROPE=rope is not None, NORM=norm, IEEE=q.dtype == torch.float32, num_warps=4)
     if nsplit > 1:                                   # else every context is one run, stored by its program
         _combine_kernel[(bsz, h)](m, l, acc, ctx_lens, out, H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs,
                                   NSPLIT=nsplit, MIN_RUN=min_run, num_warps=4)

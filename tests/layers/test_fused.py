@@ -78,7 +78,7 @@ def test_rotary_turns_each_pair_by_position_times_frequency(mrope):
 
 def test_triton_kernels_match_references_in_the_interpreter():
     errs = run_in_interpreter("-m", "omnistage.layers.kernel_check")
-    assert len(errs) == 21                      # every check ran (the last: 8-bit attention, float16)
+    assert len(errs) == 25                      # every check ran (the last: 8-bit attention, float16)
     for name, (err, peak) in errs.items():
         assert err <= kernel_check.limit(name) * peak, (name, err, peak)
 

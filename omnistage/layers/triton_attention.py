@@ -1,7 +1,10 @@
 """Triton paged-decode attention for CUDA (one new token per sequence, GQA-aware, split context).
 
 In: q [B, H, D] (one row per sequence), the paged KV cache, block tables and context lengths. Out: [B, H, D].
-Runs in the stage process, inside the decode CUDA graphs.
+Runs in the stage process, inside the decode CUDA graphs. Two entries, one kernel:
+  paged_decode_attention   q already rotated, this step's k and v already in the cache
+  rope_decode_attention    this step's raw q, k, v rows (the qkv output), cos / sin rows, slots and optional
+                           q / k RMSNorm weights: what `fused.rotary_and_cache` does, done in the decode kernel
 
 Grid (sequence, KV head, split). A sequence's context is cut into runs of at least MIN_RUN KV blocks,
 at most NSPLIT of them (the run length follows the real context, read on the device); each program
@@ -16,7 +19,15 @@ depends only on the batch size (enough programs to fill the GPU: a batch-1 decod
 over up to 64 programs, a 256-row batch uses 1-2 per sequence), so the grid and the merge are static
 under CUDA graphs while the work per program follows the context; programs past the context's runs
 exit at once. Must give the same result as the SDPA reference path in attention.py.
+
+With raw rows, every program normalises and rotates its head group's q in registers (cheap next to its K/V
+reads, and no q round trip through memory). The new token's k and v are never read from the cache: the
+program whose split holds the last position makes them (k: norm + rotary), stores them into the token's
+slot for later steps and seeds its online softmax with them; every program's cache loads are masked to
+the positions before it. Rounding follows `triton_fused`'s rotary kernel, so the result equals
+`rotary_and_cache` + `paged_decode_attention` up to float32 summation order.
 """
+
 from __future__ import annotations
 
 import torch

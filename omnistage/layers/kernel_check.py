@@ -39,9 +39,9 @@ def _worst(*errs: list[float]) -> list[float]:
 
 
 def kernel_errors(device: str, dtypes=(torch.float32, torch.bfloat16), attn_dtypes=None,
-                  big: bool = False) -> dict[str, list[float]]:
+                  big: bool = False, decode_only: bool = False) -> dict[str, list[float]]:
     """[max abs error, largest |reference|] of each kernel vs its reference. `big` adds model-sized shapes (7B: hidden 3584,
-    28 / 4 heads of 128)."""
+    28 / 4 heads of 128); `decode_only`: the paged decode attention checks alone."""
     g = torch.Generator().manual_seed(0)
 
     def rnd(*shape, dtype=torch.float32, scale=1.0):
@@ -49,7 +49,7 @@ def kernel_errors(device: str, dtypes=(torch.float32, torch.bfloat16), attn_dtyp
 
     errs: dict[str, list[float]] = {}
     heads = [(12, 2, 64, 16), (4, 4, 32, 8)] + ([(28, 4, 128, 16)] if big else [])
-    for dtype in dtypes:
+    for dtype in () if decode_only else dtypes:
         tag = str(dtype).split(".")[-1]
         n, inter = (3584, 18944) if big else (96, 80)
         x, r, w = rnd(7, n, dtype=dtype), rnd(7, n, dtype=dtype), 1 + rnd(n, dtype=dtype, scale=0.1)
@@ -64,14 +64,15 @@ def kernel_errors(device: str, dtypes=(torch.float32, torch.bfloat16), attn_dtyp
     for dtype in attn_dtypes or dtypes:
         for h, kvh, d, bs in heads:
             key = f"prefill attention {str(dtype).split('.')[-1]} H{h}/{kvh} D{d} bs{bs}"
-            errs[key] = _prefill_error(h, kvh, d, bs, dtype, device, rnd, g)
+            if not decode_only:
+                errs[key] = _prefill_error(h, kvh, d, bs, dtype, device, rnd, g)
             if bs >= 16:                                  # the decode kernel's tensor-core dots need it
                 key = f"decode attention {str(dtype).split('.')[-1]} H{h}/{kvh} D{d} bs{bs}"
                 errs[key] = _decode_error(h, kvh, d, bs, dtype, device, rnd, g)
                 for norm in (False, True):
                     errs[f"rope decode attention{'+qk_norm' if norm else ''} {key[17:]}"] = _rope_decode_error(
                         h, kvh, d, bs, dtype, device, rnd, g, norm)
-        if dtype in (torch.float16, torch.bfloat16):    # 8-bit attention: P and V are 16-bit by design
+        if dtype in (torch.float16, torch.bfloat16) and not decode_only:    # 8-bit attention: P and V are 16-bit by design
             q, k, v = (rnd(2, 3, 150, 64, dtype=dtype) for _ in range(3))
             q8, sq, k8, sk = quant_attention.quantize(q, k)
             got = torch.ops.omnistage.sage_fwd(q8, sq, k8, sk, v, 0.125)

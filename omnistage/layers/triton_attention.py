@@ -67,6 +67,14 @@ if triton is not None:
             return
         first = sp * run
         last = tl.minimum(first + run, nblocks)
+        if ROPE:
+            cached = ctx - 1                             # the new token's k and v come from registers (below)
+        else:
+            cached = ctx
+        # the run's first block is loaded before the q work, so its latency (table entry, then K and V)
+        # overlaps the q norm and rotary
+        bt_row = bt_ptr + b * stride_bt
+        k, v, on = _kv_block(k_ptr, v_ptr, bt_row, first, kh, cached, t, d, KVH, D, BS)
         q_rows = q_ptr + b * stride_q + (kh * G + g)[:, None] * D
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         l = tl.zeros([G_PAD], tl.float32)
@@ -79,7 +87,6 @@ if triton is not None:
             sn = tl.load(sin_ptr + b * stride_cs + d)
             q = _norm_rope(q_rows + d[None, :], q_rows + ((d + D // 2) % D)[None, :], gmask[:, None], d, qw_ptr,
                            q_eps, cs, sn, D, NORM)
-            cached = ctx - 1
             if sp == used - 1:
                 k_row = kn_ptr + b * stride_kn + kh * D
                 kn = _norm_rope(k_row + d, k_row + (d + D // 2) % D, d < D, d, kw_ptr, k_eps, cs, sn, D, NORM)
@@ -92,27 +99,10 @@ if triton is not None:
                 acc = acc + vn.to(tl.float32)[None, :]
         else:
             q = tl.load(q_rows + d[None, :], mask=gmask[:, None], other=0.0)
-            cached = ctx
-        for j in range(first, last):
-            blk = tl.load(bt_ptr + b * stride_bt + j).to(tl.int64)
-            kv_off = blk * (BS * KVH * D) + t[:, None] * (KVH * D) + kh * D + d[None, :]
-            on = j * BS + t < cached                     # positions read from the cache
-            k = tl.load(k_ptr + kv_off, mask=on[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(on[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            v = tl.load(v_ptr + kv_off, mask=on[:, None], other=0.0)
-            l = l * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+        m, l, acc = _online_softmax(q, k, v, on, m, l, acc, scale, IEEE)
+        for j in range(first + 1, last):
+            k, v, on = _kv_block(k_ptr, v_ptr, bt_row, j, kh, cached, t, d, KVH, D, BS)
+            m, l, acc = _online_softmax(q, k, v, on, m, l, acc, scale, IEEE)
         out_off = b * H * D + (kh * G + g)[:, None] * D + d[None, :]
         if used == 1:                                    # a short context: the whole of it in this program
             tl.store(out_ptr + out_off, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=gmask[:, None])
@@ -121,6 +111,34 @@ if triton is not None:
             tl.store(m_ptr + (base + sp) * G_PAD + g, m)
             tl.store(l_ptr + (base + sp) * G_PAD + g, l)
             tl.store(acc_ptr + ((base + sp) * G_PAD + g)[:, None] * D + d[None, :], acc)
+
+    @triton.jit
+    def _kv_block(k_ptr, v_ptr, bt_row, j, kh, cached, t, d, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
+        """Block `j` of a table row: K and V [BS, D] of KV head `kh` at positions < `cached` (0 past them), and
+        that mask [BS]."""
+        blk = tl.load(bt_row + j).to(tl.int64)
+        off = blk * (BS * KVH * D) + t[:, None] * (KVH * D) + kh * D + d[None, :]
+        on = j * BS + t < cached
+        return (tl.load(k_ptr + off, mask=on[:, None], other=0.0), tl.load(v_ptr + off, mask=on[:, None], other=0.0),
+                on)
+
+    @triton.jit
+    def _online_softmax(q, k, v, on, m, l, acc, scale, IEEE: tl.constexpr):
+        """(max, sum, weighted values) of the head group's rows after one more block of keys (`on`: its real ones)."""
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(on[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l, acc
 
     @triton.jit
     def _norm_rope(at, swapped, mask, d, w_ptr, eps, c, s, D: tl.constexpr, NORM: tl.constexpr):

@@ -25,7 +25,11 @@ reads, and no q round trip through memory). The new token's k and v are never re
 program whose split holds the last position makes them (k: norm + rotary), stores them into the token's
 slot for later steps and seeds its online softmax with them; every program's cache loads are masked to
 the positions before it. Rounding follows `triton_fused`'s rotary kernel, so the result equals
-`rotary_and_cache` + `paged_decode_attention` up to float32 summation order.
+`rotary_and_cache` + `paged_decode_attention` up to float32 summation order. At batch 1 a program is one
+chain of memory latencies (context length -> table entry -> K, V), so the program orders its work around
+it: the raw rows, cos / sin and norm weights are loaded first (they depend on nothing), and the norms and
+rotary run while the first table entry loads (H200, thinker bs1: q work placed before the chain measured
+5.03 us per decode launch, the kernel fed rotated q 3.65).
 """
 
 from __future__ import annotations
@@ -61,6 +65,26 @@ if triton is not None:
         t = tl.arange(0, BS)
         gmask = g < G
         ctx = tl.load(ctx_ptr + b)
+        q_rows = q_ptr + b * stride_q + (kh * G + g)[:, None] * D
+        dd = d[None, :]                                  # every [D] row as [1, D]: one layout with q's rows
+        swap = (dd + D // 2) % D                         # rotate-half: each element's partner
+        if ROPE:
+            # this step's raw rows first: their loads need nothing else, so their latency hides behind the
+            # context's (context length -> table entry -> K, V); see the module docstring
+            qx = tl.load(q_rows + dd, mask=gmask[:, None], other=0.0)
+            qs = tl.load(q_rows + swap, mask=gmask[:, None], other=0.0)
+            k_row = kn_ptr + b * stride_kn + kh * D
+            kx = tl.load(k_row + dd)
+            ks = tl.load(k_row + swap)
+            vn = tl.load(vn_ptr + b * stride_vn + kh * D + dd)
+            slot = tl.load(slot_ptr + b).to(tl.int64) * (KVH * D) + kh * D + dd
+            cs = tl.load(cos_ptr + b * stride_cs + dd)
+            sn = tl.load(sin_ptr + b * stride_cs + dd)
+            if NORM:
+                qw, qws = tl.load(qw_ptr + dd).to(tl.float32), tl.load(qw_ptr + swap).to(tl.float32)
+                kw, kws = tl.load(kw_ptr + dd).to(tl.float32), tl.load(kw_ptr + swap).to(tl.float32)
+            else:
+                qw, qws, kw, kws = cs, cs, cs, cs        # unused
         nblocks = tl.cdiv(ctx, BS)
         run, used = _runs(nblocks, NSPLIT, MIN_RUN)       # splits past `used` have no blocks: they exit
         if sp >= used:
@@ -71,37 +95,29 @@ if triton is not None:
             cached = ctx - 1                             # the new token's k and v come from registers (below)
         else:
             cached = ctx
-        # the run's first block is loaded before the q work, so its latency (table entry, then K and V)
-        # overlaps the q norm and rotary
         bt_row = bt_ptr + b * stride_bt
-        k, v, on = _kv_block(k_ptr, v_ptr, bt_row, first, kh, cached, t, d, KVH, D, BS)
-        q_rows = q_ptr + b * stride_q + (kh * G + g)[:, None] * D
+        blk = tl.load(bt_row + first)                    # the run's first block: the q work runs while it loads
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         l = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
         if ROPE:
-            # this step's raw rows: every program rotates its head group's q; the new token's k and v (its
-            # last position) never come from the cache: the program whose split holds that position makes them,
-            # stores them into the token's slot for later steps and starts its softmax with them
-            cs = tl.load(cos_ptr + b * stride_cs + d)
-            sn = tl.load(sin_ptr + b * stride_cs + d)
-            q = _norm_rope(q_rows + d[None, :], q_rows + ((d + D // 2) % D)[None, :], gmask[:, None], d, qw_ptr,
-                           q_eps, cs, sn, D, NORM)
+            # every program rotates its head group's q; the new token's k and v (its last position) never come
+            # from the cache: the program whose split holds that position makes them, stores them into the
+            # token's slot for later steps and starts its softmax with them
+            q = _norm_rope(qx, qs, qw, qws, q_eps, cs, sn, dd, D, NORM)
             if sp == used - 1:
-                k_row = kn_ptr + b * stride_kn + kh * D
-                kn = _norm_rope(k_row + d, k_row + (d + D // 2) % D, d < D, d, kw_ptr, k_eps, cs, sn, D, NORM)
-                vn = tl.load(vn_ptr + b * stride_vn + kh * D + d)
-                slot = tl.load(slot_ptr + b).to(tl.int64) * (KVH * D) + kh * D + d
+                kn = _norm_rope(kx, ks, kw, kws, k_eps, cs, sn, dd, D, NORM)
                 tl.store(k_ptr + slot, kn.to(k_ptr.dtype.element_ty))
                 tl.store(v_ptr + slot, vn.to(v_ptr.dtype.element_ty))
-                m = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], axis=1) * scale
+                m = tl.sum(q.to(tl.float32) * kn.to(tl.float32), axis=1) * scale
                 l = tl.full([G_PAD], 1.0, tl.float32)
-                acc = acc + vn.to(tl.float32)[None, :]
+                acc = acc + vn.to(tl.float32)
         else:
-            q = tl.load(q_rows + d[None, :], mask=gmask[:, None], other=0.0)
+            q = tl.load(q_rows + dd, mask=gmask[:, None], other=0.0)
+        k, v, on = _kv_block(k_ptr, v_ptr, blk, first, kh, cached, t, d, KVH, D, BS)
         m, l, acc = _online_softmax(q, k, v, on, m, l, acc, scale, IEEE)
         for j in range(first + 1, last):
-            k, v, on = _kv_block(k_ptr, v_ptr, bt_row, j, kh, cached, t, d, KVH, D, BS)
+            k, v, on = _kv_block(k_ptr, v_ptr, tl.load(bt_row + j), j, kh, cached, t, d, KVH, D, BS)
             m, l, acc = _online_softmax(q, k, v, on, m, l, acc, scale, IEEE)
         out_off = b * H * D + (kh * G + g)[:, None] * D + d[None, :]
         if used == 1:                                    # a short context: the whole of it in this program
@@ -113,11 +129,10 @@ if triton is not None:
             tl.store(acc_ptr + ((base + sp) * G_PAD + g)[:, None] * D + d[None, :], acc)
 
     @triton.jit
-    def _kv_block(k_ptr, v_ptr, bt_row, j, kh, cached, t, d, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
-        """Block `j` of a table row: K and V [BS, D] of KV head `kh` at positions < `cached` (0 past them), and
-        that mask [BS]."""
-        blk = tl.load(bt_row + j).to(tl.int64)
-        off = blk * (BS * KVH * D) + t[:, None] * (KVH * D) + kh * D + d[None, :]
+    def _kv_block(k_ptr, v_ptr, blk, j, kh, cached, t, d, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
+        """Cache block `blk`, the `j`-th of a sequence: K and V [BS, D] of KV head `kh` at positions < `cached`
+        (0 past them), and that mask [BS]."""
+        off = blk.to(tl.int64) * (BS * KVH * D) + t[:, None] * (KVH * D) + kh * D + d[None, :]
         on = j * BS + t < cached
         return (tl.load(k_ptr + off, mask=on[:, None], other=0.0), tl.load(v_ptr + off, mask=on[:, None], other=0.0),
                 on)
@@ -141,18 +156,16 @@ if triton is not None:
         return m_new, l, acc
 
     @triton.jit
-    def _norm_rope(at, swapped, mask, d, w_ptr, eps, c, s, D: tl.constexpr, NORM: tl.constexpr):
-        """Head rows at `at` ([..., D] pointers) -> per-head RMSNorm (NORM) and rotary, rounded to their dtype as
-        `triton_fused`'s rotary kernel does. `swapped`: the same rows with their halves exchanged; c, s: the
-        token's cos, sin [D] float32."""
-        x = tl.load(at, mask=mask, other=0.0)
+    def _norm_rope(x, xs, w, ws, eps, c, s, d, D: tl.constexpr, NORM: tl.constexpr):
+        """Head rows x [..., D] -> per-head RMSNorm (NORM: weights w) and rotary, rounded to x's dtype as
+        `triton_fused`'s rotary kernel does. xs, ws: x and w with their halves exchanged; c, s: the token's
+        cos, sin [D] float32."""
         dt = x.dtype
         x = x.to(tl.float32)
-        xs = tl.load(swapped, mask=mask, other=0.0).to(tl.float32)
+        xs = xs.to(tl.float32)
         if NORM:
             rstd = tl.rsqrt(tl.sum(x * x, axis=-1, keep_dims=True) / D + eps)
-            x = ((x * rstd).to(dt).to(tl.float32) * tl.load(w_ptr + d).to(tl.float32)).to(dt).to(tl.float32)
-            ws = tl.load(w_ptr + (d + D // 2) % D).to(tl.float32)
+            x = ((x * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
             xs = ((xs * rstd).to(dt).to(tl.float32) * ws).to(dt).to(tl.float32)
         return (x * c + tl.where(d < D // 2, -xs, xs) * s).to(dt)
 

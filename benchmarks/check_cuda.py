@@ -1,8 +1,9 @@
 """GPU correctness checks of the CUDA fast paths (run on the GPU machine before benchmarks).
 
 - Triton paged-decode attention equals the SDPA reference path (fp32 and bf16, GQA, ragged contexts).
-- Every kernel of layers.fused / triton_prefill equals its PyTorch reference (`layers.kernel_check`,
-  fp32 and bf16, 7B-sized shapes too): max abs error beside the reference's largest value.
+- Every kernel of layers.fused / triton_prefill / triton_attention (the decode entry with the q/k norms,
+  rotary and KV write folded in too) equals its PyTorch reference (`layers.kernel_check`, fp32 and bf16,
+  7B-sized shapes too): max abs error beside the reference's largest value.
 - Greedy bf16 ids of a 7B-shaped random Qwen2 (4 prompts, 128 new tokens): the served path (fused
   kernels, CUDA graphs) and the unfused path with graphs, each against the eager PyTorch reference
   path (no Triton at all); first divergence per prompt.

@@ -12,9 +12,11 @@ the engine logs:
     per expert; the decode-size MoE tiles are chosen per row count) and of its integer arguments'
     specialisation (== 1, divisible by 16), and row counts T and pairs T * top-k fall in these
     classes at odd, even and multiple-of-16 T;
-  * eager decode steps (decode-only forwards outside the graphs, as a step mixing decodes with a
-    prefill runs them) at power-of-two batch sizes and block-table widths `DECODE_WIDTHS`: the decode
-    attention's split count is a constexpr set by both, and its table stride is an integer argument;
+  * eager decode steps (decode-only forwards outside the graphs) at power-of-two batch sizes and
+    block-table widths `DECODE_WIDTHS`: the decode attention's split count is a constexpr set by both,
+    and its table stride is an integer argument. A decode-only forward runs the decode kernel with the
+    rotary folded in; a step mixing decodes with a prefill runs its other variant (q rotated first,
+    `attention.attend`), so each shape also runs that once;
   * the model's `frame_head` (a multi-codebook talker's code predictor), called as the runner calls
     it after sampling (`ModelRunner._frames`), for one sampled and one greedy request's rows at every
     decode batch size the engine captured: its per-batch-size CUDA graphs are captured here instead
@@ -36,7 +38,7 @@ import torch
 
 from omnistage.ar.runner import profile_step, split_outputs
 from omnistage.ar.sampler import SamplingBatch
-from omnistage.layers.attention import AttentionMetadata
+from omnistage.layers.attention import AttentionMetadata, attend
 from omnistage.params import SamplingParams
 
 ENABLED = os.environ.get("OMNISTAGE_AR_WARMUP", "1") != "0"   # 0: skip it (to measure a cold first request)
@@ -71,13 +73,18 @@ def decode_shapes(decode_sizes: list[int], max_blocks: int) -> list[tuple[int, i
 @torch.inference_mode()
 def decode_step(model, rows: int, width: int, slot: int, device: torch.device) -> None:
     """One eager decode-only forward of `rows` rows at context 1 over [rows, width] block tables (block
-    0), keys and values into cache slot `slot`, and the logits."""
+    0), keys and values into cache slot `slot`, and the logits; then the decode attention of the first
+    layer's shape as a mixed step runs it (reads the cache only)."""
     long = dict(dtype=torch.long, device=device)
     meta = AttentionMetadata(slot_mapping=torch.full((rows,), slot, **long), num_decodes=rows,
                              decode_block_tables=torch.zeros(rows, width, **long),
                              decode_ctx_lens=torch.ones(rows, **long))
     out = model(torch.zeros(rows, **long), torch.zeros(rows, **long), meta)
     model.compute_logits(split_outputs(out)[0])
+    attn = model.attention_layers[0]
+    q = torch.zeros(rows, attn.num_heads, attn.head_dim, dtype=attn.kv_cache.dtype, device=device)
+    kv = q[:, :attn.num_kv_heads]
+    attend(q, kv, kv, attn.kv_cache, meta, attn.head_dim ** -0.5)
 
 
 @torch.inference_mode()

@@ -1,12 +1,13 @@
 """Paged attention over the engine's KV cache (runs in the stage's process, CPU or CUDA).
 
 The runner flattens one step's tokens as [decode tokens of D sequences | prefill chunks ...] and
-describes them with `AttentionMetadata`. Each attention layer writes the step's keys and values into
-its cache slots (`write_kv`, or fused into the rotary kernel on CUDA), then attends (`attend`):
+describes them with `AttentionMetadata`. A decoder's attention hands its raw q, k, v rows to
+`rope_attend`: (q / k norms) rotary and the KV-cache write (`fused.rotary_and_cache`), then `attend`:
 decodes in one batched call over their gathered block tables, prefill chunks each against its own
 context. The plain PyTorch path (SDPA, one call per prefill chunk) is the reference and the CPU path;
 on CUDA the decodes run `triton_attention` and all prefill chunks one `triton_prefill` launch, whose
-chunk tensors are built once per forward and kept on the metadata.
+chunk tensors are built once per forward and kept on the metadata. A decode-only step on CUDA runs
+the norms, rotary and KV write inside the decode kernel too (`triton_attention.rope_decode_attention`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,26 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     """q [T, H, D], k/v [T, KVH, D] (this step's, already rotated) -> out [T, H, D]."""
     write_kv(cache, k, v, meta.slot_mapping)
     return attend(q, k, v, cache, meta, scale)
+
+
+def rope_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: torch.Tensor, meta: AttentionMetadata, scale: float, q_norm=None, k_norm=None) -> torch.Tensor:
+    """This step's raw q [T, H, D], k and v [T, KVH, D] (views of the qkv output) and rotary rows cos, sin
+    [T, D] -> optional per-head RMSNorm (`q_norm` / `k_norm` modules), rotary, k and v into their cache slots,
+    attention -> [T, H, D]. One kernel pair on a decode-only step on CUDA (`decode_fuses`)."""
+    if decode_fuses(q, cache, meta):
+        return triton_attention.rope_decode_attention(q, k, v, cos, sin, cache, meta.slot_mapping,
+                                                      meta.decode_block_tables, meta.decode_ctx_lens, scale,
+                                                      q_norm, k_norm)
+    q, k = fused.rotary_and_cache(q, k, v, cos, sin, cache, meta.slot_mapping, q_norm, k_norm)
+    return attend(q, k, v, cache, meta, scale)
+
+
+def decode_fuses(q: torch.Tensor, cache: Optional[torch.Tensor], meta: AttentionMetadata) -> bool:
+    """Whether `rope_attend` runs in the decode kernel: every row a one-token decode, on CUDA with the kernels
+    on, head_dim and block size as the decode kernel needs (`triton_attention.available`)."""
+    return (cache is not None and meta.num_decodes == q.shape[0] > 0 and not meta.prefills
+            and fused.use_triton(q) and triton_attention.available(q, cache))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,

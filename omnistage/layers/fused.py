@@ -8,6 +8,8 @@ reference: the CPU path, and what the kernels are checked against (tests/layers,
   rotary_and_cache(q, k, v, cos, sin, cache, slots, q_norm, k_norm)
                                             optional per-head RMSNorm (Qwen3), rotary on q and k,
                                             this step's k and v into their KV-cache slots -> q, k
+                                            (a decode-only CUDA step does all of it inside the decode
+                                            attention kernel instead: `attention.rope_attend`)
   silu_and_mul(x)                           x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]
 
 The references round to the model dtype after each PyTorch op, as the unfused model always did;

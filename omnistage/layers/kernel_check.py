@@ -3,7 +3,8 @@
 `kernel_errors(device)` -> {check name: [max abs error, largest |reference| value]}, on random inputs: the fused
 elementwise kernels (`triton_fused`), the varlen prefill attention (`triton_prefill`, three
 chunks with and without cached context after two decode rows, GQA), the paged decode attention
-(`triton_attention`, a batch and a lone row) and the 8-bit attention (`quant_attention`, 16-bit
+(`triton_attention`, a batch and a lone row, also fed raw qkv rows: norms, rotary and KV write in the
+kernel) and the 8-bit attention (`quant_attention`, 16-bit
 dtypes). benchmarks/check_cuda.py runs
 it on CUDA; tests/layers runs it on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1`
 set before triton is imported: `python -m omnistage.layers.kernel_check`), which cannot do
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from omnistage.layers import fused, quant_attention, triton_attention, triton_fused, triton_prefill
-from omnistage.layers.attention import AttentionMetadata, PrefillChunk, attend
+from omnistage.layers.attention import AttentionMetadata, PrefillChunk, attend, rope_attend
 
 
 class _Norm:
@@ -38,9 +39,9 @@ def _worst(*errs: list[float]) -> list[float]:
 
 
 def kernel_errors(device: str, dtypes=(torch.float32, torch.bfloat16), attn_dtypes=None,
-                  big: bool = False) -> dict[str, list[float]]:
+                  big: bool = False, decode_only: bool = False) -> dict[str, list[float]]:
     """[max abs error, largest |reference|] of each kernel vs its reference. `big` adds model-sized shapes (7B: hidden 3584,
-    28 / 4 heads of 128)."""
+    28 / 4 heads of 128); `decode_only`: the paged decode attention checks alone."""
     g = torch.Generator().manual_seed(0)
 
     def rnd(*shape, dtype=torch.float32, scale=1.0):
@@ -48,7 +49,7 @@ def kernel_errors(device: str, dtypes=(torch.float32, torch.bfloat16), attn_dtyp
 
     errs: dict[str, list[float]] = {}
     heads = [(12, 2, 64, 16), (4, 4, 32, 8)] + ([(28, 4, 128, 16)] if big else [])
-    for dtype in dtypes:
+    for dtype in () if decode_only else dtypes:
         tag = str(dtype).split(".")[-1]
         n, inter = (3584, 18944) if big else (96, 80)
         x, r, w = rnd(7, n, dtype=dtype), rnd(7, n, dtype=dtype), 1 + rnd(n, dtype=dtype, scale=0.1)
@@ -63,11 +64,15 @@ def kernel_errors(device: str, dtypes=(torch.float32, torch.bfloat16), attn_dtyp
     for dtype in attn_dtypes or dtypes:
         for h, kvh, d, bs in heads:
             key = f"prefill attention {str(dtype).split('.')[-1]} H{h}/{kvh} D{d} bs{bs}"
-            errs[key] = _prefill_error(h, kvh, d, bs, dtype, device, rnd, g)
+            if not decode_only:
+                errs[key] = _prefill_error(h, kvh, d, bs, dtype, device, rnd, g)
             if bs >= 16:                                  # the decode kernel's tensor-core dots need it
                 key = f"decode attention {str(dtype).split('.')[-1]} H{h}/{kvh} D{d} bs{bs}"
                 errs[key] = _decode_error(h, kvh, d, bs, dtype, device, rnd, g)
-        if dtype in (torch.float16, torch.bfloat16):    # 8-bit attention: P and V are 16-bit by design
+                for norm in (False, True):
+                    errs[f"rope decode attention{'+qk_norm' if norm else ''} {key[17:]}"] = _rope_decode_error(
+                        h, kvh, d, bs, dtype, device, rnd, g, norm)
+        if dtype in (torch.float16, torch.bfloat16) and not decode_only:    # 8-bit attention: P and V are 16-bit by design
             q, k, v = (rnd(2, 3, 150, 64, dtype=dtype) for _ in range(3))
             q8, sq, k8, sk = quant_attention.quantize(q, k)
             got = torch.ops.omnistage.sage_fwd(q8, sq, k8, sk, v, 0.125)
@@ -101,18 +106,15 @@ def _rotary_errors(h, kvh, d, bs, dtype, device, rnd, g) -> dict[str, list[float
 def _decode_error(h, kvh, d, bs, dtype, device, rnd, g) -> list[float]:
     """Paged decode attention of a 5-row batch and of one row alone (the split counts differ: a lone
     row spreads its context over more programs, leaving some splits empty) vs the SDPA path: contexts of
-    one run (stored by their program) and of several, merged by the last split's program (ticket) or by
-    the combine launch; the lone row also with one program over its whole context (`min_run` 16)."""
+    one run (stored by their program) and of several (merged by the combine launch), runs of >= 1 and 2
+    blocks; the lone row also with one program over its whole context (`min_run` 16)."""
     nb = 40
     cache = rnd(2, nb, bs, kvh, d, dtype=dtype)
     ctx = torch.tensor([1, 7, bs, 2 * bs + 1, 13 * bs - 3], device=device)
     tables = torch.stack([torch.randperm(nb, generator=g)[:13] for _ in range(5)]).to(device)
     q = rnd(5, h, d, dtype=dtype)
     worst = []
-    # (rows, min_run, ticket): the rule's merge for each (the batch: ticket; the lone row: combine launch),
-    # then the other merge for each, and a lone row in one program (min_run 16: no merge at all)
-    for rows, min_run, ticket in ((slice(0, 5), 1, None), (slice(4, 5), 1, None), (slice(0, 5), 2, False),
-                                  (slice(4, 5), 2, True), (slice(4, 5), 16, None)):
+    for rows, min_run in ((slice(0, 5), 1), (slice(4, 5), 1), (slice(0, 5), 2), (slice(4, 5), 16)):
         meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long, device=device),
                                  num_decodes=q[rows].shape[0], decode_block_tables=tables[rows],
                                  decode_ctx_lens=ctx[rows])
@@ -122,9 +124,43 @@ def _decode_error(h, kvh, d, bs, dtype, device, rnd, g) -> list[float]:
             ref = attend(q[rows], q[rows], q[rows], cache, meta, d ** -0.5)
         finally:
             fused.ENABLED, triton_attention.triton = saved, saved_triton
-        got = triton_attention.paged_decode_attention(q[rows], cache, tables[rows], ctx[rows], d ** -0.5, min_run,
-                                                      ticket)
+        got = triton_attention.paged_decode_attention(q[rows], cache, tables[rows], ctx[rows], d ** -0.5, min_run)
         worst.append(_err(got, ref))
+    return _worst(*worst)
+
+
+def _rope_decode_error(h, kvh, d, bs, dtype, device, rnd, g, norm: bool) -> list[float]:
+    """`triton_attention.rope_decode_attention` (raw qkv rows -> q / k norms, rotary, KV write, decode attention)
+    vs `fused.rotary_and_cache` + `attend` on the reference path: the output and the cache after, for the
+    contexts and splits of `_decode_error` but `min_run` 2 (the new token first in its block, alone in its
+    split, a context of one token). Each row its own blocks: a row's new slot is in no other row's context."""
+    nb, width = 70, 13
+    qkv = rnd(5, (h + 2 * kvh) * d, dtype=dtype)
+    q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
+    q, k, v = q.view(5, h, d), k.view(5, kvh, d), v.view(5, kvh, d)
+    ang = 10 * rnd(5, d // 2)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    qn, kn = (_Norm(1 + rnd(d, dtype=dtype, scale=0.1)), _Norm(1 + rnd(d, dtype=dtype, scale=0.1))) if norm \
+        else (None, None)
+    cache = rnd(2, nb, bs, kvh, d, dtype=dtype)
+    ctx = torch.tensor([1, 7, bs, 2 * bs + 1, 13 * bs - 3], device=device)
+    tables = torch.randperm(nb, generator=g)[:5 * width].view(5, width).to(device)
+    pos = ctx - 1
+    slots = tables[torch.arange(5, device=device), pos // bs] * bs + pos % bs
+    worst = []
+    for rows, min_run in ((slice(0, 5), 1), (slice(4, 5), 1), (slice(4, 5), 16)):
+        meta = AttentionMetadata(slot_mapping=slots[rows], num_decodes=q[rows].shape[0],
+                                 decode_block_tables=tables[rows], decode_ctx_lens=ctx[rows])
+        ref_cache, got_cache = cache.clone(), cache.clone()
+        saved, fused.ENABLED = fused.ENABLED, False
+        saved_triton, triton_attention.triton = triton_attention.triton, None
+        try:
+            ref = rope_attend(q[rows], k[rows], v[rows], cos[rows], sin[rows], ref_cache, meta, d ** -0.5, qn, kn)
+        finally:
+            fused.ENABLED, triton_attention.triton = saved, saved_triton
+        got = triton_attention.rope_decode_attention(q[rows], k[rows], v[rows], cos[rows], sin[rows], got_cache,
+                                                     slots[rows], tables[rows], ctx[rows], d ** -0.5, qn, kn, min_run)
+        worst += [_err(got, ref), _err(got_cache, ref_cache)]
     return _worst(*worst)
 
 

@@ -1,31 +1,42 @@
 """Triton paged-decode attention for CUDA (one new token per sequence, GQA-aware, split context).
 
 In: q [B, H, D] (one row per sequence), the paged KV cache, block tables and context lengths. Out: [B, H, D].
-Runs in the stage process, inside the decode CUDA graphs.
+Runs in the stage process, inside the decode CUDA graphs. Two entries, one kernel:
+  paged_decode_attention   q already rotated, this step's k and v already in the cache
+  rope_decode_attention    this step's raw q, k, v rows (the qkv output), cos / sin rows, slots and optional
+                           q / k RMSNorm weights: what `fused.rotary_and_cache` does, done in the decode kernel
 
 Grid (sequence, KV head, split). A sequence's context is cut into runs of at least MIN_RUN KV blocks,
 at most NSPLIT of them (the run length follows the real context, read on the device); each program
 walks its run of the block table with an online softmax, serving all query heads of its KV head with
 tensor-core dots (the head group is padded to 16 rows). A context of one run is finished in its
 program: the output is stored directly. Longer contexts write a partial (max, sum, weighted values)
-triple per run, merged either in the same launch -- each program takes a ticket from a per-(sequence,
-KV head) counter, the one with the last ticket merges the runs in run order (deterministic) and
-resets the counter (so a graph replays it as captured) -- or by a combine launch (one program per
-sequence and query head, its splits in one vector load). The ticket merge serves up to TICKET_SPLITS
-splits (large batches: it saves the combine launch); above, one program merging many runs for a whole
-head group is a longer serial tail than the combine launch (H200, batch 1, 128-256 tokens: 8.8 us vs
-3.4 + 3.1), so small batches keep the combine launch. NSPLIT depends only on the batch size (enough
-programs to fill the GPU: a batch-1 decode spreads its context over up to 64 programs, a 256-row
-batch uses 1-2 per sequence), so the grid and the merge are static under CUDA graphs while the work
-per program follows the context; programs past the context's runs exit at once.
-Must give the same result as the SDPA reference path in attention.py.
+triple per run, merged by a combine launch (one program per sequence and query head, its splits in one
+vector load). A merge inside the decode launch (the last program of a (sequence, KV head) to take a
+ticket merging all runs) was measured slower than decode + combine at every batch and context on an
+H200 (64 rows x 256 tokens: 41.7 vs 21.4 us; batch 1 x 256: 28.7 vs 5.6), so there is none. NSPLIT
+depends only on the batch size (enough programs to fill the GPU: a batch-1 decode spreads its context
+over up to 64 programs, a 256-row batch uses 1-2 per sequence), so the grid and the merge are static
+under CUDA graphs while the work per program follows the context; programs past the context's runs
+exit at once. Must give the same result as the SDPA reference path in attention.py.
+
+With raw rows, every program normalises and rotates its head group's q in registers (cheap next to its K/V
+reads, and no q round trip through memory). The new token's k and v are never read from the cache: the
+program whose split holds the last position makes them (k: norm + rotary), stores them into the token's
+slot for later steps and seeds its online softmax with them; every program's cache loads are masked to
+the positions before it. Rounding follows `triton_fused`'s rotary kernel, so the result equals
+`rotary_and_cache` + `paged_decode_attention` up to float32 summation order. At batch 1 a program is one
+chain of memory latencies (context length -> table entry -> K, V), so the program orders its work around
+it: the raw rows, cos / sin and norm weights are loaded first (they depend on nothing), and the norms and
+rotary run while the first table entry loads (H200, thinker bs1: q work placed before the chain measured
+5.03 us per decode launch, the kernel fed rotated q 3.65).
 """
 
 from __future__ import annotations
 
 import torch
 
-from omnistage.layers import triton_decode
+from omnistage.layers import triton_fused
 
 try:
     import triton
@@ -35,17 +46,17 @@ except ImportError:                                  # CPU-only installs
 
 MAX_SPLITS = 64                                      # context splits per (sequence, KV head) at most
 MIN_RUN = 1                                          # KV blocks per split at least (see the module docstring)
-TICKET_SPLITS = 4                                    # at most this many splits: merged in the decode launch (ticket)
 PROGRAMS_PER_SM = 4                                  # programs the split count aims for, per multiprocessor
 _SM_COUNT: dict = {}
 
 
 if triton is not None:
     @triton.jit(do_not_specialize=["stride_bt"])      # the table width changes from step to step
-    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, count_ptr, scale,
-                             stride_bt, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                             D: tl.constexpr, BS: tl.constexpr, NSPLIT: tl.constexpr, MIN_RUN: tl.constexpr,
-                             TICKET: tl.constexpr, IEEE: tl.constexpr):
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, scale, stride_bt,
+                             stride_q, kn_ptr, vn_ptr, stride_kn, stride_vn, cos_ptr, sin_ptr, stride_cs, slot_ptr,
+                             qw_ptr, kw_ptr, q_eps, k_eps, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
+                             G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NSPLIT: tl.constexpr,
+                             MIN_RUN: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr, IEEE: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -54,36 +65,60 @@ if triton is not None:
         t = tl.arange(0, BS)
         gmask = g < G
         ctx = tl.load(ctx_ptr + b)
+        q_rows = q_ptr + b * stride_q + (kh * G + g)[:, None] * D
+        dd = d[None, :]                                  # every [D] row as [1, D]: one layout with q's rows
+        swap = (dd + D // 2) % D                         # rotate-half: each element's partner
+        if ROPE:
+            # this step's raw rows first: their loads need nothing else, so their latency hides behind the
+            # context's (context length -> table entry -> K, V); see the module docstring
+            qx = tl.load(q_rows + dd, mask=gmask[:, None], other=0.0)
+            qs = tl.load(q_rows + swap, mask=gmask[:, None], other=0.0)
+            k_row = kn_ptr + b * stride_kn + kh * D
+            kx = tl.load(k_row + dd)
+            ks = tl.load(k_row + swap)
+            vn = tl.load(vn_ptr + b * stride_vn + kh * D + dd)
+            slot = tl.load(slot_ptr + b).to(tl.int64) * (KVH * D) + kh * D + dd
+            cs = tl.load(cos_ptr + b * stride_cs + dd)
+            sn = tl.load(sin_ptr + b * stride_cs + dd)
+            if NORM:
+                qw, qws = tl.load(qw_ptr + dd).to(tl.float32), tl.load(qw_ptr + swap).to(tl.float32)
+                kw, kws = tl.load(kw_ptr + dd).to(tl.float32), tl.load(kw_ptr + swap).to(tl.float32)
+            else:
+                qw, qws, kw, kws = cs, cs, cs, cs        # unused
         nblocks = tl.cdiv(ctx, BS)
         run, used = _runs(nblocks, NSPLIT, MIN_RUN)       # splits past `used` have no blocks: they exit
         if sp >= used:
             return
         first = sp * run
         last = tl.minimum(first + run, nblocks)
-        q = tl.load(q_ptr + b * H * D + (kh * G + g)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
+        if ROPE:
+            cached = ctx - 1                             # the new token's k and v come from registers (below)
+        else:
+            cached = ctx
+        bt_row = bt_ptr + b * stride_bt
+        blk = tl.load(bt_row + first)                    # the run's first block: the q work runs while it loads
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         l = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
-        for j in range(first, last):
-            blk = tl.load(bt_ptr + b * stride_bt + j).to(tl.int64)
-            kv_off = blk * (BS * KVH * D) + t[:, None] * (KVH * D) + kh * D + d[None, :]
-            k = tl.load(k_ptr + kv_off)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * scale
-            s = tl.where((j * BS + t < ctx)[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            v = tl.load(v_ptr + kv_off)
-            l = l * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+        if ROPE:
+            # every program rotates its head group's q; the new token's k and v (its last position) never come
+            # from the cache: the program whose split holds that position makes them, stores them into the
+            # token's slot for later steps and starts its softmax with them
+            q = _norm_rope(qx, qs, qw, qws, q_eps, cs, sn, dd, D, NORM)
+            if sp == used - 1:
+                kn = _norm_rope(kx, ks, kw, kws, k_eps, cs, sn, dd, D, NORM)
+                tl.store(k_ptr + slot, kn.to(k_ptr.dtype.element_ty))
+                tl.store(v_ptr + slot, vn.to(v_ptr.dtype.element_ty))
+                m = tl.sum(q.to(tl.float32) * kn.to(tl.float32), axis=1) * scale
+                l = tl.full([G_PAD], 1.0, tl.float32)
+                acc = acc + vn.to(tl.float32)
+        else:
+            q = tl.load(q_rows + dd, mask=gmask[:, None], other=0.0)
+        k, v, on = _kv_block(k_ptr, v_ptr, blk, first, kh, cached, t, d, KVH, D, BS)
+        m, l, acc = _online_softmax(q, k, v, on, m, l, acc, scale, IEEE)
+        for j in range(first + 1, last):
+            k, v, on = _kv_block(k_ptr, v_ptr, tl.load(bt_row + j), j, kh, cached, t, d, KVH, D, BS)
+            m, l, acc = _online_softmax(q, k, v, on, m, l, acc, scale, IEEE)
         out_off = b * H * D + (kh * G + g)[:, None] * D + d[None, :]
         if used == 1:                                    # a short context: the whole of it in this program
             tl.store(out_ptr + out_off, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=gmask[:, None])
@@ -92,12 +127,47 @@ if triton is not None:
             tl.store(m_ptr + (base + sp) * G_PAD + g, m)
             tl.store(l_ptr + (base + sp) * G_PAD + g, l)
             tl.store(acc_ptr + ((base + sp) * G_PAD + g)[:, None] * D + d[None, :], acc)
-            if TICKET:                                   # else `_combine_kernel` merges them
-                tl.debug_barrier()                       # every thread's partials before the ticket
-                ticket = tl.atomic_add(count_ptr + b * KVH + kh, 1, sem="acq_rel")
-                if ticket == used - 1:                   # the last split merges all, in split order
-                    _combine(m_ptr, l_ptr, acc_ptr, out_ptr, base, used, out_off, gmask, G_PAD, D, NSPLIT, 4)
-                    tl.atomic_xchg(count_ptr + b * KVH + kh, 0)
+
+    @triton.jit
+    def _kv_block(k_ptr, v_ptr, blk, j, kh, cached, t, d, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
+        """Cache block `blk`, the `j`-th of a sequence: K and V [BS, D] of KV head `kh` at positions < `cached`
+        (0 past them), and that mask [BS]."""
+        off = blk.to(tl.int64) * (BS * KVH * D) + t[:, None] * (KVH * D) + kh * D + d[None, :]
+        on = j * BS + t < cached
+        return (tl.load(k_ptr + off, mask=on[:, None], other=0.0), tl.load(v_ptr + off, mask=on[:, None], other=0.0),
+                on)
+
+    @triton.jit
+    def _online_softmax(q, k, v, on, m, l, acc, scale, IEEE: tl.constexpr):
+        """(max, sum, weighted values) of the head group's rows after one more block of keys (`on`: its real ones)."""
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(on[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l, acc
+
+    @triton.jit
+    def _norm_rope(x, xs, w, ws, eps, c, s, d, D: tl.constexpr, NORM: tl.constexpr):
+        """Head rows x [..., D] -> per-head RMSNorm (NORM: weights w) and rotary, rounded to x's dtype as
+        `triton_fused`'s rotary kernel does. xs, ws: x and w with their halves exchanged; c, s: the token's
+        cos, sin [D] float32."""
+        dt = x.dtype
+        x = x.to(tl.float32)
+        xs = xs.to(tl.float32)
+        if NORM:
+            rstd = tl.rsqrt(tl.sum(x * x, axis=-1, keep_dims=True) / D + eps)
+            x = ((x * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+            xs = ((xs * rstd).to(dt).to(tl.float32) * ws).to(dt).to(tl.float32)
+        return (x * c + tl.where(d < D // 2, -xs, xs) * s).to(dt)
 
     @triton.jit
     def _runs(nblocks, NSPLIT: tl.constexpr, MIN_RUN: tl.constexpr):
@@ -129,32 +199,6 @@ if triton is not None:
         out = tl.sum(w[:, None] * acc, axis=0) / total
         tl.store(out_ptr + b * H * D + hq * D + d, out.to(out_ptr.dtype.element_ty))
 
-    @triton.jit
-    def _combine(m_ptr, l_ptr, acc_ptr, out_ptr, base, used, out_off, gmask, G_PAD: tl.constexpr, D: tl.constexpr,
-                 NSPLIT: tl.constexpr, CHUNK: tl.constexpr):
-        """The `used` splits' (max, sum, weighted values) of one (sequence, KV head) -> its heads' output,
-        CHUNK splits' values per load."""
-        g = tl.arange(0, G_PAD)
-        d = tl.arange(0, D)
-        sps = tl.arange(0, NSPLIT)
-        on = (sps < used)[:, None]
-        part = (base + sps)[:, None] * G_PAD + g[None, :]    # [NSPLIT, G_PAD]
-        ms = tl.load(m_ptr + part, mask=on, other=float("-inf"), cache_modifier=".cg")
-        top = tl.max(ms, axis=0)
-        w = tl.where(on, tl.exp(ms - top[None, :]), 0.0)
-        total = tl.sum(w * tl.load(l_ptr + part, mask=on, other=0.0, cache_modifier=".cg"), axis=0)
-        acc = tl.zeros([G_PAD, D], tl.float32)
-        for c0 in range(0, used, CHUNK):
-            cs = c0 + tl.arange(0, CHUNK)
-            c_ok = (cs < used)[:, None]
-            rows = (base + cs)[:, None] * G_PAD + g[None, :]     # [CHUNK, G_PAD]
-            mc = tl.load(m_ptr + rows, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
-            wc = tl.where(c_ok, tl.exp(mc - top[None, :]), 0.0)
-            a = tl.load(acc_ptr + rows[:, :, None] * D + d[None, None, :], mask=c_ok[:, :, None], other=0.0,
-                        cache_modifier=".cg")
-            acc += tl.sum(wc[:, :, None] * a, axis=0)
-        tl.store(out_ptr + out_off, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=gmask[:, None])
-
 
 def available(q: torch.Tensor, cache: torch.Tensor) -> bool:
     """Tensor-core dots need head_dim and block size to be powers of two of at least 16."""
@@ -174,30 +218,47 @@ def num_splits(batch: int, kv_heads: int, width: int, device: torch.device) -> i
 
 
 def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                           ctx_lens: torch.Tensor, scale: float, min_run: int = MIN_RUN,
-                           ticket: bool | None = None) -> torch.Tensor:
-    """q [B, H, D]; cache [2, blocks, BS, KVH, D]; block_tables [B, W]; ctx_lens [B] -> [B, H, D]. `min_run`:
-    KV blocks per split at least (a context of at most that many blocks runs in one program per KV head).
-    `ticket`: merge the splits in the decode launch (True) or in `_combine_kernel` (False); None: the
-    ticket at most TICKET_SPLITS splits (large batches), the combine launch above (small batches)."""
+                           ctx_lens: torch.Tensor, scale: float, min_run: int = MIN_RUN) -> torch.Tensor:
+    """q [B, H, D] (rotated, this step's k and v already in the cache); cache [2, blocks, BS, KVH, D];
+    block_tables [B, W]; ctx_lens [B] -> [B, H, D]. `min_run`: KV blocks per split at least (a context of at
+    most that many blocks runs in one program per KV head)."""
+    q = q.contiguous()
+    return _launch(q, q.shape[1] * q.shape[2], cache, block_tables, ctx_lens, scale, min_run)
+
+
+def rope_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          cache: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor, ctx_lens: torch.Tensor,
+                          scale: float, q_norm=None, k_norm=None, min_run: int = MIN_RUN) -> torch.Tensor:
+    """`fused.rotary_and_cache` then `paged_decode_attention` in the decode kernel: q [B, H, D], k and v [B, KVH, D],
+    this step's raw rows (may be strided views of one qkv output); cos, sin [B, D] float32; slots [B]: the new
+    token's cache slot, its context's last position; q_norm / k_norm: RMSNorm modules (Qwen3) or None -> [B, H, D]."""
+    q, k, v = triton_fused.head_rows(q), triton_fused.head_rows(k), triton_fused.head_rows(v)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    rope = (k, v, k.stride(0), v.stride(0), cos, sin, cos.stride(0), slots)
+    return _launch(q, q.stride(0), cache, block_tables, ctx_lens, scale, min_run, rope, q_norm, k_norm)
+
+
+def _launch(q, stride_q, cache, block_tables, ctx_lens, scale, min_run, rope=None, q_norm=None,
+            k_norm=None) -> torch.Tensor:
+    """The decode launch (`rope`: the new token's k, v, their row strides, cos, sin, their row stride, slots; None:
+    q is rotated and the cache written already) and the combine launch."""
     bsz, h, d = q.shape
     kvh, bs = cache.shape[3], cache.shape[2]
     g = h // kvh
     g_pad = max(16, triton.next_power_of_2(g))
     nsplit = num_splits(bsz, kvh, block_tables.shape[1], q.device)
-    ticket = nsplit <= TICKET_SPLITS if ticket is None else ticket
     m = torch.empty(bsz, kvh, nsplit, g_pad, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(bsz, kvh, nsplit, g_pad, d, dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
-    tickets = triton_decode.counters(cache, q.device) if ticket else m
-    if ticket and bsz * kvh > tickets.numel():
-        raise ValueError(f"paged_decode_attention: {bsz} rows x {kvh} KV heads, more than {tickets.numel()} tickets")
+    out = torch.empty(bsz, h, d, dtype=q.dtype, device=q.device)
+    norm = q_norm is not None
+    new = rope if rope is not None else (q, q, 0, 0, q, q, 0, q)     # placeholders the kernel does not read
     _paged_decode_kernel[(bsz, kvh, nsplit)](
-        q.contiguous(), cache[0], cache[1], block_tables, ctx_lens, m, l, acc, out, tickets, scale,
-        block_tables.stride(0), H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs, NSPLIT=nsplit, MIN_RUN=min_run,
-        TICKET=ticket, IEEE=q.dtype == torch.float32, num_warps=4)
-    if not ticket:
+        q, cache[0], cache[1], block_tables, ctx_lens, m, l, acc, out, scale, block_tables.stride(0), stride_q, *new,
+        q_norm.weight if norm else q, k_norm.weight if norm else q, q_norm.eps if norm else 0.0,
+        k_norm.eps if norm else 0.0, H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs, NSPLIT=nsplit, MIN_RUN=min_run,
+        ROPE=rope is not None, NORM=norm, IEEE=q.dtype == torch.float32, num_warps=4)
+    if nsplit > 1:                                   # else every context is one run, stored by its program
         _combine_kernel[(bsz, h)](m, l, acc, ctx_lens, out, H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs,
                                   NSPLIT=nsplit, MIN_RUN=min_run, num_warps=4)
     return out

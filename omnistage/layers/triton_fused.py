@@ -133,13 +133,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out.view(shape), res.view(shape)
 
 
-def _heads(x: torch.Tensor) -> torch.Tensor:
+def head_rows(x: torch.Tensor) -> torch.Tensor:
     """[T, heads, D] with heads D apart and unit stride inside a head (QKV-output views already are)."""
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
 def rotary_and_cache(q, k, v, cos, sin, cache, slots, q_norm=None, k_norm=None):
-    q, k, v = _heads(q), _heads(k), _heads(v)
+    q, k, v = head_rows(q), head_rows(k), head_rows(v)
     t, h, d = q.shape
     kvh = k.shape[1]
     cos, sin = cos.contiguous(), sin.contiguous()

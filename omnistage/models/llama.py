@@ -13,7 +13,8 @@ lm_head, norms, MoE routers and experts stay in the model dtype.
 
 A layer's elementwise work goes through `layers.fused` (one Triton kernel each on CUDA): the residual
 add rides with the next RMSNorm (layers pass (hidden, residual) along), the Qwen3 q/k norms and the
-KV-cache write ride with the rotary, and the MLP's activation with its product. Each token's rotary
+KV-cache write ride with the rotary (on a decode-only step all three inside the decode attention kernel,
+`attention.rope_attend`), and the MLP's activation with its product. Each token's rotary
 cos / sin rows are looked up once per forward. Opt-in (`OMNISTAGE_DECODE_KERNELS=1`; measured slower than
 this path on an H200 so far, see layers/triton_decode.py), at <= 8 rows on CUDA a layer is 5 launches instead: the norms, residual adds, bias, q/k norms, rotary + KV write and SiLU*mul
 ride as prologues / epilogues of the qkv, o, gate_up and down GEMVs (`layers.triton_decode`, bf16 and
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.layers import fused, triton_decode
-from omnistage.layers.attention import AttentionMetadata, attend
+from omnistage.layers.attention import AttentionMetadata, attend, rope_attend
 from omnistage.layers.fp8_linear import quantize_fp8
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding
@@ -90,11 +91,10 @@ class Attention(nn.Module):
                 v.view(t, self.num_kv_heads, self.head_dim))
 
     def _attend(self, qkv: torch.Tensor, rope, meta: AttentionMetadata) -> torch.Tensor:
-        """qkv [T, q + 2 kv] -> rotary (+ q/k norms) and KV write, attention -> [T, q_size]."""
+        """qkv [T, q + 2 kv] -> rotary (+ q/k norms) and KV write, attention -> [T, q_size] (`rope_attend`)."""
         t = qkv.shape[0]
-        q, k, v = self._heads(qkv)
-        q, k = fused.rotary_and_cache(q, k, v, *rope, self.kv_cache, meta.slot_mapping, self.q_norm, self.k_norm)
-        return attend(q, k, v, self.kv_cache, meta, self.scale).reshape(t, self.q_size)
+        out = rope_attend(*self._heads(qkv), *rope, self.kv_cache, meta, self.scale, self.q_norm, self.k_norm)
+        return out.reshape(t, self.q_size)
 
 
 class MLP(nn.Module):

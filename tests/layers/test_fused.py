@@ -78,9 +78,60 @@ def test_rotary_turns_each_pair_by_position_times_frequency(mrope):
 
 def test_triton_kernels_match_references_in_the_interpreter():
     errs = run_in_interpreter("-m", "omnistage.layers.kernel_check")
-    assert len(errs) == 21                      # every check ran (the last: 8-bit attention, float16)
+    assert len(errs) == 25                      # every check ran (the last: 8-bit attention, float16)
     for name, (err, peak) in errs.items():
         assert err <= kernel_check.limit(name) * peak, (name, err, peak)
+
+
+# tiny Qwen2 (q/k/v biases) and Qwen3 (q/k norms) decoders, GQA, over one decode-only step: Attention._attend's
+# decode kernel with norms, rotary and KV write folded in (forced on CPU tensors; on CUDA `decode_fuses` picks it)
+# vs the reference path (rotary_and_cache + attend), final hidden states and every layer's cache
+DECODE_ONLY = r"""
+import json, torch
+from transformers import Qwen2Config, Qwen3Config
+from omnistage.layers import attention
+from omnistage.layers.attention import AttentionMetadata
+from omnistage.models.llama import Qwen2ForCausalLM, Qwen3ForCausalLM
+from omnistage.testing.llm import draw_norms_and_biases
+
+torch.manual_seed(0)
+out = []
+fuses = attention.decode_fuses
+for cls, cfgc, dt in [(Qwen2ForCausalLM, Qwen2Config, torch.float32), (Qwen3ForCausalLM, Qwen3Config, torch.float16)]:
+    cfg = cfgc(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               num_hidden_layers=2, vocab_size=100)
+    model = cls(cfg, 128)
+    draw_norms_and_biases(model, (0.5, 1.5), 0.1)
+    model = model.to(dt)
+    model.rotary.build(torch.device("cpu"))
+    bs, ctx = 16, torch.tensor([3, 17, 40])                   # 17: the new token first in its block
+    tables = torch.arange(9).view(3, 3)
+    pos = ctx - 1
+    meta = AttentionMetadata(slot_mapping=tables[torch.arange(3), pos // bs] * bs + pos % bs, num_decodes=3,
+                             decode_block_tables=tables, decode_ctx_lens=ctx)
+    cache = torch.randn(2, 9, bs, 2, 16).to(dt)
+    ids = torch.randint(0, 100, (3,))
+    res = {}
+    for on in (False, True):
+        attention.decode_fuses = (lambda q, c, m: m.num_decodes == q.shape[0] and not m.prefills) if on else fuses
+        caches = [cache.clone() for _ in model.layers]
+        for layer, c in zip(model.layers, caches):
+            layer.self_attn.kv_cache = c
+        with torch.no_grad():
+            res[on] = (model(ids, pos, meta), caches)
+    attention.decode_fuses = fuses
+    err = lambda a, b: [(a.float() - b.float()).abs().max().item(), b.float().abs().max().item()]  # noqa: E731
+    out.append([str(dt), err(res[True][0], res[False][0])] + [err(a, b) for a, b in zip(res[True][1], res[False][1])])
+print(json.dumps(out))
+"""
+
+
+def test_decode_only_attention_folds_norms_rotary_and_kv_write_in_the_interpreter():
+    out = run_in_interpreter("-c", DECODE_ONLY)
+    assert len(out) == 2
+    for dt, *errs in out:                       # the hidden states, then each layer's KV cache
+        for err, peak in errs:
+            assert err <= kernel_check.limit(dt) * peak, (dt, err, peak)
 
 
 @pytest.fixture(scope="module")

@@ -234,10 +234,11 @@ class Code2WavODE:
         rows, frames = static.shape[:2]
         positions = torch.arange(frames, device=x.device)[None].expand(rows, -1)
         cos, sin = self.dit.rotary_embed(static, positions)
-        rope = (cos.to(self.dtype), sin.to(self.dtype)) if self.dtype != torch.float32 else (cos, sin)
         if self.fused is not None:              # `block_diff` holds each row's valid frames here
+            rope = self.fused.rope_table(cos, sin)
             masks = self.fused.masks(block_diff)
         else:
+            rope = (cos.to(self.dtype), sin.to(self.dtype)) if self.dtype != torch.float32 else (cos, sin)
             masks = {w: (block_diff >= -w[0]) & (block_diff <= w[1]) for w in set(self.windows)}
         step = iter(range(len(final_mod)))
 

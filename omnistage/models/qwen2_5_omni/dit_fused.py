@@ -19,6 +19,18 @@ What differs from transformers' `DiTDecoderLayer` (same arithmetic, other kernel
     keeps only itself, so every valid frame gets the reference's softmax over the same keys.
   * Each gated residual and the LayerNorm + modulation after it are one `layers/ada_norm.py` step
     (one Triton kernel per step on CUDA; its PyTorch reference on a CPU).
+  * Fewer kernels per layer (at 1 row a chunk is launch-bound: ~16 kernels x 22 layers x 36
+    evaluations), each a flag on the instance so code2wav_bench.py can time it off:
+      `complex_rope`: the first head's rotary as one complex multiply in float32 (`rope_table`: the
+        rotation e^(i f) per frame, made once per batch), written back in the checkpoint's interleaved
+        layout -- 3 kernels instead of 7. transformers de-interleaves q and k before a half-split
+        rotation; both layouts hold the same pairs, and q . k is the same sum in either (SDPA sums
+        over the head dim), so the attention is unchanged (q and k are rounded once, not three times).
+      `gelu_gemm` (CUDA): the MLP's first linear with its tanh GELU as the GEMM's epilogue
+        (`torch._addmm_activation`; one kernel, no [tokens, 2 x hidden] round trip through memory).
+        On a CPU that op computes the erf GELU, so the CPU keeps linear + tanh GELU.
+      `aligned_masks`: the key masks' rows stored at a multiple of 16 elements, so SDPA's
+        memory-efficient kernel takes them as they are instead of padding a copy in every layer.
 On a CPU the same code runs with PyTorch's kernels; tests/models/qwen2_5_omni/test_code2wav.py
 checks it against the reference path within float32 rounding.
 """
@@ -60,6 +72,18 @@ class FusedDiT:
         self.eps = dit.transformer_blocks[0].ff_norm.eps   # every DiT LayerNorm has transformers' 1e-6
         self.windows = [(int(b.look_backward_block), int(b.look_ahead_block)) for b in dit.transformer_blocks]
         self.qkv = [_merge_qkv(b.attn) for b in dit.transformer_blocks]   # per layer (weight, bias)
+        self.complex_rope = True                # first head's rotary as one complex multiply (docstring)
+        self.gelu_gemm = True                   # CUDA: GELU as the MLP GEMM's epilogue
+        self.aligned_masks = True               # key-mask rows padded to 16 elements in memory
+
+    def rope_table(self, cos: torch.Tensor, sin: torch.Tensor):
+        """The rotary table `velocity` reads, from the DiT's cos / sin [rows, frames, head_dim] float32
+        (halves repeated): e^(i f) [rows, frames, 1, head_dim / 2] complex64 (`complex_rope`), else
+        (cos, sin) in the linears' dtype as the reference uses them."""
+        if self.complex_rope:
+            half = cos.shape[-1] // 2
+            return torch.complex(cos[..., :half], sin[..., :half])[:, :, None]
+        return cos.to(self.dtype), sin.to(self.dtype)
 
     def masks(self, valid: torch.Tensor) -> dict[tuple[int, int], torch.Tensor]:
         """Per distinct (look-back, look-ahead): the additive key mask [rows * blocks, 1, B, keys] of the
@@ -74,8 +98,11 @@ class FusedDiT:
             eye[:, back * self.block: (back + 1) * self.block] = torch.eye(self.block, dtype=torch.bool,
                                                                            device=valid.device)
             keep = torch.where(valid[..., None], keys[:, :, None, :], eye)  # padded query: only itself
-            bias = torch.zeros(keep.shape, dtype=self.dtype, device=valid.device).masked_fill_(~keep, float("-inf"))
-            out[(back, ahead)] = bias.view(rows * nb, 1, self.block, keys.shape[-1])
+            width = keys.shape[-1]
+            stored = -(-width // 16) * 16 if self.aligned_masks else width
+            bias = torch.zeros(*keep.shape[:-1], stored, dtype=self.dtype, device=valid.device)
+            bias = bias[..., :width].masked_fill_(~keep, float("-inf"))
+            out[(back, ahead)] = bias.view(rows * nb, 1, self.block, width)
         return out
 
     def velocity(self, h: torch.Tensor, e: int, layer_mods: list[torch.Tensor], final_mod: torch.Tensor,
@@ -89,7 +116,7 @@ class FusedDiT:
             attn = self._attention(i, block, y, rope, masks[self.windows[i]])
             h, y = ada_norm(attn, shift_mlp, scale_mlp, self.eps, residual=h, gate=gate_msa, out_dtype=self.dtype)
             ff = block.ff.ff
-            f = ff[3](F.gelu(ff[0](y), approximate="tanh"))
+            f = ff[3](self._gelu_linear(ff[0], y))
             if i + 1 < len(blocks):
                 shift, scale = layer_mods[i + 1][e].chunk(6)[:2]
                 h, y = ada_norm(f, shift, scale, self.eps, residual=h, gate=gate_mlp, out_dtype=self.dtype)
@@ -98,14 +125,25 @@ class FusedDiT:
                 h, y = ada_norm(f, shift, scale, self.eps, residual=h, gate=gate_mlp, out_dtype=torch.float32)
         return self.dit.proj_out(y)
 
+    def _gelu_linear(self, linear, y: torch.Tensor) -> torch.Tensor:
+        """tanh-GELU(linear(y)): one GEMM with the GELU epilogue on CUDA (`gelu_gemm`)."""
+        if self.gelu_gemm and y.is_cuda:
+            out = torch._addmm_activation(linear.bias, y.reshape(-1, y.shape[-1]), linear.weight.t(), use_gelu=True)
+            return out.view(*y.shape[:-1], -1)
+        return F.gelu(linear(y), approximate="tanh")
+
     def _attention(self, i: int, block, y: torch.Tensor, rope, bias: torch.Tensor) -> torch.Tensor:
         rows, frames, _ = y.shape
         heads, d, size = self.heads, self.head_dim, self.block
         qkv = F.linear(y, *self.qkv[i]).view(rows, frames, 3, heads, d)
-        # only q's and k's first head is rotated, in the de-interleaved layout (as the checkpoint was
-        # trained), in place in the GEMM's output
-        cos, sin = rope
-        qkv[:, :, :2, 0] = _rotate(_deinterleave(qkv[:, :, :2, 0]), cos[:, :, None], sin[:, :, None])
+        # only q's and k's first head is rotated (as the checkpoint was trained), in place in the GEMM's output
+        first = qkv[:, :, :2, 0]                # [rows, frames, q | k, d], pairs interleaved
+        if self.complex_rope:                   # the pairs rotated where they are (docstring)
+            pairs = torch.view_as_complex(first.float().unflatten(-1, (d // 2, 2)))
+            qkv[:, :, :2, 0] = torch.view_as_real(pairs * rope).flatten(-2)
+        else:                                   # the de-interleaved layout, as transformers
+            cos, sin = rope
+            qkv[:, :, :2, 0] = _rotate(_deinterleave(first), cos[:, :, None], sin[:, :, None])
         q, k, v = qkv.unbind(2)
         nb = -(-frames // size)
         pad = nb * size - frames

@@ -20,9 +20,10 @@ Rows: the first variant at steady chunks (96 codes: the 264-frame window) of `--
 first chunks (12 codes: 48 frames) of `--first-rows` (1 / 8); the others at `--ablate-rows` (1 / 8 steady,
 first at 1). Floor = the DiT's linear FLOPs (x2 rows: CFG) at the H200's dense bf16 peak (989 TFLOP/s).
 Error = max |mel - plain fp32 reference mel| / its std, 8 steady rows, same noise and codes.
-BigVGAN (`--only vocoder`): from graphs as served, float32 (cuDNN's TF32 default), bf16 autocast
-(`vocoder_dtype`) and bf16 with cuDNN autotuning while capturing, at steady inputs (256 mel frames) of
-`--voc-rows` rows and a first chunk's (48 frames), with the waveform error vs float32.
+BigVGAN (`--only vocoder`): from graphs as served, float32 (cuDNN's TF32 default) and bf16 autocast
+(`vocoder_dtype`), each with transformers' activations and with `bigvgan_fused.py`'s (`fused_vocoder`),
+and bf16 fused with cuDNN autotuning while capturing, at steady inputs (256 mel frames) of `--voc-rows`
+rows and a first chunk's (48 frames), with the waveform error vs float32 with transformers' activations.
 `--profile N` prints the GPU kernels of one eager fused-bf16 ODE batch of N steady rows (per evaluation);
 `--hf` adds transformers' own `sample`; `--capture` the start-up capture of the omni pipeline's code2wav
 stage (a config-only folder served with load_format="dummy").
@@ -194,14 +195,17 @@ def bench_vocoder(args, res, device, vocoder) -> None:
 
     steady, first = (256, 48) if device.type == "cuda" else (64, 24)   # a later chunk's 192 frames + context
     rows = ints(args.voc_rows) if device.type == "cuda" else [1, 2]
-    kinds = {"fp32": (torch.float32, False), "bf16": (torch.bfloat16, False), "bf16-autotuned": (torch.bfloat16, True)}
+    # name: (dtype, fused activations, cuDNN autotuning while capturing); the first is the reference
+    kinds = {"fp32": (torch.float32, False, False), "fp32-fused": (torch.float32, True, False),
+             "bf16": (torch.bfloat16, False, False), "bf16-fused": (torch.bfloat16, True, False),
+             "bf16-fused-autotuned": (torch.bfloat16, True, True)}
     mel = torch.randn(2, 80, steady, generator=torch.Generator().manual_seed(3)).to(device) - 5
     wavs, res["vocoder"] = {}, {}
     say(f"BigVGAN from graphs, ms per batch (steady: {steady} mel frames per row; first chunk: {first})")
     say("| dtype | " + " | ".join(f"steady {r}" for r in rows) + f" | first 1 | capture s | max err | rms err |")
     say("|---|" + "---|" * (len(rows) + 4))
-    for name, (dtype, autotune) in kinds.items():
-        vocode = DeviceVocoder(vocoder, dtype)
+    for name, (dtype, fused, autotune) in kinds.items():
+        vocode = DeviceVocoder(vocoder, dtype, fused)
         start = time.perf_counter()
         if device.type == "cuda":
             before = torch.backends.cudnn.benchmark

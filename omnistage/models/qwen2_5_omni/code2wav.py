@@ -178,7 +178,7 @@ class Code2Wav:
                  past_blocks: int = 2, future_blocks: int = 1, vocoder_context_frames: Optional[int] = None,
                  max_batch_requests: int = 8, cuda_graphs: bool = True, dynamic_first_chunk: bool = True,
                  dit_dtype: Optional[str] = None, tf32: bool = True, fused_dit: Optional[bool] = None,
-                 vocoder_dtype: str = "float32"):
+                 vocoder_dtype: str = "float32", fused_vocoder: Optional[bool] = None):
         for name, value in (("chunk_codes", chunk_codes), ("first_chunk_codes", first_chunk_codes)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -197,13 +197,17 @@ class Code2Wav:
                 raise ValueError(f"{name} must be one of {sorted(DIT_DTYPES)}, got {value!r}")
         if not isinstance(tf32, bool):
             raise ValueError(f"tf32 must be true or false, got {tf32!r}")
-        if fused_dit is not None and not isinstance(fused_dit, bool):
-            raise ValueError(f"fused_dit must be true, false or null (on CUDA only), got {fused_dit!r}")
+        for name, value in (("fused_dit", fused_dit), ("fused_vocoder", fused_vocoder)):
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be true, false or null (on CUDA only), got {value!r}")
         self.device = torch.device(device)
         self.model, self.speakers = load_token2wav(model_dir, self.device)
         self.dit = self.model.code2wav_dit_model
         self.vocoder = self.model.code2wav_bigvgan_model
-        self.vocode = DeviceVocoder(self.vocoder, DIT_DTYPES[vocoder_dtype])   # its forward without host syncs
+        if fused_vocoder is None:
+            fused_vocoder = self.device.type == "cuda"
+        # its forward without host syncs; `fused_vocoder`: one kernel per anti-aliased activation
+        self.vocode = DeviceVocoder(self.vocoder, DIT_DTYPES[vocoder_dtype], fused=fused_vocoder)
         self.default_voice = default_voice or next(iter(self.speakers))
         if self.default_voice not in self.speakers:
             raise ValueError(f"default_voice must be one of {sorted(self.speakers)}, got {default_voice!r}")

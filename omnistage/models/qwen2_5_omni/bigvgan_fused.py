@@ -1,0 +1,88 @@
+"""BigVGAN's anti-aliased SnakeBeta activation as one Triton kernel -- the fast path of
+`token2wav.DeviceVocoder` (the code2wav stage's engine, in whatever process runs it; stage option
+`fused_vocoder`, default on CUDA).
+
+In: a transformers `Qwen2_5OmniAntiAliasedActivation1d` (2x upsampling by a 12-tap kaiser-sinc
+transposed conv, SnakeBeta, 2x downsampling by a 12-tap conv, both with replicate padding) and its
+input x [batch, channels, T] (float32, or bf16 under the vocoder's autocast). Out: its output
+[batch, channels, T] in x's dtype.
+
+transformers runs it as ~12 kernels, 8 of them passes over the 2T-long upsampled tensor (pad,
+depthwise conv_transpose, x ratio, slice, x * alpha, sin, pow, x 1 / beta, add, pad, depthwise conv);
+BigVGAN calls it 109 times per forward (6 per AMP block, 3 blocks per upsampling stage, 6 stages, and
+once at the end), so the vocoder is bound by that memory traffic, not by its dense convolutions.
+Here one program computes a block of outputs of one (batch, channel) row: for each of the 12 down
+taps the upsampled sample it reads (6 up taps over x, indices clamped: the replicate padding),
+SnakeBeta of it, and the weighted sum -- x is read once from memory (the taps hit cache) and the
+output written once; every step in float32 (the reference rounds to bf16 between its steps under
+autocast). `alpha` / `beta` are stored as logs in the checkpoint; exp(alpha) and 1 / (exp(beta) + 1e-9)
+are made once per module (`prepare`). Elsewhere (no CUDA / Triton) `activation` is the module itself;
+tests/models/qwen2_5_omni/test_bigvgan_fused.py checks the kernel against it under Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omnistage.layers.fused import use_triton
+from omnistage.layers.triton_fused import triton
+
+TAPS = 12                                       # the up and down filters' length (transformers' default)
+BLOCK = 256                                     # outputs per program
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _snake_aa_kernel(x_ptr, out_ptr, alpha_ptr, inv_beta_ptr, up_ptr, down_ptr, T, C,
+                         BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)     # batch * channels + channel
+        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        keep = t < T
+        alpha = tl.load(alpha_ptr + row % C)
+        inv_beta = tl.load(inv_beta_ptr + row % C)
+        x_row = x_ptr + row * T
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in tl.static_range(12):
+            # down tap k reads upsampled sample n = 2t + k - 5 (replicate padding: clamped to [0, 2T))
+            n = tl.minimum(tl.maximum(2 * t + k - 5, 0), 2 * T - 1)
+            full = n + 15                       # its index in conv_transpose's output before the slice
+            parity = full % 2
+            u = tl.zeros([BLOCK], dtype=tl.float32)
+            for i in tl.static_range(6):
+                tap = parity + 2 * i            # the up taps that land on `full`
+                src = tl.minimum(tl.maximum((full - tap) // 2 - 5, 0), T - 1)   # replicate-padded x
+                u += tl.load(up_ptr + tap) * tl.load(x_row + src, mask=keep, other=0.0).to(tl.float32)
+            u = 2.0 * u                         # the upsampler's ratio
+            s = tl.sin(u * alpha)
+            acc += tl.load(down_ptr + k) * (u + inv_beta * (s * s))
+        tl.store(out_ptr + row * T + t, acc.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+def prepare(act) -> tuple[torch.Tensor, ...] | None:
+    """(exp(alpha), 1 / (exp(beta) + eps), up filter, down filter), float32 on the module's device, for a
+    module of the shape the kernel serves (2x up / down, 12 taps, SnakeBeta); None for any other."""
+    up, down, snake = act.upsample, act.downsample, act.act
+    if (up.ratio, up.kernel_size, down.stride, down.kernel_size) != (2, TAPS, 2, TAPS) \
+            or not hasattr(snake, "beta"):
+        return None
+    return (snake.alpha.detach().float().exp(), 1.0 / (snake.beta.detach().float().exp() + snake.no_div_by_zero),
+            up.filter.detach().float().reshape(-1).contiguous(), down.filter.detach().float().reshape(-1).contiguous())
+
+
+def activation(act, tables, x: torch.Tensor) -> torch.Tensor:
+    """`act(x)`: one Triton kernel on CUDA when `tables` (from `prepare`), else the module itself."""
+    if tables is None or not use_triton(x):
+        return act(x)
+    return snake_aa(x, *tables)
+
+
+def snake_aa(x: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor, up: torch.Tensor,
+             down: torch.Tensor) -> torch.Tensor:
+    """The kernel on x [batch, channels, T] with `prepare`'s tables."""
+    x = x.contiguous()
+    batch, channels, length = x.shape
+    out = torch.empty_like(x)
+    grid = (batch * channels, triton.cdiv(length, BLOCK))
+    _snake_aa_kernel[grid](x, out, alpha, inv_beta, up, down, length, channels, BLOCK=BLOCK)
+    return out

@@ -31,6 +31,10 @@ What differs from transformers' `DiTDecoderLayer` (same arithmetic, other kernel
         On a CPU that op computes the erf GELU, so the CPU keeps linear + tanh GELU.
       `aligned_masks`: the key masks' rows stored at a multiple of 16 elements, so SDPA's
         memory-efficient kernel takes them as they are instead of padding a copy in every layer.
+      `split_input_proj`: the input projection of [x | speaker | codes | cond] split in two: the
+        static part's (speaker, codes, cond: the same in all 36 evaluations) once per batch
+        (`static_input`), and per evaluation only x's 80 columns, for the conditional rows once (the
+        CFG rows share x), added to both halves -- no [rows, frames, 912] concatenation per evaluation.
 On a CPU the same code runs with PyTorch's kernels; tests/models/qwen2_5_omni/test_code2wav.py
 checks it against the reference path within float32 rounding.
 """
@@ -75,6 +79,27 @@ class FusedDiT:
         self.complex_rope = True                # first head's rotary as one complex multiply (docstring)
         self.gelu_gemm = True                   # CUDA: GELU as the MLP GEMM's epilogue
         self.aligned_masks = True               # key-mask rows padded to 16 elements in memory
+        self.split_input_proj = True            # static input columns projected once per batch
+        self.mel_dim = cfg.mel_dim
+
+    def static_input(self, static: torch.Tensor):
+        """What `input` reads each evaluation, from the static conditioning [rows, frames, 832] (CFG
+        rows included): its projection with the bias [rows, frames, hidden] (`split_input_proj`),
+        else `static` itself."""
+        if not self.split_input_proj:
+            return static
+        proj = self.dit.input_embed.proj
+        return F.linear(static, proj.weight[:, self.mel_dim:], proj.bias)
+
+    def input(self, x: torch.Tensor, static, cfg: bool) -> torch.Tensor:
+        """The DiT's input projection [rows (x 2 with CFG), frames, hidden] of ODE state x [n, frames, mel]."""
+        proj = self.dit.input_embed.proj
+        if not self.split_input_proj:
+            return proj(torch.cat([torch.cat([x, x]) if cfg else x, static], -1))
+        h = F.linear(x, proj.weight[:, : self.mel_dim])
+        if not cfg:
+            return static + h
+        return (static.unflatten(0, (2, -1)) + h).flatten(0, 1)
 
     def rope_table(self, cos: torch.Tensor, sin: torch.Tensor):
         """The rotary table `velocity` reads, from the DiT's cos / sin [rows, frames, head_dim] float32

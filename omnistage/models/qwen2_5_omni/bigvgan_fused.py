@@ -17,7 +17,7 @@ SnakeBeta of it, and the weighted sum -- x is read once from memory (the taps hi
 output written once; every step in float32 (the reference rounds to bf16 between its steps under
 autocast). `alpha` / `beta` are stored as logs in the checkpoint; exp(alpha) and 1 / (exp(beta) + 1e-9)
 are made once per module (`prepare`). Elsewhere (no CUDA / Triton) `activation` is the module itself;
-tests/models/qwen2_5_omni/test_bigvgan_fused.py checks the kernel against it under Triton's interpreter.
+tests/models/qwen2_5_omni/test_code2wav_kernels.py checks the kernel against it under Triton's interpreter.
 """
 
 from __future__ import annotations

@@ -21,11 +21,12 @@ What differs from transformers' `DiTDecoderLayer` (same arithmetic, other kernel
     (one Triton kernel per step on CUDA; its PyTorch reference on a CPU).
   * Fewer kernels per layer (at 1 row a chunk is launch-bound: ~16 kernels x 22 layers x 36
     evaluations), each a flag on the instance so code2wav_bench.py can time it off:
-      `complex_rope`: the first head's rotary as one complex multiply in float32 (`rope_table`: the
+      `complex_rope`: the first head's rotary as a complex multiply in float32 (`rope_table`: the
         rotation e^(i f) per frame, made once per batch), written back in the checkpoint's interleaved
-        layout -- 3 kernels instead of 7. transformers de-interleaves q and k before a half-split
-        rotation; both layouts hold the same pairs, and q . k is the same sum in either (SDPA sums
-        over the head dim), so the attention is unchanged (q and k are rounded once, not three times).
+        layout -- one Triton kernel on CUDA (`rope_first_head`), 3 PyTorch kernels elsewhere, instead
+        of 7. transformers de-interleaves q and k before a half-split rotation; both layouts hold the
+        same pairs, and q . k is the same sum in either (SDPA sums over the head dim), so the
+        attention is unchanged (q and k are rounded once, not three times).
       `gelu_gemm` (CUDA): the MLP's first linear with its tanh GELU as the GEMM's epilogue
         (`torch._addmm_activation`; one kernel, no [tokens, 2 x hidden] round trip through memory).
         On a CPU that op computes the erf GELU, so the CPU keeps linear + tanh GELU.
@@ -45,6 +46,38 @@ import torch
 import torch.nn.functional as F
 
 from omnistage.layers.ada_norm import ada_norm
+from omnistage.layers.fused import use_triton
+from omnistage.layers.triton_fused import triton
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _rope_first_head_kernel(qkv_ptr, rot_ptr, stride_token, stride_qk, HALF: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)   # row * frames + frame
+        i = tl.arange(0, HALF)
+        cos = tl.load(rot_ptr + token * 2 * HALF + 2 * i)
+        sin = tl.load(rot_ptr + token * 2 * HALF + 2 * i + 1)
+        for which in tl.static_range(2):        # q, then k
+            head = qkv_ptr + token * stride_token + which * stride_qk
+            even = tl.load(head + 2 * i).to(tl.float32)
+            odd = tl.load(head + 2 * i + 1).to(tl.float32)
+            tl.store(head + 2 * i, (even * cos - odd * sin).to(qkv_ptr.dtype.element_ty))
+            tl.store(head + 2 * i + 1, (odd * cos + even * sin).to(qkv_ptr.dtype.element_ty))
+
+
+def rope_first_head(qkv: torch.Tensor, rot: torch.Tensor) -> None:
+    """Rotates the interleaved pairs of q's and k's first head in place: qkv [rows, frames, 3, heads, d]
+    (contiguous), rot [rows, frames, 1, d / 2] complex64 (`FusedDiT.rope_table`). One Triton kernel on
+    CUDA (a program per frame); elsewhere the complex multiply it computes."""
+    rows, frames, _, heads, d = qkv.shape
+    if use_triton(qkv) and d & (d - 2) == 0:   # d / 2 a power of two (Triton's block)
+        table = torch.view_as_real(rot.expand(rows, frames, 1, d // 2).contiguous())
+        _rope_first_head_kernel[(rows * frames,)](qkv, table, qkv.stride(1), qkv.stride(2), HALF=d // 2)
+        return
+    first = qkv[:, :, :2, 0]
+    pairs = torch.view_as_complex(first.float().unflatten(-1, (d // 2, 2)))
+    qkv[:, :, :2, 0] = torch.view_as_real(pairs * rot).flatten(-2)
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -162,13 +195,11 @@ class FusedDiT:
         heads, d, size = self.heads, self.head_dim, self.block
         qkv = F.linear(y, *self.qkv[i]).view(rows, frames, 3, heads, d)
         # only q's and k's first head is rotated (as the checkpoint was trained), in place in the GEMM's output
-        first = qkv[:, :, :2, 0]                # [rows, frames, q | k, d], pairs interleaved
-        if self.complex_rope:                   # the pairs rotated where they are (docstring)
-            pairs = torch.view_as_complex(first.float().unflatten(-1, (d // 2, 2)))
-            qkv[:, :, :2, 0] = torch.view_as_real(pairs * rope).flatten(-2)
+        if self.complex_rope:                   # the interleaved pairs rotated where they are (docstring)
+            rope_first_head(qkv, rope)
         else:                                   # the de-interleaved layout, as transformers
             cos, sin = rope
-            qkv[:, :, :2, 0] = _rotate(_deinterleave(first), cos[:, :, None], sin[:, :, None])
+            qkv[:, :, :2, 0] = _rotate(_deinterleave(qkv[:, :, :2, 0]), cos[:, :, None], sin[:, :, None])
         q, k, v = qkv.unbind(2)
         nb = -(-frames // size)
         pad = nb * size - frames

@@ -1,6 +1,8 @@
-"""`bigvgan_fused.py`: the fused anti-aliased SnakeBeta kernel (run under Triton's interpreter on CPU
-tensors) matches transformers' module: float32 within 1e-5 of the output's peak; a bf16 input within
-a bf16 rounding of the float32 module on the same (rounded) input."""
+"""code2wav's Triton kernels, run under Triton's interpreter on CPU tensors, against their references:
+  * `bigvgan_fused.py`'s anti-aliased SnakeBeta matches transformers' module: float32 within 1e-5 of the
+    output's peak; a bf16 input within a bf16 rounding of the float32 module on the same input.
+  * `dit_fused.rope_first_head` matches its complex-multiply path (q's and k's first head rotated,
+    everything else untouched) within float32 rounding, bf16 within one bf16 rounding."""
 
 from interpreted import run_in_interpreter
 
@@ -24,13 +26,25 @@ for length in (3, 300):
         got = snake_aa(xin, *prepare(act))
         assert got.dtype == dtype and got.shape == ref.shape
         out[f"{length}-{dtype}"] = [float((got.float() - ref).abs().max()), float(ref.abs().max())]
+import omnistage.models.qwen2_5_omni.dit_fused as dit_fused
+angles = torch.randn(2, 5, 4, generator=g)
+rot = torch.complex(angles.cos(), angles.sin())[:, :, None]
+for dtype in (torch.float32, torch.bfloat16):
+    qkv = torch.randn(2, 5, 3, 3, 8, generator=g).to(dtype)
+    ref = qkv.clone()
+    pairs = torch.view_as_complex(ref[:, :, :2, 0].float().unflatten(-1, (4, 2)))
+    ref[:, :, :2, 0] = torch.view_as_real(pairs * rot).flatten(-2)
+    got = qkv.clone()
+    dit_fused.use_triton = lambda x: True       # the interpreter's tensors are CPU tensors
+    dit_fused.rope_first_head(got, rot)
+    out[f"rope-{dtype}"] = [float((got.float() - ref.float()).abs().max()), float(ref.float().abs().max())]
 print(json.dumps(out))
 """
 
 
 def test_fused_activation_matches_transformers_in_the_interpreter():
     errs = run_in_interpreter("-c", CHECK)
-    assert len(errs) == 4
+    assert len(errs) == 6
     for key, (err, peak) in errs.items():
         assert err <= (1e-5 if key.endswith("float32") else 2 ** -7) * peak, (key, err, peak)
 

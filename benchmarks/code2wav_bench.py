@@ -162,7 +162,10 @@ def bench_dit(args, res, device, dit, speakers, cases_for, steady) -> None:
     say("max |mel - plain fp32 reference mel| / its std (%d steady rows): " % steady[1]
         + ", ".join(f"{k} {v:.2e}" for k, v in res["error_vs_fp32"].items()))
     if args.profile and device.type == "cuda":
-        profile(make_ode("fused-bf16", dit, dit_bf16, speakers, device, 0), args.profile, steady[2], res)
+        try:
+            profile(make_ode("fused-bf16", dit, dit_bf16, speakers, device, 0), args.profile, steady[2], res)
+        except Exception as e:                  # reported, not hidden; the other rows are printed already
+            say(f"profile FAILED: {type(e).__name__}: {str(e)[:300]}")
 
 
 def profile(ode, rows: int, frames: int, res: dict) -> None:

@@ -47,12 +47,13 @@ if triton is not None:
             # down tap k reads upsampled sample n = 2t + k - 5 (replicate padding: clamped to [0, 2T))
             n = tl.minimum(tl.maximum(2 * t + k - 5, 0), 2 * T - 1)
             full = n + 15                       # its index in conv_transpose's output before the slice
-            parity = full % 2
+            odd = (full % 2) == 1               # k's parity, but where the clamp moved n
             u = tl.zeros([BLOCK], dtype=tl.float32)
             for i in tl.static_range(6):
-                tap = parity + 2 * i            # the up taps that land on `full`
-                src = tl.minimum(tl.maximum((full - tap) // 2 - 5, 0), T - 1)   # replicate-padded x
-                u += tl.load(up_ptr + tap) * tl.load(x_row + src, mask=keep, other=0.0).to(tl.float32)
+                # the up taps that land on `full`: 2i + parity (scalar loads, a select per sample)
+                weight = tl.where(odd, tl.load(up_ptr + 2 * i + 1), tl.load(up_ptr + 2 * i))
+                src = tl.minimum(tl.maximum((full - odd.to(tl.int32)) // 2 - i - 5, 0), T - 1)   # replicate-padded x
+                u += weight * tl.load(x_row + src, mask=keep, other=0.0).to(tl.float32)
             u = 2.0 * u                         # the upsampler's ratio
             s = tl.sin(u * alpha)
             acc += tl.load(down_ptr + k) * (u + inv_beta * (s * s))

@@ -58,9 +58,12 @@ How a request is decoded (the DiT's ODE is `code2wav_ode.py`; the vocoder is tra
     the shared layout, where every stage runs in one process, no other stage's float32 matmul
     changes; that is safe because the process steps its engines from one thread, one at a time
     (`pipeline/shared.py`). Stage option `vocoder_dtype: bfloat16` runs BigVGAN's convolutions under
-    bf16 autocast (float32 default). Stage option `fused_dit` (default null: on CUDA only) runs each DiT
-    evaluation through `dit_fused.py` (one q|k|v GEMM, block-local attention, fused AdaLN steps;
-    float32 rounding off the reference path on a CPU). Stage option `dit_dtype` (default null: bfloat16 on
+    bf16 autocast (float32 default). Stage option `fused_vocoder` (default null: on CUDA only) runs each
+    of BigVGAN's anti-aliased SnakeBeta activations as one Triton kernel (`bigvgan_fused.py`; float32
+    inside, within 1e-5 of transformers' module). Stage option `fused_dit` (default null: on CUDA only)
+    runs each DiT evaluation through `dit_fused.py` (one q|k|v GEMM, block-local attention, fused AdaLN
+    steps, one-kernel rotary, GELU in the MLP GEMM's epilogue, the static input projected once per
+    batch; float32 rounding off the reference path on a CPU). Stage option `dit_dtype` (default null: bfloat16 on
     CUDA, float32 elsewhere) `bfloat16` runs the DiT's attention and MLP linears in bf16 (residual stream,
     norms, modulation and ODE state stay float32). At the 7B shape on an H200 (code2wav_bench, session 7) the
     fused bf16 chunk is 62.7 / 206 ms at 1 / 8 rows against 87.4 / 328 ms fused TF32, both 1.2e-3 / 9.3e-4 of

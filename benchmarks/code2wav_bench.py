@@ -14,7 +14,8 @@ kernel-count flags are attributes of `FusedDiT`, on by default):
   fused-bf16        `dit_fused.py` in bf16 as served (the CUDA default), every FusedDiT flag on
   s7                fused-bf16 with the flags off: session 7's path (7 rotary kernels, GELU apart, masks
                     padded, the whole input projection per evaluation)
-  no-complex-rope / no-gelu-gemm / no-aligned-masks / no-split-input-proj   fused-bf16 with that flag off
+  no-complex-rope / no-gelu-gemm / no-aligned-masks / no-split-input-proj / no-block-attention
+                    fused-bf16 with that flag off
   fused-tf32        `dit_fused.py` in float32 + TF32
   ref-tf32 / ref-bf16   the reference path (transformers' layers op by op), TF32 / bf16 linears
 Rows: the first variant at steady chunks (96 codes: the 264-frame window) of `--rows` (1 / 8 / 16 / 32) and
@@ -46,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 SETTINGS = (10, 0.5, -1.0)                      # Code2WavParams().ode_key(): 10 time points, CFG 0.5, sway -1
 EVALS = 36                                      # DiT evaluations per chunk: 9 RK4 steps x 4
 BF16_PEAK = 989e12                              # H200 dense bf16 FLOP/s
-FLAGS = ("complex_rope", "gelu_gemm", "aligned_masks", "split_input_proj")   # FusedDiT's kernel-count flags
+FLAGS = ("complex_rope", "gelu_gemm", "aligned_masks", "split_input_proj", "block_attention")   # FusedDiT's kernel-count flags
 BF16 = dict(fused=True, tf32=True, dit_dtype="bfloat16")
 VARIANTS = {"fused-bf16": (BF16, ()), "s7": (BF16, FLAGS),
             **{f"no-{f.replace('_', '-')}": (BF16, (f,)) for f in FLAGS},
@@ -269,7 +270,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--work", default="/tmp/omnibench")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--only", choices=("dit", "vocoder"), default=None, help="run one half only")
-    ap.add_argument("--variants", default="fused-bf16,s7,no-complex-rope,no-gelu-gemm,no-aligned-masks,no-split-input-proj",
+    ap.add_argument("--variants", default="fused-bf16,s7,no-complex-rope,no-block-attention,no-split-input-proj",
                     help=f"DiT variants, comma-separated, of {','.join(VARIANTS)}; the first gets every row")
     ap.add_argument("--rows", default="1,8,16,32", help="steady-chunk rows of the first variant")
     ap.add_argument("--first-rows", default="1,8", help="first-chunk rows of the first variant")

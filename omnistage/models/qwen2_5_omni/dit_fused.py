@@ -32,6 +32,9 @@ What differs from transformers' `DiTDecoderLayer` (same arithmetic, other kernel
         On a CPU that op computes the erf GELU, so the CPU keeps linear + tanh GELU.
       `aligned_masks`: the key masks' rows stored at a multiple of 16 elements, so SDPA's
         memory-efficient kernel takes them as they are instead of padding a copy in every layer.
+      `block_attention` (CUDA): the block-local attention as one Triton kernel reading q, k and v
+        straight from the q|k|v GEMM's output, masks from each row's length (`dit_kernels.py`: SDPA's
+        flash kernels pad these 24-query problems to 64 x 128 tiles; they were a third of the GPU time).
       `split_input_proj`: the input projection of [x | speaker | codes | cond] split in two: the
         static part's (speaker, codes, cond: the same in all 36 evaluations) once per batch
         (`static_input`), and per evaluation only x's 80 columns, for the conditional rows once (the
@@ -47,36 +50,18 @@ import torch.nn.functional as F
 
 from omnistage.layers.ada_norm import ada_norm
 from omnistage.layers.fused import use_triton
-from omnistage.layers.triton_fused import triton
-
-if triton is not None:
-    import triton.language as tl
-
-    @triton.jit
-    def _rope_first_head_kernel(qkv_ptr, rot_ptr, stride_token, stride_qk, HALF: tl.constexpr):
-        token = tl.program_id(0).to(tl.int64)   # row * frames + frame
-        i = tl.arange(0, HALF)
-        cos = tl.load(rot_ptr + token * 2 * HALF + 2 * i)
-        sin = tl.load(rot_ptr + token * 2 * HALF + 2 * i + 1)
-        for which in tl.static_range(2):        # q, then k
-            head = qkv_ptr + token * stride_token + which * stride_qk
-            even = tl.load(head + 2 * i).to(tl.float32)
-            odd = tl.load(head + 2 * i + 1).to(tl.float32)
-            tl.store(head + 2 * i, (even * cos - odd * sin).to(qkv_ptr.dtype.element_ty))
-            tl.store(head + 2 * i + 1, (odd * cos + even * sin).to(qkv_ptr.dtype.element_ty))
+from omnistage.models.qwen2_5_omni import dit_kernels
 
 
 def rope_first_head(qkv: torch.Tensor, rot: torch.Tensor) -> None:
     """Rotates the interleaved pairs of q's and k's first head in place: qkv [rows, frames, 3, heads, d]
     (contiguous), rot [rows, frames, 1, d / 2] complex64 (`FusedDiT.rope_table`). One Triton kernel on
-    CUDA (a program per frame); elsewhere the complex multiply it computes."""
-    rows, frames, _, heads, d = qkv.shape
-    if use_triton(qkv) and d & (d - 2) == 0:   # d / 2 a power of two (Triton's block)
-        table = torch.view_as_real(rot.expand(rows, frames, 1, d // 2).contiguous())
-        _rope_first_head_kernel[(rows * frames,)](qkv, table, qkv.stride(1), qkv.stride(2), HALF=d // 2)
+    CUDA (`dit_kernels.py`); elsewhere the complex multiply it computes."""
+    if use_triton(qkv) and dit_kernels.served(qkv):
+        dit_kernels.rope_first_head(qkv, rot)
         return
-    first = qkv[:, :, :2, 0]
-    pairs = torch.view_as_complex(first.float().unflatten(-1, (d // 2, 2)))
+    d = qkv.shape[-1]
+    pairs = torch.view_as_complex(qkv[:, :, :2, 0].float().unflatten(-1, (d // 2, 2)))
     qkv[:, :, :2, 0] = torch.view_as_real(pairs * rot).flatten(-2)
 
 
@@ -113,6 +98,7 @@ class FusedDiT:
         self.gelu_gemm = True                   # CUDA: GELU as the MLP GEMM's epilogue
         self.aligned_masks = True               # key-mask rows padded to 16 elements in memory
         self.split_input_proj = True            # static input columns projected once per batch
+        self.block_attention = True             # CUDA: the block-local attention as one Triton kernel
         self.mel_dim = cfg.mel_dim
 
     def static_input(self, static: torch.Tensor):
@@ -145,7 +131,12 @@ class FusedDiT:
 
     def masks(self, valid: torch.Tensor) -> dict[tuple[int, int], torch.Tensor]:
         """Per distinct (look-back, look-ahead): the additive key mask [rows * blocks, 1, B, keys] of the
-        block-local attention, from each row's valid frames `valid` [rows, frames] (once per batch)."""
+        block-local attention, from each row's valid frames `valid` [rows, frames] (once per batch);
+        for `dit_kernels.block_attention` (`block_attention`, CUDA) only "lengths": each row's valid
+        frames as int32 [rows]."""
+        if self.block_attention and use_triton(valid) and dit_kernels.triton is not None \
+                and self.head_dim >= 16 and self.head_dim & (self.head_dim - 1) == 0:
+            return {"lengths": valid.sum(1, dtype=torch.int32)}
         rows, frames = valid.shape
         nb = -(-frames // self.block)
         valid = F.pad(valid, (0, nb * self.block - frames)).view(rows, nb, self.block)
@@ -171,7 +162,7 @@ class FusedDiT:
         _, y = ada_norm(h, shift, scale, self.eps, out_dtype=self.dtype)
         for i, block in enumerate(blocks):
             _, _, gate_msa, shift_mlp, scale_mlp, gate_mlp = layer_mods[i][e].chunk(6)
-            attn = self._attention(i, block, y, rope, masks[self.windows[i]])
+            attn = self._attention(i, block, y, rope, masks)
             h, y = ada_norm(attn, shift_mlp, scale_mlp, self.eps, residual=h, gate=gate_msa, out_dtype=self.dtype)
             ff = block.ff.ff
             f = ff[3](self._gelu_linear(ff[0], y))
@@ -190,7 +181,7 @@ class FusedDiT:
             return out.view(*y.shape[:-1], -1)
         return F.gelu(linear(y), approximate="tanh")
 
-    def _attention(self, i: int, block, y: torch.Tensor, rope, bias: torch.Tensor) -> torch.Tensor:
+    def _attention(self, i: int, block, y: torch.Tensor, rope, masks: dict) -> torch.Tensor:
         rows, frames, _ = y.shape
         heads, d, size = self.heads, self.head_dim, self.block
         qkv = F.linear(y, *self.qkv[i]).view(rows, frames, 3, heads, d)
@@ -200,16 +191,18 @@ class FusedDiT:
         else:                                   # the de-interleaved layout, as transformers
             cos, sin = rope
             qkv[:, :, :2, 0] = _rotate(_deinterleave(qkv[:, :, :2, 0]), cos[:, :, None], sin[:, :, None])
+        back, ahead = self.windows[i]
+        if "lengths" in masks:                  # one Triton kernel, straight from the GEMM's output
+            return block.attn.to_out[0](dit_kernels.block_attention(qkv, masks["lengths"], back, ahead, size))
         q, k, v = qkv.unbind(2)
         nb = -(-frames // size)
         pad = nb * size - frames
         if pad:
             q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
-        back, ahead = self.windows[i]
         q = q.reshape(rows * nb, size, heads, d).transpose(1, 2)
         k, v = (_neighbours(t.reshape(rows, nb, size, heads, d), back, ahead, 0.0)
                 .reshape(rows * nb, -1, heads, d).transpose(1, 2) for t in (k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[(back, ahead)])
         out = out.transpose(1, 2).reshape(rows, nb * size, heads * d)[:, :frames]
         return block.attn.to_out[0](out)
 

@@ -1,8 +1,13 @@
 """code2wav's Triton kernels, run under Triton's interpreter on CPU tensors, against their references:
   * `bigvgan_fused.py`'s anti-aliased SnakeBeta matches transformers' module: float32 within 1e-5 of the
     output's peak; a bf16 input within a bf16 rounding of the float32 module on the same input.
-  * `dit_fused.rope_first_head` matches its complex-multiply path (q's and k's first head rotated,
-    everything else untouched) within float32 rounding, bf16 within one bf16 rounding."""
+  * `dit_kernels.rope_first_head` matches `dit_fused`'s complex-multiply path (q's and k's first head
+    rotated, everything else untouched) within float32 rounding, bf16 within one bf16 rounding.
+  * `dit_kernels.block_attention` matches a dense float64 attention under the block-local rule (look
+    back / ahead, keys past a row's length masked, a padded query sees itself) within 1e-5 of the
+    output's peak, frames not a multiple of the block. float32 only: the interpreter's `tl.dot` misreads
+    bf16 operands (Triton 3.x); bf16 on the GPU is checked by benchmarks/code2wav_bench.py's error row
+    (the whole ODE against the plain float32 reference)."""
 
 from interpreted import run_in_interpreter
 
@@ -26,25 +31,45 @@ for length in (3, 300):
         got = snake_aa(xin, *prepare(act))
         assert got.dtype == dtype and got.shape == ref.shape
         out[f"{length}-{dtype}"] = [float((got.float() - ref).abs().max()), float(ref.abs().max())]
-import omnistage.models.qwen2_5_omni.dit_fused as dit_fused
+from omnistage.models.qwen2_5_omni import dit_fused, dit_kernels
 angles = torch.randn(2, 5, 4, generator=g)
 rot = torch.complex(angles.cos(), angles.sin())[:, :, None]
 for dtype in (torch.float32, torch.bfloat16):
     qkv = torch.randn(2, 5, 3, 3, 8, generator=g).to(dtype)
-    ref = qkv.clone()
-    pairs = torch.view_as_complex(ref[:, :, :2, 0].float().unflatten(-1, (4, 2)))
-    ref[:, :, :2, 0] = torch.view_as_real(pairs * rot).flatten(-2)
-    got = qkv.clone()
-    dit_fused.use_triton = lambda x: True       # the interpreter's tensors are CPU tensors
-    dit_fused.rope_first_head(got, rot)
+    ref, got = qkv.clone(), qkv.clone()
+    dit_fused.rope_first_head(ref, rot)         # the complex-multiply path (CPU tensors)
+    dit_kernels.rope_first_head(got, rot)
     out[f"rope-{dtype}"] = [float((got.float() - ref.float()).abs().max()), float(ref.float().abs().max())]
+
+
+def dense(qkv, lengths, back, ahead, block):
+    rows, frames, _, heads, d = qkv.shape
+    q, k, v = qkv.double().unbind(2)
+    f = torch.arange(frames)
+    window = (f[None, :] // block >= f[:, None] // block - back) & (f[None, :] // block <= f[:, None] // block + ahead)
+    res = []
+    for r in range(rows):
+        keep = torch.where((f < lengths[r])[:, None], window & (f[None, :] < lengths[r]), torch.eye(frames, dtype=torch.bool))
+        s = torch.einsum("qhd,khd->hqk", q[r], k[r]) * d ** -0.5
+        res.append(torch.einsum("hqk,khd->qhd", s.masked_fill(~keep, float("-inf")).softmax(-1), v[r]))
+    return torch.stack(res).flatten(2)
+
+
+for back, ahead in ((0, 0), (1, 0), (0, 1)):
+    for dtype in (torch.float32,):              # the interpreter's tl.dot misreads bf16 operands
+        qkv = torch.randn(2, 53, 3, 2, 16, generator=g).to(dtype)
+        lengths = torch.tensor([53, 30], dtype=torch.int32)
+        got = dit_kernels.block_attention(qkv, lengths, back, ahead, 8)
+        ref = dense(qkv, lengths.tolist(), back, ahead, 8)
+        assert got.dtype == dtype and got.shape == ref.shape
+        out[f"attn-{back}{ahead}-{dtype}"] = [float((got.double() - ref).abs().max()), float(ref.abs().max())]
 print(json.dumps(out))
 """
 
 
 def test_fused_activation_matches_transformers_in_the_interpreter():
     errs = run_in_interpreter("-c", CHECK)
-    assert len(errs) == 6
+    assert len(errs) == 9
     for key, (err, peak) in errs.items():
         assert err <= (1e-5 if key.endswith("float32") else 2 ** -7) * peak, (key, err, peak)
 

@@ -19,8 +19,8 @@ What differs from transformers' `DiTDecoderLayer` (same arithmetic, other kernel
     keeps only itself, so every valid frame gets the reference's softmax over the same keys.
   * Each gated residual and the LayerNorm + modulation after it are one `layers/ada_norm.py` step
     (one Triton kernel per step on CUDA; its PyTorch reference on a CPU).
-  * Fewer kernels per layer (at 1 row a chunk is launch-bound: ~16 kernels x 22 layers x 36
-    evaluations), each a flag on the instance so code2wav_bench.py can time it off:
+  * Fewer kernels per layer (at 1 row a chunk is launch-bound: 36 evaluations x 22 layers x ~17
+    kernels before, 8 now on CUDA), each a flag on the instance so code2wav_bench.py can time it off:
       `complex_rope`: the first head's rotary as a complex multiply in float32 (`rope_table`: the
         rotation e^(i f) per frame, made once per batch), written back in the checkpoint's interleaved
         layout -- one Triton kernel on CUDA (`rope_first_head`), 3 PyTorch kernels elsewhere, instead
@@ -57,7 +57,7 @@ def rope_first_head(qkv: torch.Tensor, rot: torch.Tensor) -> None:
     """Rotates the interleaved pairs of q's and k's first head in place: qkv [rows, frames, 3, heads, d]
     (contiguous), rot [rows, frames, 1, d / 2] complex64 (`FusedDiT.rope_table`). One Triton kernel on
     CUDA (`dit_kernels.py`); elsewhere the complex multiply it computes."""
-    if use_triton(qkv) and dit_kernels.served(qkv):
+    if use_triton(qkv) and dit_kernels.served(qkv.shape[-1]):
         dit_kernels.rope_first_head(qkv, rot)
         return
     d = qkv.shape[-1]
@@ -134,8 +134,7 @@ class FusedDiT:
         block-local attention, from each row's valid frames `valid` [rows, frames] (once per batch);
         for `dit_kernels.block_attention` (`block_attention`, CUDA) only "lengths": each row's valid
         frames as int32 [rows]."""
-        if self.block_attention and use_triton(valid) and dit_kernels.triton is not None \
-                and self.head_dim >= 16 and self.head_dim & (self.head_dim - 1) == 0:
+        if self.block_attention and use_triton(valid) and dit_kernels.served(self.head_dim):
             return {"lengths": valid.sum(1, dtype=torch.int32)}
         rows, frames = valid.shape
         nb = -(-frames // self.block)

@@ -80,11 +80,10 @@ def _pow2(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def served(qkv: torch.Tensor) -> bool:
-    """Whether the kernels serve this q|k|v output: Triton present, CUDA, head_dim a power of two >= 16
-    (Triton's block shapes)."""
-    d = qkv.shape[-1]
-    return triton is not None and qkv.is_cuda and d >= 16 and d & (d - 1) == 0
+def served(head_dim: int) -> bool:
+    """Whether the kernels serve this head size: a power of two >= 16 (Triton's block shapes; the
+    caller checks for CUDA and Triton, `layers.fused.use_triton`)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
 def rope_first_head(qkv: torch.Tensor, rot: torch.Tensor) -> None:

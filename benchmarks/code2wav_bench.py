@@ -23,8 +23,8 @@ first chunks (12 codes: 48 frames) of `--first-rows` (1 / 8); the others at `--a
 first at 1). Floor = the DiT's linear FLOPs (x2 rows: CFG) at the H200's dense bf16 peak (989 TFLOP/s).
 Error = max |mel - plain fp32 reference mel| / its std, 8 steady rows, same noise and codes.
 BigVGAN (`--only vocoder`): from graphs as served, float32 (cuDNN's TF32 default) and bf16 autocast
-(`vocoder_dtype`), each with transformers' activations and with `bigvgan_fused.py`'s (`fused_vocoder`),
-and bf16 fused with cuDNN autotuning while capturing, at steady inputs (256 mel frames) of `--voc-rows`
+(`vocoder_dtype`), each with transformers' activations and with `bigvgan_fused.py`'s (`fused_vocoder`;
+"tiled": its other kernel, `TILED`), and bf16 fused with cuDNN autotuning while capturing, at steady inputs (256 mel frames) of `--voc-rows`
 rows and a first chunk's (48 frames), with the waveform error vs float32 with transformers' activations.
 `--profile N` prints the GPU kernels of one eager fused-bf16 ODE batch of N steady rows (per evaluation);
 `--hf` adds transformers' own `sample`; `--capture` the start-up capture of the omni pipeline's code2wav
@@ -196,13 +196,17 @@ def profile(ode, rows: int, frames: int, res: dict) -> None:
 
 
 def bench_vocoder(args, res, device, vocoder) -> None:
+    from omnistage.models.qwen2_5_omni import bigvgan_fused
     from omnistage.models.qwen2_5_omni.token2wav import DeviceVocoder
 
     steady, first = (256, 48) if device.type == "cuda" else (64, 24)   # a later chunk's 192 frames + context
     rows = ints(args.voc_rows) if device.type == "cuda" else [1, 2]
     # name: (dtype, fused activations, cuDNN autotuning while capturing); the first is the reference
+    # "tiled": `bigvgan_fused.TILED` (the other kernel) while capturing
     kinds = {"fp32": (torch.float32, False, False), "fp32-fused": (torch.float32, True, False),
+             "fp32-fused-tiled": (torch.float32, "tiled", False),
              "bf16": (torch.bfloat16, False, False), "bf16-fused": (torch.bfloat16, True, False),
+             "bf16-fused-tiled": (torch.bfloat16, "tiled", False),
              "bf16-fused-autotuned": (torch.bfloat16, True, True)}
     mel = torch.randn(2, 80, steady, generator=torch.Generator().manual_seed(3)).to(device) - 5
     wavs, res["vocoder"] = {}, {}
@@ -210,15 +214,17 @@ def bench_vocoder(args, res, device, vocoder) -> None:
     say("| dtype | " + " | ".join(f"steady {r}" for r in rows) + f" | first 1 | capture s | max err | rms err |")
     say("|---|" + "---|" * (len(rows) + 4))
     for name, (dtype, fused, autotune) in kinds.items():
-        vocode = DeviceVocoder(vocoder, dtype, fused)
+        vocode = DeviceVocoder(vocoder, dtype, bool(fused))
         start = time.perf_counter()
         if device.type == "cuda":
             before = torch.backends.cudnn.benchmark
             torch.backends.cudnn.benchmark = autotune
+            bigvgan_fused.TILED = fused == "tiled"
             try:
                 vocode.capture(sorted({*rows, 2}), [first, steady], 80)
             finally:
                 torch.backends.cudnn.benchmark = before
+                bigvgan_fused.TILED = False
         capture = time.perf_counter() - start
         times = [time_vocoder(vocode, r, steady, args.reps, device) for r in rows]
         times.append(time_vocoder(vocode, 1, first, args.reps, device))

@@ -29,6 +29,9 @@ from omnistage.layers.triton_fused import triton
 
 TAPS = 12                                       # the up and down filters' length (transformers' default)
 BLOCK = 256                                     # outputs per program
+# which kernel: False = per output, 72 x loads and 12 SnakeBetas from cache; True = tiled, x read once
+# into a [128, 16] tile of shifts and the 12 upsampled samples as one small GEMM (code2wav_bench times both)
+TILED = False
 
 if triton is not None:
     import triton.language as tl
@@ -59,6 +62,31 @@ if triton is not None:
             acc += tl.load(down_ptr + k) * (u + inv_beta * (s * s))
         tl.store(out_ptr + row * T + t, acc.to(out_ptr.dtype.element_ty), mask=keep)
 
+    @triton.jit
+    def _snake_aa_tiled_kernel(x_ptr, out_ptr, alpha_ptr, inv_beta_ptr, w_ptr, down_ptr, T, C,
+                               BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        keep = t < T
+        c = tl.arange(0, 16)
+        alpha = tl.load(alpha_ptr + row % C)
+        inv_beta = tl.load(inv_beta_ptr + row % C)
+        # x[t - 5 .. t + 10] (replicate padding: clamped), read once; column c - 5 is the shift
+        src = tl.minimum(tl.maximum(t[:, None] + c[None, :] - 5, 0), T - 1)
+        xs = tl.load(x_ptr + row * T + src, mask=keep[:, None], other=0.0).to(tl.float32)
+        # u at n = 2t + k - 5 for the 12 down taps k: one small GEMM with the up filter's polyphase matrix
+        u = tl.dot(xs, tl.load(w_ptr + c[:, None] + c[None, :] * 16), input_precision="tf32x3")
+        s = tl.sin(u * alpha)
+        s = u + inv_beta * (s * s)
+        # replicate padding of the upsampled signal: n < 0 reads n = 0 (tap 5 - 2t of the same t),
+        # n >= 2T reads n = 2T - 1 (tap 2T + 4 - 2t)
+        n = 2 * t[:, None] + c[None, :] - 5
+        first = tl.sum(tl.where(c[None, :] == (5 - 2 * t)[:, None], s, 0.0), axis=1)
+        last = tl.sum(tl.where(c[None, :] == (2 * T + 4 - 2 * t)[:, None], s, 0.0), axis=1)
+        s = tl.where(n < 0, first[:, None], tl.where(n > 2 * T - 1, last[:, None], s))
+        acc = tl.sum(s * tl.load(down_ptr + c)[None, :], axis=1)
+        tl.store(out_ptr + row * T + t, acc.to(out_ptr.dtype.element_ty), mask=keep)
+
 
 def prepare(act) -> tuple[torch.Tensor, ...] | None:
     """(exp(alpha), 1 / (exp(beta) + eps), up filter, down filter), float32 on the module's device, for a
@@ -67,8 +95,15 @@ def prepare(act) -> tuple[torch.Tensor, ...] | None:
     if (up.ratio, up.kernel_size, down.stride, down.kernel_size) != (2, TAPS, 2, TAPS) \
             or not hasattr(snake, "beta"):
         return None
+    up_taps, down_taps = up.filter.detach().float().reshape(-1), down.filter.detach().float().reshape(-1)
+    # the tiled kernel's tables: poly[k, c] weighs x[t + c - 5] in the upsampled sample n = 2t + k - 5
+    # (up tap k % 2 + 2i lands on it from x[t + k // 2 - i]; the ratio 2 folded in), down taps padded to 16
+    poly = torch.zeros(16, 16, device=up_taps.device)
+    for k in range(TAPS):
+        for i in range(TAPS // 2):
+            poly[k, k // 2 - i + 5] = 2 * up_taps[k % 2 + 2 * i]
     return (snake.alpha.detach().float().exp(), 1.0 / (snake.beta.detach().float().exp() + snake.no_div_by_zero),
-            up.filter.detach().float().reshape(-1).contiguous(), down.filter.detach().float().reshape(-1).contiguous())
+            up_taps.contiguous(), down_taps.contiguous(), poly, torch.nn.functional.pad(down_taps, (0, 16 - TAPS)))
 
 
 def activation(act, tables, x: torch.Tensor) -> torch.Tensor:
@@ -79,11 +114,15 @@ def activation(act, tables, x: torch.Tensor) -> torch.Tensor:
 
 
 def snake_aa(x: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor, up: torch.Tensor,
-             down: torch.Tensor) -> torch.Tensor:
-    """The kernel on x [batch, channels, T] with `prepare`'s tables."""
+             down: torch.Tensor, poly: torch.Tensor, down16: torch.Tensor) -> torch.Tensor:
+    """The kernel on x [batch, channels, T] with `prepare`'s tables (`TILED`: the tiled one)."""
     x = x.contiguous()
     batch, channels, length = x.shape
     out = torch.empty_like(x)
-    grid = (batch * channels, triton.cdiv(length, BLOCK))
-    _snake_aa_kernel[grid](x, out, alpha, inv_beta, up, down, length, channels, BLOCK=BLOCK)
+    if TILED:
+        grid = (batch * channels, triton.cdiv(length, 128))
+        _snake_aa_tiled_kernel[grid](x, out, alpha, inv_beta, poly, down16, length, channels, BLOCK=128)
+    else:
+        grid = (batch * channels, triton.cdiv(length, BLOCK))
+        _snake_aa_kernel[grid](x, out, alpha, inv_beta, up, down, length, channels, BLOCK=BLOCK)
     return out

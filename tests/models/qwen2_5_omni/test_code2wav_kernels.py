@@ -1,6 +1,7 @@
 """code2wav's Triton kernels, run under Triton's interpreter on CPU tensors, against their references:
-  * `bigvgan_fused.py`'s anti-aliased SnakeBeta matches transformers' module: float32 within 1e-5 of the
-    output's peak; a bf16 input within a bf16 rounding of the float32 module on the same input.
+  * `bigvgan_fused.py`'s anti-aliased SnakeBeta (both kernels) matches transformers' module: float32
+    within 1e-5 of the output's peak; a bf16 input within a bf16 rounding of the float32 module on the
+    same input; lengths shorter than the filters (replicate padding on both sides at once).
   * `dit_kernels.rope_first_head` matches `dit_fused`'s complex-multiply path (q's and k's first head
     rotated, everything else untouched) within float32 rounding, bf16 within one bf16 rounding.
   * `dit_kernels.block_attention` matches a dense float64 attention under the block-local rule (look
@@ -15,10 +16,11 @@ CHECK = """
 import json, torch
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniAntiAliasedActivation1d, Qwen2_5OmniSnakeBeta)
-from omnistage.models.qwen2_5_omni.bigvgan_fused import prepare, snake_aa
+from omnistage.models.qwen2_5_omni import bigvgan_fused
 g = torch.Generator().manual_seed(0)
 out = {}
-for length in (3, 300):
+for length, tiled in ((3, False), (300, False), (3, True), (300, True)):
+    bigvgan_fused.TILED = tiled
     act = Qwen2_5OmniAntiAliasedActivation1d(activation=Qwen2_5OmniSnakeBeta(2))
     with torch.no_grad():
         act.act.alpha.copy_(torch.randn(2, generator=g) * 0.5)
@@ -28,9 +30,9 @@ for length in (3, 300):
         xin = x.to(dtype)
         with torch.no_grad():
             ref = act(xin.float())
-        got = snake_aa(xin, *prepare(act))
+        got = bigvgan_fused.snake_aa(xin, *bigvgan_fused.prepare(act))
         assert got.dtype == dtype and got.shape == ref.shape
-        out[f"{length}-{dtype}"] = [float((got.float() - ref).abs().max()), float(ref.abs().max())]
+        out[f"{length}-{tiled}-{dtype}"] = [float((got.float() - ref).abs().max()), float(ref.abs().max())]
 from omnistage.models.qwen2_5_omni import dit_fused, dit_kernels
 angles = torch.randn(2, 5, 4, generator=g)
 rot = torch.complex(angles.cos(), angles.sin())[:, :, None]
@@ -69,7 +71,7 @@ print(json.dumps(out))
 
 def test_fused_activation_matches_transformers_in_the_interpreter():
     errs = run_in_interpreter("-c", CHECK)
-    assert len(errs) == 9
+    assert len(errs) == 13
     for key, (err, peak) in errs.items():
         assert err <= (1e-5 if key.endswith("float32") else 2 ** -7) * peak, (key, err, peak)
 

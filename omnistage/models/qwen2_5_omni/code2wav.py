@@ -65,9 +65,10 @@ How a request is decoded (the DiT's ODE is `code2wav_ode.py`; the vocoder is tra
     steps, one-kernel rotary, GELU in the MLP GEMM's epilogue, the static input projected once per
     batch; float32 rounding off the reference path on a CPU). Stage option `dit_dtype` (default null: bfloat16 on
     CUDA, float32 elsewhere) `bfloat16` runs the DiT's attention and MLP linears in bf16 (residual stream,
-    norms, modulation and ODE state stay float32). At the 7B shape on an H200 (code2wav_bench, session 7) the
-    fused bf16 chunk is 62.7 / 206 ms at 1 / 8 rows against 87.4 / 328 ms fused TF32, both 1.2e-3 / 9.3e-4 of
-    the mel's std off the plain fp32 reference; on the tiny
+    norms, modulation and ODE state stay float32). At the 7B shape on an H200 (code2wav_bench) the
+    fused bf16 steady chunk is 35.8 / 128 / 526 ms at 1 / 8 / 32 rows and a first chunk 28.3 ms at 1 row
+    (session 7's kernels: 62.3 / 207 / 1049 and 48.4; fused TF32 then 87.4 / 328), 1.3e-3 of the mel's std
+    off the plain fp32 reference (session 7: 1.2e-3; TF32 9.3e-4); on the tiny
     checkpoint the whole decode moves by 3e-4 of the waveform's peak (mel 5.6e-3 of std 2.1; tested
     < 2e-3); benchmarks/code2wav_bench.py measures its speed and error at the 7B shape.
 """

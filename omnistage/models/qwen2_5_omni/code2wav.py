@@ -58,13 +58,18 @@ How a request is decoded (the DiT's ODE is `code2wav_ode.py`; the vocoder is tra
     the shared layout, where every stage runs in one process, no other stage's float32 matmul
     changes; that is safe because the process steps its engines from one thread, one at a time
     (`pipeline/shared.py`). Stage option `vocoder_dtype: bfloat16` runs BigVGAN's convolutions under
-    bf16 autocast (float32 default). Stage option `fused_dit` (default null: on CUDA only) runs each DiT
-    evaluation through `dit_fused.py` (one q|k|v GEMM, block-local attention, fused AdaLN steps;
-    float32 rounding off the reference path on a CPU). Stage option `dit_dtype` (default null: bfloat16 on
+    bf16 autocast (float32 default). Stage option `fused_vocoder` (default false: its GPU speed is not
+    measured yet, `code2wav_bench.py --only vocoder`) runs each of BigVGAN's anti-aliased SnakeBeta
+    activations as one Triton kernel on CUDA (`bigvgan_fused.py`; float32 inside, within 1e-5 of
+    transformers' module under Triton's interpreter). Stage option `fused_dit` (default null: on CUDA only)
+    runs each DiT evaluation through `dit_fused.py` (one q|k|v GEMM, block-local attention, fused AdaLN
+    steps, one-kernel rotary, GELU in the MLP GEMM's epilogue, the static input projected once per
+    batch; float32 rounding off the reference path on a CPU). Stage option `dit_dtype` (default null: bfloat16 on
     CUDA, float32 elsewhere) `bfloat16` runs the DiT's attention and MLP linears in bf16 (residual stream,
-    norms, modulation and ODE state stay float32). At the 7B shape on an H200 (code2wav_bench, session 7) the
-    fused bf16 chunk is 62.7 / 206 ms at 1 / 8 rows against 87.4 / 328 ms fused TF32, both 1.2e-3 / 9.3e-4 of
-    the mel's std off the plain fp32 reference; on the tiny
+    norms, modulation and ODE state stay float32). At the 7B shape on an H200 (code2wav_bench) the
+    fused bf16 steady chunk is 35.8 / 128 / 526 ms at 1 / 8 / 32 rows and a first chunk 28.3 ms at 1 row
+    (session 7's kernels: 62.3 / 207 / 1049 and 48.4; fused TF32 then 87.4 / 328), 1.3e-3 of the mel's std
+    off the plain fp32 reference (session 7: 1.2e-3; TF32 9.3e-4); on the tiny
     checkpoint the whole decode moves by 3e-4 of the waveform's peak (mel 5.6e-3 of std 2.1; tested
     < 2e-3); benchmarks/code2wav_bench.py measures its speed and error at the 7B shape.
 """
@@ -178,7 +183,7 @@ class Code2Wav:
                  past_blocks: int = 2, future_blocks: int = 1, vocoder_context_frames: Optional[int] = None,
                  max_batch_requests: int = 8, cuda_graphs: bool = True, dynamic_first_chunk: bool = True,
                  dit_dtype: Optional[str] = None, tf32: bool = True, fused_dit: Optional[bool] = None,
-                 vocoder_dtype: str = "float32"):
+                 vocoder_dtype: str = "float32", fused_vocoder: bool = False):
         for name, value in (("chunk_codes", chunk_codes), ("first_chunk_codes", first_chunk_codes)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -199,11 +204,14 @@ class Code2Wav:
             raise ValueError(f"tf32 must be true or false, got {tf32!r}")
         if fused_dit is not None and not isinstance(fused_dit, bool):
             raise ValueError(f"fused_dit must be true, false or null (on CUDA only), got {fused_dit!r}")
+        if not isinstance(fused_vocoder, bool):
+            raise ValueError(f"fused_vocoder must be true or false, got {fused_vocoder!r}")
         self.device = torch.device(device)
         self.model, self.speakers = load_token2wav(model_dir, self.device)
         self.dit = self.model.code2wav_dit_model
         self.vocoder = self.model.code2wav_bigvgan_model
-        self.vocode = DeviceVocoder(self.vocoder, DIT_DTYPES[vocoder_dtype])   # its forward without host syncs
+        # its forward without host syncs; `fused_vocoder`: one kernel per anti-aliased activation
+        self.vocode = DeviceVocoder(self.vocoder, DIT_DTYPES[vocoder_dtype], fused=fused_vocoder)
         self.default_voice = default_voice or next(iter(self.speakers))
         if self.default_voice not in self.speakers:
             raise ValueError(f"default_voice must be one of {sorted(self.speakers)}, got {default_voice!r}")

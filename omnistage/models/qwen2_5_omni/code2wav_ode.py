@@ -234,20 +234,23 @@ class Code2WavODE:
         rows, frames = static.shape[:2]
         positions = torch.arange(frames, device=x.device)[None].expand(rows, -1)
         cos, sin = self.dit.rotary_embed(static, positions)
-        rope = (cos.to(self.dtype), sin.to(self.dtype)) if self.dtype != torch.float32 else (cos, sin)
         if self.fused is not None:              # `block_diff` holds each row's valid frames here
+            rope = self.fused.rope_table(cos, sin)
             masks = self.fused.masks(block_diff)
+            static = self.fused.static_input(static)
         else:
+            rope = (cos.to(self.dtype), sin.to(self.dtype)) if self.dtype != torch.float32 else (cos, sin)
             masks = {w: (block_diff >= -w[0]) & (block_diff <= w[1]) for w in set(self.windows)}
         step = iter(range(len(final_mod)))
 
         def velocity(x: torch.Tensor) -> torch.Tensor:
             e = next(step)                      # this evaluation's row of the time tables
-            x_rows = torch.cat([x, x]) if guidance is not None else x
-            h = self.dit.input_embed.proj(torch.cat([x_rows, static], -1))
             if self.fused is not None:
+                h = self.fused.input(x, static, guidance is not None)
                 v = self.fused.velocity(h, e, layer_mods, final_mod, rope, masks)
             else:
+                x_rows = torch.cat([x, x]) if guidance is not None else x
+                h = self.dit.input_embed.proj(torch.cat([x_rows, static], -1))
                 v = self._reference(h, e, layer_mods, final_mod, rope, masks)
             if guidance is None:
                 return v

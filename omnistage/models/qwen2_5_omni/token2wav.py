@@ -1,6 +1,6 @@
 """token2wav's parts that code2wav (`code2wav.py`) builds on: loading its weights from a Qwen2.5-Omni
-folder, BigVGAN's receptive field in mel frames, and device timing of queued work (the code2wav
-stage's engine, in whatever process runs it).
+folder, BigVGAN's receptive field in mel frames, device timing of queued work, and BigVGAN's forward without
+host syncs, from CUDA graphs (the code2wav stage's engine, in whatever process runs it).
 
 In: a checkpoint folder (`load_token2wav`), a BigVGAN config (`vocoder_context`), a device
 (`DeviceTimer`). Out: the float32 token2wav module and the speakers of `spk_dict.pt`; a frame count;
@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from omnistage.models.qwen2_5_omni.bigvgan_fused import activation, prepare
 
 def load_token2wav(model_dir: str, device: str = "cpu"):
     """(token2wav module in float32 eval mode, speakers dict) from a Qwen2.5-Omni folder.
@@ -96,11 +97,17 @@ class DeviceVocoder:
     eagerly. Why graphs: eagerly BigVGAN is ~1500 small kernels per call, which fill the stream's launch
     queue behind a queued ODE graph, so the host thread -- the one that steps every stage of the shared
     layout -- would block in a launch until the ODE is done, and the talker's steps with it. A graph's
-    result is a view of its buffer: copy it out (stream-ordered) before the next call."""
+    result is a view of its buffer: copy it out (stream-ordered) before the next call.
 
-    def __init__(self, bigvgan, dtype: torch.dtype = torch.float32):
+    `fused` (CUDA with Triton): each anti-aliased SnakeBeta activation (109 per forward, the bulk of
+    BigVGAN's memory traffic) is one kernel (`bigvgan_fused.py`) instead of transformers' ~12; the AMP
+    blocks' loop is transformers' `Qwen2_5OmniAMPBlock.forward` with that activation."""
+
+    def __init__(self, bigvgan, dtype: torch.dtype = torch.float32, fused: bool = False):
         self.model = bigvgan
         self.dtype = dtype                      # bfloat16: the convolutions under autocast (the rest float32)
+        # per activation module: the fused kernel's tables (`bigvgan_fused.prepare`); empty when not fused
+        self.tables = {id(a): prepare(a) for a in bigvgan.modules() if hasattr(a, "upsample")} if fused else {}
         device = next(bigvgan.parameters()).device
         # `amplitude_to_db`'s floor, made once as transformers makes it (float32 exp of float32 input)
         self.min_level = torch.exp(torch.tensor(-115 / 20.0 * math.log(10), device=device, dtype=torch.float32))
@@ -142,7 +149,19 @@ class DeviceVocoder:
         hidden = m.conv_pre(m.normalize_spectrogram(decibels, 1, -115))
         for layer in range(m.num_upsample_layers):
             hidden = m.ups[layer][0](hidden)
-            residual = sum(m.resblocks[layer * m.num_residual_blocks + block](hidden)
+            residual = sum(self._amp_block(m.resblocks[layer * m.num_residual_blocks + block], hidden)
                            for block in range(m.num_residual_blocks))
             hidden = residual / m.num_residual_blocks
-        return torch.clamp(m.conv_post(m.activation_post(hidden)), min=-1.0, max=1.0)
+        return torch.clamp(m.conv_post(self._act(m.activation_post, hidden)), min=-1.0, max=1.0)
+
+    def _act(self, act, x: torch.Tensor) -> torch.Tensor:
+        return activation(act, self.tables.get(id(act)), x)
+
+    def _amp_block(self, block, hidden: torch.Tensor) -> torch.Tensor:
+        """`Qwen2_5OmniAMPBlock.forward` with `_act` for its activations."""
+        if not self.tables:
+            return block(hidden)
+        acts1, acts2 = block.activations[::2], block.activations[1::2]
+        for conv1, conv2, act1, act2 in zip(block.convs1, block.convs2, acts1, acts2):
+            hidden = hidden + conv2(self._act(act2, conv1(self._act(act1, hidden))))
+        return hidden

@@ -7,7 +7,8 @@ Measured on the tiny checkpoint (seed 7, 60 codes = 1.2 s; mel std 2.1, waveform
       4 / 2:           mel 8.4e-6, waveform 4.4e-6
       0 / 0:           mel 0.19,   waveform 0.75 (clicks at each joint: no vocoder right context)
   * batched vs alone: max |diff| ~1e-6 (float rounding of different GEMM shapes).
-  * `fused_dit=True` (the CUDA default) vs the reference path on the CPU: max |diff| ~1e-6.
+  * `fused_dit=True` (the CUDA default) vs the reference path on the CPU: max |diff| ~1e-6, with
+    FusedDiT's kernel-count flags on (complex rotary, aligned masks, split input projection) or off.
   * `vocoder_dtype="bfloat16"` (BigVGAN under bf16 autocast), whole mode: waveform max |diff| 2.1e-2
     of peak 1.0, rms 3.8e-3 (rms of the waveform 0.34).
   * `dit_dtype="bfloat16"` (attention / MLP linears in bf16), whole mode vs float32: waveform 3.0e-4,
@@ -149,6 +150,10 @@ def test_fused_dit_decodes_as_the_reference_path(omni_dir, reference):
     assert engine.model.ode.fused is not None
     wav, mel, _ = run(engine, [("f", codes(60), Code2WavParams(voice="Ethan", seed=SEED))])["f"]
     np.testing.assert_allclose(wav, reference[0], rtol=0, atol=1e-5)
+    for flag in ("complex_rope", "aligned_masks", "split_input_proj"):   # session 7's kernels (the bench's "s7")
+        setattr(engine.model.ode.fused, flag, False)
+    wav, _, _ = run(engine, [("s7", codes(60), Code2WavParams(voice="Ethan", seed=SEED))])["s7"]
+    np.testing.assert_allclose(wav, reference[0], rtol=0, atol=1e-5)
     options = {"chunk_codes": 24, "first_chunk_codes": 12}
     requests = [(f"q{i}", codes(n, seed=i), Code2WavParams(voice="Ethan", seed=i)) for i, n in enumerate([31, 17])]
     plain = run(CodecEngine(Code2Wav(omni_dir, **options)), requests)
@@ -174,6 +179,7 @@ def test_tf32_is_set_for_the_block_only():
 @pytest.mark.parametrize("options, message", [
     ({"dit_dtype": "float16"}, "dit_dtype must be one of"),
     ({"fused_dit": "yes"}, "fused_dit must be true, false or null"),
+    ({"fused_vocoder": None}, "fused_vocoder must be true or false"),
     ({"vocoder_dtype": "float16"}, "vocoder_dtype must be one of"),
     ({"max_batch_requests": 0}, r"max_batch_requests must be an integer in \[1, 64\]"),
     ({"tf32": "yes"}, "tf32 must be true or false")])

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from omnistage.layers.triton_moe_tiles import SortedTiles, sorted_tiles
+
 try:
     import triton
     import triton.language as tl
@@ -131,8 +133,9 @@ if triton is not None:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
-    """See the module docstring; shapes as `moe.fused_moe`. `block_m` overrides the tile height (tests)."""
+              topk_ids: torch.Tensor, block_m: int | None = None, tiles: SortedTiles | None = None) -> torch.Tensor:
+    """See the module docstring; shapes as `moe.fused_moe`. `block_m` overrides the tile height (tests),
+    `tiles` the launch shapes (None: `triton_moe_tiles.sorted_tiles` of this shape)."""
     t, k = topk_ids.shape
     e, two_i, h = w13.shape
     inter = two_i // 2
@@ -140,19 +143,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
     bm = block_m or _block_m(n, e)
+    tiles = tiles or sorted_tiles(bm, h, inter)
     sorted_ids, block_expert, total = align(topk_ids, e, bm)
     mid = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    bn, bk = 64, 64
     # float32 models get float32 products (TF32 would change greedy ids of small models); bf16 / fp16 ignore it
     precision = "ieee" if x.dtype == torch.float32 else None
-    grid = (sorted_ids.numel() // bm, triton.cdiv(inter, bn))
+    grid = (sorted_ids.numel() // bm, triton.cdiv(inter, tiles.up_n))
     _gate_up_kernel[grid](x, w13, mid, sorted_ids, block_expert, total, n, k, h, inter,
                           x.stride(0), w13.stride(0), w13.stride(1), mid.stride(0),
-                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision)
+                          BLOCK_M=bm, BLOCK_N=tiles.up_n, BLOCK_K=tiles.up_k, PRECISION=precision,
+                          num_warps=tiles.up_warps, num_stages=tiles.up_stages)
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
-    grid = (sorted_ids.numel() // bm, triton.cdiv(h, bn))
+    grid = (sorted_ids.numel() // bm, triton.cdiv(h, tiles.down_n))
     _down_kernel[grid](mid, w2, out, weights, sorted_ids, block_expert, total, n, inter, h,
                        mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision)
+                       BLOCK_M=bm, BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k, PRECISION=precision,
+                       num_warps=tiles.down_warps, num_stages=tiles.down_stages)
     return out.view(t, k, h).sum(dim=1)

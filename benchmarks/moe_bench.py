@@ -26,7 +26,8 @@ that goes through 48 layers). Per (shape, T):
     whole block (the talker's shared expert term fused into the down launch) against its PyTorch path
     (`fused.ENABLED` off).
 With --prefill only the thinker's prefill step (T=128): `triton_moe.fused_moe` at its default tiles and the
-best of a `SortedTiles` sweep, the whole block from graphs and eager (host wall), against the floor; then
+best of a `SortedTiles` sweep, the whole block from graphs and eager (host wall; "eager old": align's torch ops
+instead of `triton_moe.align_one_launch`, as before), against the floor; then
 `SORTED_TUNED = {...}` for `triton_moe_tiles.py`. Otherwise it prints `TUNED = {...}`: the best tiles per (T, top_k, hidden, width), to paste into
 `omnistage/layers/triton_moe_tiles.py` (the start-up tuner's candidates are built around them).
 """
@@ -229,6 +230,9 @@ def run_prefill(bandwidth: float) -> tuple[list, dict]:
         with torch.no_grad():
             layer_default = prefill_us(lambda i: block(xs[i]))
             layer_eager_default = eager_us(lambda: block(xs[0]))
+            align_pairs, triton_moe.ALIGN_PAIRS = triton_moe.ALIGN_PAIRS, 0     # as before: align's torch ops
+            layer_eager_old = eager_us(lambda: block(xs[0]))
+            triton_moe.ALIGN_PAIRS = align_pairs
             triton_moe_tiles.SORTED_TUNED[(bm, h, inter)] = best
             layer_best = prefill_us(lambda i: block(xs[i]))
             layer_eager_best = eager_us(lambda: block(xs[0]))
@@ -245,7 +249,7 @@ def run_prefill(bandwidth: float) -> tuple[list, dict]:
         print(f"thinker prefill T={t} (BLOCK_M {bm}): default {default}; best {best}")
         rows.append(dict(shape="thinker", T=t, block_m=bm, moe_default_us=base_us, moe_best_us=best_us,
                          layer_default_us=layer_default, layer_best_us=layer_best,
-                         layer_eager_default_us=layer_eager_default, layer_eager_best_us=layer_eager_best,
+                         layer_eager_old_us=layer_eager_old, layer_eager_default_us=layer_eager_default, layer_eager_best_us=layer_eager_best,
                          floor_us=floor_us, floor_share=floor_us / layer_best, experts_hit=hit,
                          block_err=(got.float() - ref.float()).abs().max().item(),
                          block_peak=ref.float().abs().max().item(), best=dataclasses.asdict(best)))
@@ -255,10 +259,11 @@ def run_prefill(bandwidth: float) -> tuple[list, dict]:
 
 def print_prefill(rows: list, tuned: dict) -> None:
     print(f"{'shape':<8} {'T':>4} {'moe def':>8} {'moe best':>8} {'layer def':>9} {'layer best':>10} "
-          f"{'eager def':>9} {'eager best':>10} {'floor':>6} {'% floor':>7} {'block err':>9} {'peak':>6}")
+          f"{'eager old':>9} {'eager def':>9} {'eager best':>10} {'floor':>6} {'% floor':>7} {'block err':>9} {'peak':>6}")
     for r in rows:
         print(f"{r['shape']:<8} {r['T']:>4} {r['moe_default_us']:>8.1f} {r['moe_best_us']:>8.1f} "
-              f"{r['layer_default_us']:>9.1f} {r['layer_best_us']:>10.1f} {r['layer_eager_default_us']:>9.1f} "
+              f"{r['layer_default_us']:>9.1f} {r['layer_best_us']:>10.1f} {r['layer_eager_old_us']:>9.1f} "
+              f"{r['layer_eager_default_us']:>9.1f} "
               f"{r['layer_eager_best_us']:>10.1f} {r['floor_us']:>6.1f} {100 * r['floor_share']:>6.0f}% "
               f"{r['block_err']:>9.1e} {r['block_peak']:>6.2f}")
     print("\nSORTED_TUNED = {")

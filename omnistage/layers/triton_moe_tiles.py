@@ -121,9 +121,8 @@ SORTED_TUNED: dict[tuple[int, int, int], SortedTiles] = {}
 
 # what `moe_bench.py --prefill` times per grouped GEMM (changes to the defaults; gate-up and down separately):
 # wider column tiles and longer K steps (fewer, bigger loads per stage), deeper pipelines, 8 warps
-SORTED_CANDIDATES = [dict(), dict(n=64, k=128), dict(n=128, k=64), dict(n=128, k=128), dict(n=64, k=256),
-                     dict(n=64, k=128, stages=4), dict(n=128, k=64, stages=4), dict(n=128, k=128, warps=8),
-                     dict(n=64, k=256, stages=4, warps=8), dict(n=32, k=128, stages=5), dict(n=32, k=256, stages=4),
+SORTED_CANDIDATES = [dict(), dict(n=64, k=128), dict(n=128, k=64), dict(n=128, k=128, warps=8), dict(n=64, k=256),
+                     dict(n=64, k=128, stages=4), dict(n=128, k=64, stages=4), dict(n=32, k=256, stages=4),
                      dict(n=128, k=128, stages=4, warps=8)]
 
 

@@ -19,8 +19,8 @@ kernels vs `moe.routed_moe` (the small path: router GEMV with its top-k, gate-up
 `moe_tune` times on the first call, printed) and its error against the reference on the same
 router logits -- each beside the bandwidth floor.
 The sorted path's rows also time it as it ran before (old: `triton_moe.align`'s torch ops, the default
-`SortedTiles`) beside today's (the one-launch align up to ALIGN_PAIRS pairs, the `SORTED_TUNED` tiles). Last,
-at T = 1, 2, 4, 8, the decode kernels in the tiles the start-up tuner picks from session 9's candidate lists
+`SortedTiles`) beside today's (the one-launch align up to ALIGN_PAIRS pairs, the `SORTED_TUNED` tiles). With
+--decode instead, at T = 1, 2, 4, 8, the decode kernels in the tiles the start-up tuner picks from session 9's candidate lists
 (old) and from today's (new), per kernel and for the thinker's whole block, beside their floors at 4.2 TB/s.
 """
 
@@ -90,7 +90,7 @@ def hf_experts(w13: torch.Tensor, w2: torch.Tensor):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
-    parser.add_argument("--decode", action="store_true", help="only the decode kernels' old / new table (last)")
+    parser.add_argument("--decode", action="store_true", help="instead: the decode kernels' old / new table")
     args = parser.parse_args()
     torch.manual_seed(0)
     dev = "cuda"
@@ -146,7 +146,6 @@ def main() -> None:
               f"{r['triton_ms']:>8.3f} {r['triton_graph_old_ms']:>8.3f} {r['triton_graph_ms']:>8.3f} {r['reference_ms']:>8.3f} {hf_ms:>8} {r['dense_same_flops_ms']:>8.3f} "
               f"{r['bandwidth_floor_ms']:>8.3f}")
     small_path(w13, w2)
-    decode_old_new(w13, w2)
 
 
 def tuned(x, gate, w13, w2, lists: dict | None):

@@ -72,8 +72,8 @@ UP_CANDIDATES = [dict(), dict(up_n=2, up_k=1024), dict(up_n=4, up_k=1024), dict(
                  dict(up_n=16, up_k=256, up_split=4), dict(up_n=16, up_k=256, up_split=8),
                  dict(up_n=32, up_k=128, up_split=8, up_warps=8),
                  # all of H in one or two steps at 8 warps (the most weight bytes in flight per program)
-                 dict(up_n=4, up_k=2048, up_warps=8), dict(up_n=2, up_k=2048), dict(up_n=8, up_k=1024, up_unroll=2,
-                                                                                   up_warps=8)]
+                 dict(up_n=4, up_k=2048, up_warps=8), dict(up_n=2, up_k=2048),
+                 dict(up_n=8, up_k=1024, up_unroll=2, up_warps=8), dict(up_n=2, up_k=1024, up_unroll=2)]
 DOWN_CANDIDATES = [dict(), dict(down_n=2, down_k=128), dict(down_n=8, down_k=64), dict(down_n=8, down_k=256),
                    dict(down_n=2, down_k=512, down_warps=8), dict(down_n=4, down_k=128),
                    dict(down_n=4, down_k=64, down_unroll=2), dict(down_n=1, down_k=512),
@@ -83,7 +83,10 @@ DOWN_CANDIDATES = [dict(), dict(down_n=2, down_k=128), dict(down_n=8, down_k=64)
                    # K steps, all their loads issued before the first sum
                    dict(down_n=8, down_k=256, down_split=3), dict(down_n=16, down_k=64, down_split=4),
                    dict(down_n=16, down_k=128, down_split=6, down_warps=8), dict(down_n=8, down_k=256, down_warps=8),
-                   dict(down_n=4, down_k=256, down_split=3)]
+                   dict(down_n=4, down_k=256, down_split=3),
+                   # the next K step's loads issued before this one's sums (unrolled), at tiles small
+                   # enough for two steps' registers
+                   dict(down_n=4, down_k=256, down_unroll=2), dict(down_n=8, down_k=128, down_unroll=2)]
 ROUTE_CANDIDATES = [dict(), dict(route_warps=1), dict(route_r=1, route_k=2048),
                     dict(route_r=1, route_k=2048, route_warps=1), dict(route_r=1, route_k=2048, route_warps=2),
                     dict(route_r=4, route_k=512), dict(route_r=8, route_k=256)]

@@ -89,7 +89,10 @@ DOWN_CANDIDATES = [dict(), dict(down_n=2, down_k=128), dict(down_n=8, down_k=64)
                    dict(down_n=4, down_k=256, down_unroll=2), dict(down_n=8, down_k=128, down_unroll=2)]
 ROUTE_CANDIDATES = [dict(), dict(route_warps=1), dict(route_r=1, route_k=2048),
                     dict(route_r=1, route_k=2048, route_warps=1), dict(route_r=1, route_k=2048, route_warps=2),
-                    dict(route_r=4, route_k=512), dict(route_r=8, route_k=256)]
+                    dict(route_r=4, route_k=512), dict(route_r=8, route_k=256),
+                    # a few gate rows per program over all of H (the norm from the same loads, once per
+                    # program): half / a quarter of the programs behind the ticket
+                    dict(route_r=2, route_k=2048, route_warps=2), dict(route_r=4, route_k=2048, route_warps=4)]
 
 
 def candidates(base: SmallTiles, which: str) -> list[SmallTiles]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
@@ -99,6 +100,7 @@ def main() -> None:
     w2_f = torch.randn(E, H, I, device=dev) * I ** -0.5
     w13, w2 = w13_f.bfloat16(), w2_f.bfloat16()
     if args.decode:
+        logging.basicConfig(format="%(message)s")
         decode_old_new(w13, w2)
         return
     hf = hf_experts(w13, w2)
@@ -178,7 +180,9 @@ def decode_old_new(w13: torch.Tensor, w2: torch.Tensor) -> None:
         moe_tune.SECONDS.clear()
         old, old_s = tuned(xs[0], gate, w13, w2, OLD_LISTS)
         moe_tune.SECONDS.clear()
+        moe_tune.log.setLevel(logging.DEBUG)    # each candidate's time (changed fields only), today's lists
         new, new_s = tuned(xs[0], gate, w13, w2, None)
+        moe_tune.log.setLevel(logging.WARNING)
         routed = [triton_moe_small.small_route(x, gate, K, True, new) for x in xs]
         mids = [triton_moe_small.small_gate_up(xs[i], w13, routed[i][1], new) for i in range(16)]
         hit = sum(r[1].unique().numel() for r in routed) / 16

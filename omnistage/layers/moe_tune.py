@@ -93,6 +93,9 @@ def _time(fn, device: torch.device) -> float:
 
 def _best(tiles: list[SmallTiles], run, device: torch.device) -> SmallTiles:
     times = [_time(lambda c=c: run(c), device) for c in tiles]
+    for c, ms in zip(tiles, times):             # the fields each candidate changes from the first (the base)
+        log.debug("MoE tile candidate %s: %.1f us", {f.name: getattr(c, f.name) for f in fields(c)
+                                                      if getattr(c, f.name) != getattr(tiles[0], f.name)}, ms * 1e3)
     return tiles[min(range(len(tiles)), key=times.__getitem__)]
 
 

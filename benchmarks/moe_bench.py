@@ -225,7 +225,9 @@ def run_prefill(bandwidth: float) -> tuple[list, dict]:
         best_us, best = base_us, default
         for which in ("up", "down"):
             for tiles in triton_moe_tiles.sorted_candidates(best, which)[1:]:
-                best_us, best = min((best_us, best), (moe_us(tiles), tiles), key=lambda r: r[0])
+                us = moe_us(tiles)
+                print(f"  T={t} {which} {dataclasses.asdict(tiles)}: {us:.1f} us (default {base_us:.1f})")
+                best_us, best = min((best_us, best), (us, tiles), key=lambda r: r[0])
         saved = triton_moe_tiles.SORTED_TUNED.get((bm, h, inter))
         with torch.no_grad():
             layer_default = prefill_us(lambda i: block(xs[i]))

@@ -1,6 +1,6 @@
 """Tile sweep of the Triton MoE decode path (`triton_moe_small.routed_moe_small`) on one GPU, against the floor.
 
-Run on the GPU machine:  PYTHONPATH=$PWD python benchmarks/moe_bench.py [--json out.json]   (< 60 s on an H200)
+Run on the GPU machine:  PYTHONPATH=$PWD python benchmarks/moe_bench.py [--prefill] [--json out.json]   (< 60 s on an H200)
 
 Shapes (bf16, random weights; Qwen3-Omni-30B-A3B, `qwen3_omni_bench.py`'s config): the thinker's MoE
 (hidden 2048, 128 experts top-8, width 768) and the talker's (hidden 1024, 128 experts top-8, width 384,
@@ -25,7 +25,10 @@ that goes through 48 layers). Per (shape, T):
     logits (`F.linear`) + `moe.fused_moe_ref`, beside the reference's peak; and of the
     whole block (the talker's shared expert term fused into the down launch) against its PyTorch path
     (`fused.ENABLED` off).
-Then it prints `TUNED = {...}`: the best tiles per (T, top_k, hidden, width), to paste into
+With --prefill only the thinker's prefill step (T=128): `triton_moe.fused_moe` at its default tiles and the
+best of a `SortedTiles` sweep, the whole block from graphs and eager (host wall; "eager old": align's torch ops
+instead of `triton_moe.align_one_launch`, as before), against the floor; then
+`SORTED_TUNED = {...}` for `triton_moe_tiles.py`. Otherwise it prints `TUNED = {...}`: the best tiles per (T, top_k, hidden, width), to paste into
 `omnistage/layers/triton_moe_tiles.py` (the start-up tuner's candidates are built around them).
 """
 
@@ -179,13 +182,117 @@ def run_shape(name: str, bandwidth: float) -> tuple[list, dict]:
     return rows, tuned
 
 
+PREFILL_TS = (128,)                          # q3_thinker_bench's prompt: one prefill step of 128 rows
+# us per call of a prefill-size launch: fewer calls per graph (each reads ~1 GB of experts)
+prefill_us = functools.partial(graph_us, calls=4, trials=5, replays=2)
+
+
+def eager_us(fn, iters: int = 20) -> float:
+    """Host-inclusive microseconds per call of `fn()` run eagerly back to back (what an eager prefill step
+    pays: the launches' host cost, where it exceeds the kernels', included)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters * 1e6
+
+
+def run_prefill(bandwidth: float) -> tuple[list, dict]:
+    """The thinker's MoE at prefill sizes (T * top-k > SMALL_PAIRS: `triton_moe.fused_moe`, the sorted
+    grouped GEMMs): the default `SortedTiles`, the best of `triton_moe_tiles.sorted_candidates` (gate-up's at
+    the default down, then down's at the best gate-up), the whole block eager and graphed, and the floor."""
+    h, e, k, inter, shared, norm = SHAPES["thinker"]
+    w13 = (torch.randn(e, 2 * inter, h, device=DEVICE) * h ** -0.5).bfloat16()
+    w2 = (torch.randn(e, h, inter, device=DEVICE) * inter ** -0.5).bfloat16()
+    block = block_of(h, e, k, inter, shared, norm, w13, w2)
+    rows, tuned = [], {}
+    for t in PREFILL_TS:
+        xs = [torch.randn(t, h, device=DEVICE, dtype=torch.bfloat16) for _ in range(4)]
+        routed = [moe.route(F.linear(x, block.gate.weight), k, norm) for x in xs]
+        bm = triton_moe._block_m(t * k, e)
+        default = triton_moe_tiles.sorted_tiles(bm, h, inter)
+
+        def moe_us(tiles):
+            try:
+                return prefill_us(lambda i: triton_moe.fused_moe(xs[i], w13, w2, *routed[i], tiles=tiles))
+            except Exception as err:            # a tile the compiler refuses (shared memory): skipped, said
+                print(f"skipped {tiles}: {type(err).__name__}: {str(err)[:200]}")
+                return float("inf")
+
+        base_us = moe_us(default)
+        best_us, best = base_us, default
+        for which in ("up", "down"):
+            for tiles in triton_moe_tiles.sorted_candidates(best, which)[1:]:
+                us = moe_us(tiles)
+                print(f"  T={t} {which} {dataclasses.asdict(tiles)}: {us:.1f} us (default {base_us:.1f})")
+                best_us, best = min((best_us, best), (us, tiles), key=lambda r: r[0])
+        saved = triton_moe_tiles.SORTED_TUNED.get((bm, h, inter))
+        with torch.no_grad():
+            layer_default = prefill_us(lambda i: block(xs[i]))
+            layer_eager_default = eager_us(lambda: block(xs[0]))
+            align_pairs, triton_moe.ALIGN_PAIRS = triton_moe.ALIGN_PAIRS, 0     # as before: align's torch ops
+            layer_eager_old = eager_us(lambda: block(xs[0]))
+            triton_moe.ALIGN_PAIRS = align_pairs
+            triton_moe_tiles.SORTED_TUNED[(bm, h, inter)] = best
+            layer_best = prefill_us(lambda i: block(xs[i]))
+            layer_eager_best = eager_us(lambda: block(xs[0]))
+            got = block(xs[0])
+            fused.ENABLED = False
+            ref = block(xs[0])
+            fused.ENABLED = True
+        if saved is None:
+            del triton_moe_tiles.SORTED_TUNED[(bm, h, inter)]
+        else:
+            triton_moe_tiles.SORTED_TUNED[(bm, h, inter)] = saved
+        hit = sum(r[1].unique().numel() for r in routed) / len(routed)
+        floor_us = 2 * (hit * 3 * inter * h + e * h) / bandwidth * 1e6
+        print(f"thinker prefill T={t} (BLOCK_M {bm}): default {default}; best {best}")
+        rows.append(dict(shape="thinker", T=t, block_m=bm, moe_default_us=base_us, moe_best_us=best_us,
+                         layer_default_us=layer_default, layer_best_us=layer_best,
+                         layer_eager_old_us=layer_eager_old, layer_eager_default_us=layer_eager_default, layer_eager_best_us=layer_eager_best,
+                         floor_us=floor_us, floor_share=floor_us / layer_best, experts_hit=hit,
+                         block_err=(got.float() - ref.float()).abs().max().item(),
+                         block_peak=ref.float().abs().max().item(), best=dataclasses.asdict(best)))
+        tuned[(bm, h, inter)] = best
+    return rows, tuned
+
+
+def print_prefill(rows: list, tuned: dict) -> None:
+    print(f"{'shape':<8} {'T':>4} {'moe def':>8} {'moe best':>8} {'layer def':>9} {'layer best':>10} "
+          f"{'eager old':>9} {'eager def':>9} {'eager best':>10} {'floor':>6} {'% floor':>7} {'block err':>9} {'peak':>6}")
+    for r in rows:
+        print(f"{r['shape']:<8} {r['T']:>4} {r['moe_default_us']:>8.1f} {r['moe_best_us']:>8.1f} "
+              f"{r['layer_default_us']:>9.1f} {r['layer_best_us']:>10.1f} {r['layer_eager_old_us']:>9.1f} "
+              f"{r['layer_eager_default_us']:>9.1f} "
+              f"{r['layer_eager_best_us']:>10.1f} {r['floor_us']:>6.1f} {100 * r['floor_share']:>6.0f}% "
+              f"{r['block_err']:>9.1e} {r['block_peak']:>6.2f}")
+    print("\nSORTED_TUNED = {")
+    for key, tiles in tuned.items():
+        print(f"    {key}: {tiles!r},")
+    print("}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
+    parser.add_argument("--prefill", action="store_true",
+                        help="only the prefill rows (T=128, the sorted grouped GEMMs' tile sweep)")
     args = parser.parse_args()
     torch.manual_seed(0)
     start = time.perf_counter()
     bandwidth = copy_bandwidth()
+    if args.prefill:
+        with torch.no_grad():
+            rows, tuned = run_prefill(bandwidth)
+        print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; us per call (graphs; eager: host wall)")
+        print_prefill(rows, tuned)
+        print(f"\n({time.perf_counter() - start:.0f} s)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     rows, tuned = [], {}
     for name in SHAPES:
         with torch.no_grad():

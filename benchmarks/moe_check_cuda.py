@@ -1,6 +1,6 @@
 """GPU check and timing of the Triton fused MoE (`layers/triton_moe.py`) at Qwen3-Omni-30B-A3B thinker shapes.
 
-Run on the GPU machine:  PYTHONPATH=$PWD python benchmarks/moe_check_cuda.py [--json out.json]
+Run on the GPU machine:  PYTHONPATH=$PWD python benchmarks/moe_check_cuda.py [--decode] [--json out.json]
 
 Shapes: hidden 2048, 128 experts, top-8, moe_intermediate 768, bf16, random weights and router logits;
 T = 1, 8, 64, 256, 2048 rows. Per T it prints:
@@ -18,20 +18,33 @@ whole routed layer (router GEMM + routing + experts) with torch's routing and th
 kernels vs `moe.routed_moe` (the small path: router GEMV with its top-k, gate-up, down, in the tiles
 `moe_tune` times on the first call, printed) and its error against the reference on the same
 router logits -- each beside the bandwidth floor.
+The sorted path's rows also time it as it ran before (old: `triton_moe.align`'s torch ops, the default
+`SortedTiles`) beside today's (the one-launch align up to ALIGN_PAIRS pairs, the `SORTED_TUNED` tiles). With
+--decode instead, at T = 1, 2, 4, 8, the decode kernels in the tiles the start-up tuner picks from session 9's candidate lists
+(old) and from today's (new), per kernel and for the thinker's whole block, beside their floors at 4.2 TB/s.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
+import sys
 
 import torch
 
-from omnistage.layers import moe, moe_tune, triton_moe, triton_moe_small
+from omnistage.layers import fused, moe, moe_tune, triton_moe, triton_moe_small, triton_moe_tiles
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gemv_bench import graph_us  # noqa: E402  (one CUDA-graph timer for every benchmark)
 
 H, E, K, I = 2048, 128, 8, 768
 TS = (1, 8, 64, 256, 2048)
 SMALL_TS = (1, 8, 64)
+DECODE_TS = (1, 2, 4, 8)
+# the start-up tuner's candidate lists as session 9 ran them (the first entries of today's): "old" tiles
+OLD_LISTS = {"UP_CANDIDATES": 12, "DOWN_CANDIDATES": 11, "ROUTE_CANDIDATES": 7}
 
 
 def timed(fn, iters: int = 50) -> float:
@@ -78,6 +91,7 @@ def hf_experts(w13: torch.Tensor, w2: torch.Tensor):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
+    parser.add_argument("--decode", action="store_true", help="instead: the decode kernels' old / new table")
     args = parser.parse_args()
     torch.manual_seed(0)
     dev = "cuda"
@@ -85,6 +99,10 @@ def main() -> None:
     w13_f = torch.randn(E, 2 * I, H, device=dev) * H ** -0.5
     w2_f = torch.randn(E, H, I, device=dev) * I ** -0.5
     w13, w2 = w13_f.bfloat16(), w2_f.bfloat16()
+    if args.decode:
+        logging.basicConfig(format="%(message)s")
+        decode_old_new(w13, w2)
+        return
     hf = hf_experts(w13, w2)
     for t in TS:
         x = torch.randn(t, H, device=dev, dtype=torch.bfloat16)
@@ -99,6 +117,11 @@ def main() -> None:
             err_fp32 = (triton_moe.fused_moe(xf, w13_f, w2_f, weights, ids)
                         - moe.fused_moe_ref(xf, w13_f, w2_f, weights, ids)).abs().max().item()
         ms_fast = timed(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids))
+        saved, triton_moe.ALIGN_PAIRS = triton_moe.ALIGN_PAIRS, 0     # the torch align, default tiles: before
+        ms_old = timed(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids, tiles=triton_moe_tiles.SortedTiles()))
+        ms_graph_old = timed(graphed(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids,
+                                                                  tiles=triton_moe_tiles.SortedTiles())))
+        triton_moe.ALIGN_PAIRS = saved
         ms_graph = timed(graphed(lambda: triton_moe.fused_moe(x, w13, w2, weights, ids)))
         ms_ref = timed(lambda: moe.fused_moe_ref(x, w13, w2, weights, ids), iters=10)
         ms_hf = None
@@ -111,20 +134,75 @@ def main() -> None:
         hit = ids.unique().numel()
         floor_ms = hit * 3 * I * H * 2 / 4e12 * 1e3
         rows.append(dict(T=t, err_bf16=err_bf16, err_fp32=err_fp32, ref_peak=peak, triton_ms=ms_fast,
-                         triton_graph_ms=ms_graph, reference_ms=ms_ref, transformers_ms=ms_hf,
+                         triton_graph_ms=ms_graph, triton_old_ms=ms_old, triton_graph_old_ms=ms_graph_old, reference_ms=ms_ref, transformers_ms=ms_hf,
                          dense_same_flops_ms=ms_dense, experts_hit=hit, bandwidth_floor_ms=floor_ms))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    print(f"{'T':>5} {'err bf16':>9} {'err fp32':>9} {'peak':>6} {'triton':>8} {'graph':>8} {'ref':>8} "
-          f"{'hf':>8} {'dense':>8} {'bw floor':>8}  (ms)")
+    print(f"{'T':>5} {'err bf16':>9} {'err fp32':>9} {'peak':>6} {'old':>8} {'triton':>8} {'old grph':>8} "
+          f"{'graph':>8} {'ref':>8} {'hf':>8} {'dense':>8} {'bw floor':>8}  (ms; old: torch align, default tiles)")
     for r in rows:
         f32 = f"{r['err_fp32']:.1e}" if r["err_fp32"] is not None else "-"
         hf_ms = f"{r['transformers_ms']:.3f}" if r["transformers_ms"] is not None else "-"
-        print(f"{r['T']:>5} {r['err_bf16']:>9.1e} {f32:>9} {r['ref_peak']:>6.2f} {r['triton_ms']:>8.3f} "
-              f"{r['triton_graph_ms']:>8.3f} {r['reference_ms']:>8.3f} {hf_ms:>8} {r['dense_same_flops_ms']:>8.3f} "
+        print(f"{r['T']:>5} {r['err_bf16']:>9.1e} {f32:>9} {r['ref_peak']:>6.2f} {r['triton_old_ms']:>8.3f} "
+              f"{r['triton_ms']:>8.3f} {r['triton_graph_old_ms']:>8.3f} {r['triton_graph_ms']:>8.3f} {r['reference_ms']:>8.3f} {hf_ms:>8} {r['dense_same_flops_ms']:>8.3f} "
               f"{r['bandwidth_floor_ms']:>8.3f}")
     small_path(w13, w2)
+
+
+def tuned(x, gate, w13, w2, lists: dict | None):
+    """(tiles, seconds) of `moe_tune` for rows like `x`, with the candidate lists cut to `lists` (None: all)."""
+    saved = {name: getattr(triton_moe_tiles, name) for name in OLD_LISTS}
+    if lists is not None:
+        for name, keep in lists.items():
+            setattr(triton_moe_tiles, name, saved[name][:keep])
+    moe_tune.CHOSEN.clear()
+    try:
+        tiles = moe_tune.tiles_for(x, gate, w13, w2, K, True)
+    finally:
+        for name, table in saved.items():
+            setattr(triton_moe_tiles, name, table)
+    return tiles, next(iter(moe_tune.SECONDS.values()))
+
+
+def decode_old_new(w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """The decode kernels (the thinker layer's block: residual add + RMSNorm in the router launch) in the
+    tiles the start-up tuner picks from session 9's candidate lists (old) and from today's (new): us per
+    call, 16 calls per CUDA graph each on its own rows (other experts; L2 does not hold them), and the
+    tuner's seconds (each includes compiles only of candidates no earlier call compiled), and the new
+    tiles' block against the PyTorch reference (RMSNorm, router, `moe.route`, `fused_moe_ref`)."""
+    gate = torch.randn(E, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5
+    nw = 1 + 0.1 * torch.randn(H, device="cuda", dtype=torch.bfloat16)
+    print(f"\n{'T':>3} {'kernel':>7} {'old us':>7} {'new us':>7} {'floor':>6}   (tuner s old / new; tiles)")
+    for t in DECODE_TS:
+        xs = [torch.randn(t, H, device="cuda", dtype=torch.bfloat16) for _ in range(16)]
+        res = [torch.randn(t, H, device="cuda", dtype=torch.bfloat16) for _ in range(16)]
+        moe_tune.SECONDS.clear()
+        old, old_s = tuned(xs[0], gate, w13, w2, OLD_LISTS)
+        moe_tune.SECONDS.clear()
+        moe_tune.log.setLevel(logging.DEBUG)    # each candidate's time (changed fields only), today's lists
+        new, new_s = tuned(xs[0], gate, w13, w2, None)
+        moe_tune.log.setLevel(logging.WARNING)
+        routed = [triton_moe_small.small_route(x, gate, K, True, new) for x in xs]
+        mids = [triton_moe_small.small_gate_up(xs[i], w13, routed[i][1], new) for i in range(16)]
+        hit = sum(r[1].unique().numel() for r in routed) / 16
+        floors = {"route": 2 * (E * H + 3 * t * H) / 4.2e12 * 1e6, "up": 2 * hit * 2 * I * H / 4.2e12 * 1e6,
+                  "down": 2 * hit * I * H / 4.2e12 * 1e6}
+        runs = {"route": lambda c: lambda i: triton_moe_small.small_route(xs[i], gate, K, True, c,
+                                                                          (res[i], nw, 1e-6)),
+                "up": lambda c: lambda i: triton_moe_small.small_gate_up(xs[i], w13, routed[i][1], c),
+                "down": lambda c: lambda i: triton_moe_small.small_down(mids[i], w2, *routed[i], c),
+                "block": lambda c: lambda i: triton_moe_small.routed_moe_small(xs[i], gate, w13, w2, K, True, c,
+                                                                               prenorm=(res[i], nw, 1e-6))}
+        floors["block"] = sum(floors.values())
+        for name, run in runs.items():
+            print(f"{t:>3} {name:>7} {graph_us(run(old), calls=16):>7.1f} {graph_us(run(new), calls=16):>7.1f} "
+                  f"{floors[name]:>6.1f}")
+        normed = fused.rms_norm_ref(xs[0] + res[0], nw, 1e-6)
+        ref = moe.fused_moe_ref(normed, w13, w2, *moe.route(normed @ gate.T, K, True))
+        got = triton_moe_small.routed_moe_small(xs[0], gate, w13, w2, K, True, new, prenorm=(res[0], nw, 1e-6))[0]
+        print(f"    new tiles' block err {(got.float() - ref.float()).abs().max().item():.1e} "
+              f"(peak {ref.float().abs().max().item():.2f}); tuner {old_s:.1f} s / {new_s:.1f} s; old {old}; new {new}")
 
 
 def small_path(w13: torch.Tensor, w2: torch.Tensor) -> None:

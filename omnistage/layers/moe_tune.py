@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import fields, replace
 
 import torch
@@ -32,6 +33,8 @@ _FLUSH_BYTES = 96 << 20                         # written between launches: more
 
 # (device, T bucket, top_k, hidden, moe_intermediate, experts) -> the tiles chosen in this process
 CHOSEN: dict[tuple, SmallTiles] = {}
+# the same key -> seconds the tuning of it took (compiles of new candidates included; the benchmarks print it)
+SECONDS: dict[tuple, float] = {}
 _flush: dict[torch.device, torch.Tensor] = {}
 
 
@@ -52,6 +55,7 @@ def tiles_for(x: torch.Tensor, gate: torch.Tensor, w13: torch.Tensor, w2: torch.
     base = small_tiles(t, top_k, h, inter, triton_gemv._num_sms(x.device))
     if not ENABLED or not x.is_cuda or torch.cuda.is_current_stream_capturing():
         return base
+    start = time.perf_counter()
     try:
         chosen = _tune(x, gate, w13, w2, top_k, norm_topk_prob, base)
     except torch.cuda.OutOfMemoryError:         # no room for the flush buffer: keep the table's tiles, said
@@ -59,8 +63,9 @@ def tiles_for(x: torch.Tensor, gate: torch.Tensor, w13: torch.Tensor, w2: torch.
         log.warning("MoE tile tuning skipped (out of GPU memory); tiles %s", base)
         chosen = base
     CHOSEN[key] = chosen
-    log.info("MoE decode tiles for T=%d (bucket %d), top_k %d, hidden %d, width %d, %d experts: %s",
-             t, key[1], top_k, h, inter, e, chosen)
+    SECONDS[key] = time.perf_counter() - start
+    log.info("MoE decode tiles for T=%d (bucket %d), top_k %d, hidden %d, width %d, %d experts: %s (tuned in %.1f s)",
+             t, key[1], top_k, h, inter, e, chosen, SECONDS[key])
     return chosen
 
 
@@ -88,6 +93,9 @@ def _time(fn, device: torch.device) -> float:
 
 def _best(tiles: list[SmallTiles], run, device: torch.device) -> SmallTiles:
     times = [_time(lambda c=c: run(c), device) for c in tiles]
+    for c, ms in zip(tiles, times):             # the fields each candidate changes from the first (the base)
+        log.debug("MoE tile candidate %s: %.1f us", {f.name: getattr(c, f.name) for f in fields(c)
+                                                      if getattr(c, f.name) != getattr(tiles[0], f.name)}, ms * 1e3)
     return tiles[min(range(len(tiles)), key=times.__getitem__)]
 
 

@@ -7,6 +7,9 @@ Out: [T, H] = sum over a row's K experts of weight * down(SiLU(gate) * up).
                                 multiple of BLOCK_M with a pad index (T*K); one expert id per block, and the
                                 padded total. Plain torch ops on the device of fixed output sizes
                                 (T*K + E*(BLOCK_M-1)), so no host sync: CUDA graphs capture it.
+  align_one_launch(...)         the same in one launch (`_align_kernel`, one program), what `fused_moe` runs up
+                                to ALIGN_PAIRS pairs: a prefill step runs eagerly, and align's ~20 ops cost
+                                more host time there than the GEMMs take on the GPU
   _gate_up_kernel               grid (blocks of sorted pairs, column blocks of I): one launch for all experts;
                                 each program loads its block's x rows (gathered through the sorted index),
                                 the expert's gate and up tiles, and stores SiLU(gate) * up in the model dtype
@@ -15,7 +18,8 @@ Out: [T, H] = sum over a row's K experts of weight * down(SiLU(gate) * up).
                                 that buffer and w2, times the pair's routing weight, stored per pair [T*K, H]
   the K slots of each row are then summed (a [T, K, H] sum; deterministic, no atomics).
 
-The decode sizes (T*K <= SMALL_PAIRS) run `triton_moe_small` instead.
+The launch shapes are `triton_moe_tiles.SortedTiles` (the table per BLOCK_M, else the defaults). The decode
+sizes (T*K <= SMALL_PAIRS) run `triton_moe_small` instead.
 
 Arithmetic is float32 in the tiles; results are rounded to the model dtype where the reference rounds
 (the product SiLU(gate) * up, the weighted down output), so the two differ by the order of sums only.
@@ -24,6 +28,8 @@ Arithmetic is float32 in the tiles; results are rounded to the model dtype where
 from __future__ import annotations
 
 import torch
+
+from omnistage.layers.triton_moe_tiles import SortedTiles, sorted_tiles
 
 try:
     import triton
@@ -54,6 +60,24 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_ids, block_expert, ends[-1:].to(torch.int32)
 
 
+ALIGN_PAIRS = 4096                               # T*K at most for `align_one_launch` (one program walks the pairs)
+
+
+def align_one_launch(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """`align` in one launch (`_align_kernel`, one program): the same three tensors, element for element.
+    A prefill step runs eagerly, where align's ~20 torch ops cost more host time than the GEMMs take."""
+    n = topk_ids.numel()
+    size = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
+    dev = topk_ids.device
+    sorted_ids = torch.empty(size, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(size // block_m, dtype=torch.int32, device=dev)
+    total = torch.empty(1, dtype=torch.int32, device=dev)
+    _align_kernel[(1,)](topk_ids.reshape(-1).contiguous(), sorted_ids, block_expert, total, n, num_experts, size,
+                        BLOCK_M=block_m, BLOCK_P=64, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_F=1024,
+                        num_warps=4)
+    return sorted_ids, block_expert, total
+
+
 def _block_m(num_pairs: int, num_experts: int) -> int:
     """Rows per tile: small at decode sizes (few pairs per expert), larger once experts fill up."""
     per_expert = num_pairs / num_experts
@@ -61,6 +85,43 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
 
 
 if triton is not None:
+    @triton.jit
+    def _align_kernel(ids_ptr, sorted_ptr, expert_ptr, total_ptr, num_pairs, num_experts, size,
+                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr):
+        # one program, `align`'s steps: per-expert counts (one-hot sums over chunks of BLOCK_P pairs), the
+        # padded runs' starts and ends (cumsum), the pad fill, each pair at its expert's start plus its rank
+        # among the expert's earlier pairs (a cumsum of the one-hot down the chunk, plus the running counts:
+        # a stable order, as argsort's), then each block's expert (the ends at or below its first row)
+        es = tl.arange(0, BLOCK_E)
+        ps = tl.arange(0, BLOCK_P)
+        counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        for p0 in range(0, num_pairs, BLOCK_P):
+            e = tl.load(ids_ptr + p0 + ps, mask=(p0 + ps) < num_pairs, other=BLOCK_E).to(tl.int32)
+            counts += tl.sum((e[:, None] == es[None, :]).to(tl.int32), axis=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, axis=0)
+        starts = ends - padded
+        tl.store(total_ptr, tl.sum(padded, axis=0))
+        fs = tl.arange(0, BLOCK_F)
+        for f0 in range(0, size, BLOCK_F):
+            tl.store(sorted_ptr + f0 + fs, tl.zeros((BLOCK_F,), dtype=tl.int32) + num_pairs, mask=(f0 + fs) < size)
+        tl.debug_barrier()                      # the pad fill before any pair overwrites its slot
+        seen = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        for p0 in range(0, num_pairs, BLOCK_P):
+            p_ok = (p0 + ps) < num_pairs
+            e = tl.load(ids_ptr + p0 + ps, mask=p_ok, other=BLOCK_E).to(tl.int32)
+            hot = (e[:, None] == es[None, :]).to(tl.int32)
+            before = tl.cumsum(hot, axis=0) - hot + seen[None, :]     # the expert's pairs ahead of this one
+            dest = tl.sum(hot * (starts[None, :] + before), axis=1)
+            tl.store(sorted_ptr + dest, p0 + ps, mask=p_ok)
+            seen += tl.sum(hot, axis=0)
+        real_end = tl.where(es < num_experts, ends, 2147483647)
+        for b0 in range(0, size // BLOCK_M, BLOCK_P):
+            bs = b0 + ps
+            first = bs * BLOCK_M
+            expert = tl.sum((real_end[None, :] <= first[:, None]).to(tl.int32), axis=1)
+            tl.store(expert_ptr + bs, tl.minimum(expert, num_experts - 1), mask=bs < size // BLOCK_M)
+
     @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, total_ptr, num_pairs, top_k, hidden, inter,
                         stride_x, stride_we, stride_wn, stride_out,
@@ -131,8 +192,9 @@ if triton is not None:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
-    """See the module docstring; shapes as `moe.fused_moe`. `block_m` overrides the tile height (tests)."""
+              topk_ids: torch.Tensor, block_m: int | None = None, tiles: SortedTiles | None = None) -> torch.Tensor:
+    """See the module docstring; shapes as `moe.fused_moe`. `block_m` overrides the tile height (tests),
+    `tiles` the launch shapes (None: `triton_moe_tiles.sorted_tiles` of this shape)."""
     t, k = topk_ids.shape
     e, two_i, h = w13.shape
     inter = two_i // 2
@@ -140,19 +202,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
     bm = block_m or _block_m(n, e)
-    sorted_ids, block_expert, total = align(topk_ids, e, bm)
+    tiles = tiles or sorted_tiles(bm, h, inter)
+    sorted_ids, block_expert, total = (align_one_launch if n <= ALIGN_PAIRS else align)(topk_ids, e, bm)
     mid = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    bn, bk = 64, 64
     # float32 models get float32 products (TF32 would change greedy ids of small models); bf16 / fp16 ignore it
     precision = "ieee" if x.dtype == torch.float32 else None
-    grid = (sorted_ids.numel() // bm, triton.cdiv(inter, bn))
+    grid = (sorted_ids.numel() // bm, triton.cdiv(inter, tiles.up_n))
     _gate_up_kernel[grid](x, w13, mid, sorted_ids, block_expert, total, n, k, h, inter,
                           x.stride(0), w13.stride(0), w13.stride(1), mid.stride(0),
-                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision)
+                          BLOCK_M=bm, BLOCK_N=tiles.up_n, BLOCK_K=tiles.up_k, PRECISION=precision,
+                          num_warps=tiles.up_warps, num_stages=tiles.up_stages)
     out = torch.empty(n, h, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
-    grid = (sorted_ids.numel() // bm, triton.cdiv(h, bn))
+    grid = (sorted_ids.numel() // bm, triton.cdiv(h, tiles.down_n))
     _down_kernel[grid](mid, w2, out, weights, sorted_ids, block_expert, total, n, inter, h,
                        mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=precision)
+                       BLOCK_M=bm, BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k, PRECISION=precision,
+                       num_warps=tiles.down_warps, num_stages=tiles.down_stages)
     return out.view(t, k, h).sum(dim=1)

@@ -22,7 +22,7 @@ the grouped GEMM's tiles mostly padding, and align's torch ops cost more launche
                                 the program that takes the token's last ticket (one int32 per token, reset by
                                 it, so CUDA graphs replay it as captured) reads the row back and routes it
                                 (`_top_k`, `route`'s code): the expert ids and weights for the next two launches
-  routed_moe_small(x, gate, ...)   router, gate-up, down: three launches for the whole block (with a shared
+  routed_moe_small(x, gate, ...)   router, gate-up, down: three launches for the whole block (PDL: see below) (with a shared
                                 expert's output and gate logit, the down launch also adds sigmoid(gate) * shared;
                                 with `prenorm` the router launch also runs the residual add + RMSNorm before it)
   route(logits, top_k, norm)    one program per row: float32 softmax over the experts, the top k by
@@ -40,6 +40,8 @@ order of sums only.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from omnistage.layers import triton_decode, triton_gemv
@@ -50,18 +52,32 @@ try:
     import triton.language as tl
 except ImportError:                                  # CPU-only installs
     triton = None
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:                                  # a Triton without programmatic dependent launch
+    gdc_wait = gdc_launch_dependents = None
+
+# OMNISTAGE_MOE_PDL=1 (opt-in, CUDA): programmatic dependent launch between the block's three launches. The
+# router lets gate-up's programs launch at once and gate-up lets down's; each waits (griddepcontrol.wait)
+# only before reading what the launch before it writes (gate-up: the expert ids; down: gate-up's rows), so
+# launch latency and down's id loads overlap the launch before.
+PDL = os.environ.get("OMNISTAGE_MOE_PDL", "0") == "1" and gdc_wait is not None
 
 
 if triton is not None:
     @triton.jit
     def _pair_gate_up_kernel(x_ptr, w_ptr, out_ptr, ids_ptr, part_ptr, count_ptr, hidden, inter, stride_x,
                              stride_we, stride_wn, stride_out, TOP_K: tl.constexpr, SPLIT: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
+                             PDL: tl.constexpr = False):
         pair = tl.program_id(0)
         pid_n = tl.program_id(1)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < inter
         token = pair // TOP_K
+        if PDL:                                 # the router's ids (and rows) complete; then down may launch
+            gdc_wait()
+            gdc_launch_dependents()
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         x_row = x_ptr + token.to(tl.int64) * stride_x
         w_base = w_ptr + expert * stride_we
@@ -112,7 +128,7 @@ if triton is not None:
     def _token_down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, ids_ptr, shared_ptr, gate_ptr, part_ptr, count_ptr,
                            top_k, inter, hidden, stride_h, stride_we, stride_wn, stride_out, stride_s, stride_g,
                            SHARED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
+                           BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr = False):
         # all K slots of the token in one [slots, BLOCK_N, BLOCK_K] tile: K experts' loads in flight at once;
         # SPLIT > 1: this program's slice of I, float32 partials, the last slice (ticket) finishes
         token = tl.program_id(0)
@@ -122,7 +138,9 @@ if triton is not None:
         slots = tl.arange(0, BLOCK_S)
         s_ok = slots < top_k
         pair = (token * top_k + slots).to(tl.int64)
-        expert = tl.load(ids_ptr + pair, mask=s_ok, other=0).to(tl.int64)
+        expert = tl.load(ids_ptr + pair, mask=s_ok, other=0).to(tl.int64)   # the router's: complete (see PDL)
+        if PDL:                                 # gate-up's rows complete
+            gdc_wait()
         h_rows = h_ptr + pair * stride_h
         w_rows = w_ptr + expert * stride_we
         ks = tl.arange(0, BLOCK_K)
@@ -212,12 +230,14 @@ if triton is not None:
                        num_experts, hidden, eps, stride_x, stride_r, stride_g, NORMED: tl.constexpr,
                        SINGLE: tl.constexpr,
                        TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                       BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+                       BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
         # grid (token, blocks of BLOCK_R experts): each program's router logits (x @ gate^T, rounded to the
         # model dtype as nn.Linear stores them) go to a float32 [T, E] scratch; the program that takes
         # the token's last ticket reads the whole row back, routes it and resets the ticket to 0.
         # NORMED: x is RMSNorm(x + residual) * nw first (each program recomputes the row's mean square;
         # the first column of programs stores h = x + residual and the normed row, rows [T, H] contiguous)
+        if PDL:                                 # gate-up's programs may launch (they wait for this grid)
+            gdc_launch_dependents()
         token = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         r_ok = rows < num_experts
@@ -269,6 +289,11 @@ if triton is not None:
         x = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
         r = tl.load(r_row + ks, mask=k_ok, other=0.0).to(tl.float32)
         return (x + r).to(dt).to(tl.float32)
+
+
+def _pdl(t: torch.Tensor) -> dict:
+    """The launch options of a kernel that waits for the launch before it (see PDL); none when it is off."""
+    return dict(PDL=True, launch_pdl=True) if PDL and t.is_cuda else {}
 
 
 SMALL_PAIRS = 64                                # T*K at most for `fused_moe_small` (decode sizes)
@@ -334,7 +359,8 @@ def small_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob:
         x, residual, norm_weight, hsum, normed, gate, logits, weights, ids, triton_decode.counters(gate, x.device), e,
         h, float(eps), x.stride(0), residual.stride(0), gate.stride(0), NORMED=prenorm is not None,
         SINGLE=block_k >= h, TOP_K=top_k, NORM=bool(norm_topk_prob), BLOCK_R=tiles.route_r, BLOCK_K=block_k,
-        BLOCK_E=triton.next_power_of_2(e), BLOCK_S=triton.next_power_of_2(top_k), num_warps=tiles.route_warps)
+        BLOCK_E=triton.next_power_of_2(e), BLOCK_S=triton.next_power_of_2(top_k), num_warps=tiles.route_warps,
+        PDL=PDL and x.is_cuda)
     return (weights, ids) if prenorm is None else (weights, ids, normed, hsum)
 
 
@@ -354,7 +380,7 @@ def small_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, ti
     _pair_gate_up_kernel[grid](
         x, w13, mid, topk_ids.reshape(-1).contiguous(), part, tickets, h, inter, x.stride(0), w13.stride(0),
         w13.stride(1), mid.stride(0), TOP_K=k, SPLIT=tiles.up_split, BLOCK_N=tiles.up_n, BLOCK_K=tiles.up_k,
-        UNROLL=tiles.up_unroll, num_warps=tiles.up_warps)
+        UNROLL=tiles.up_unroll, num_warps=tiles.up_warps, **_pdl(x))
     return mid
 
 
@@ -378,5 +404,5 @@ def small_down(mid: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, 
         mid, w2, out, topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1).contiguous(), rows, gate, part,
         tickets, k, inter, h, mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0), rows.stride(0),
         gate.stride(0), SHARED=shared is not None, SPLIT=tiles.down_split, BLOCK_S=slots, BLOCK_N=tiles.down_n,
-        BLOCK_K=tiles.down_k, UNROLL=tiles.down_unroll, num_warps=tiles.down_warps)
+        BLOCK_K=tiles.down_k, UNROLL=tiles.down_unroll, num_warps=tiles.down_warps, **_pdl(mid))
     return out

@@ -3,6 +3,8 @@
 `SmallTiles`: the tiles of the router, gate-up and down launches of `triton_moe_small.routed_moe_small`.
 `TUNED`: measured defaults per (T, top_k, hidden, moe_intermediate) (benchmarks/moe_bench.py on an H200);
 `small_tiles` picks them or the rule. `CANDIDATES`: what `moe_tune` times on the device at start-up.
+`SortedTiles`: the tiles of `triton_moe.fused_moe`'s grouped GEMMs (prefill sizes), `SORTED_TUNED` / `sorted_tiles`
+their measured table per tile height (`benchmarks/moe_bench.py --prefill` sweeps `SORTED_CANDIDATES`).
 """
 
 from __future__ import annotations
@@ -68,15 +70,29 @@ UP_CANDIDATES = [dict(), dict(up_n=2, up_k=1024), dict(up_n=4, up_k=1024), dict(
                  dict(up_n=8, up_k=512), dict(up_n=8, up_k=1024, up_warps=8), dict(up_n=4, up_k=512, up_unroll=2),
                  dict(up_n=16, up_k=256, up_warps=8), dict(up_n=8, up_k=512, up_split=4),
                  dict(up_n=16, up_k=256, up_split=4), dict(up_n=16, up_k=256, up_split=8),
-                 dict(up_n=32, up_k=128, up_split=8, up_warps=8)]
+                 dict(up_n=32, up_k=128, up_split=8, up_warps=8),
+                 # all of H in one or two steps at 8 warps (the most weight bytes in flight per program)
+                 dict(up_n=4, up_k=2048, up_warps=8), dict(up_n=2, up_k=2048),
+                 dict(up_n=8, up_k=1024, up_unroll=2, up_warps=8), dict(up_n=2, up_k=1024, up_unroll=2)]
 DOWN_CANDIDATES = [dict(), dict(down_n=2, down_k=128), dict(down_n=8, down_k=64), dict(down_n=8, down_k=256),
                    dict(down_n=2, down_k=512, down_warps=8), dict(down_n=4, down_k=128),
                    dict(down_n=4, down_k=64, down_unroll=2), dict(down_n=1, down_k=512),
                    dict(down_n=8, down_k=128, down_split=3), dict(down_n=4, down_k=128, down_split=3),
-                   dict(down_n=8, down_k=64, down_split=4)]
+                   dict(down_n=8, down_k=64, down_split=4),
+                   # split-K over the expert rows with more columns per program: every program one or two
+                   # K steps, all their loads issued before the first sum
+                   dict(down_n=8, down_k=256, down_split=3), dict(down_n=16, down_k=64, down_split=4),
+                   dict(down_n=16, down_k=128, down_split=6, down_warps=8), dict(down_n=8, down_k=256, down_warps=8),
+                   dict(down_n=4, down_k=256, down_split=3),
+                   # the next K step's loads issued before this one's sums (unrolled), at tiles small
+                   # enough for two steps' registers
+                   dict(down_n=4, down_k=256, down_unroll=2), dict(down_n=8, down_k=128, down_unroll=2)]
 ROUTE_CANDIDATES = [dict(), dict(route_warps=1), dict(route_r=1, route_k=2048),
                     dict(route_r=1, route_k=2048, route_warps=1), dict(route_r=1, route_k=2048, route_warps=2),
-                    dict(route_r=4, route_k=512), dict(route_r=8, route_k=256)]
+                    dict(route_r=4, route_k=512), dict(route_r=8, route_k=256),
+                    # a few gate rows per program over all of H (the norm from the same loads, once per
+                    # program): half / a quarter of the programs behind the ticket
+                    dict(route_r=2, route_k=2048, route_warps=2), dict(route_r=4, route_k=2048, route_warps=4)]
 
 
 def candidates(base: SmallTiles, which: str) -> list[SmallTiles]:
@@ -86,6 +102,50 @@ def candidates(base: SmallTiles, which: str) -> list[SmallTiles]:
     out: list[SmallTiles] = []
     for change in table:
         tiles = replace(base, **change)
+        if tiles not in out:
+            out.append(tiles)
+    return out
+
+
+@dataclass(frozen=True)
+class SortedTiles:
+    """Launch shapes of `triton_moe.fused_moe`'s two grouped GEMMs (rows sorted by expert, BLOCK_M rows
+    per tile from `triton_moe._block_m`); the defaults are what it launched before the table existed."""
+    up_n: int = 64             # gate-up: columns of I per program (each also reads the matching up columns)
+    up_k: int = 64             # gate-up: elements of H per loop step
+    up_warps: int = 4          # gate-up: num_warps
+    up_stages: int = 3         # gate-up: num_stages (software-pipelined weight loads: tl.dot loops pipeline)
+    down_n: int = 64           # down: columns of H per program
+    down_k: int = 64           # down: elements of I per loop step
+    down_warps: int = 4        # down: num_warps
+    down_stages: int = 3       # down: num_stages
+
+
+# (BLOCK_M, hidden, moe_intermediate) -> the fastest `SortedTiles` of `benchmarks/moe_bench.py --prefill` on
+# an H200 (session 9 run 4, the thinker at T=128: 362.3 -> 349.3 us, 81% of the floor; every candidate within
+# 4%); shapes not listed keep the defaults
+SORTED_TUNED: dict[tuple[int, int, int], SortedTiles] = {
+    (16, 2048, 768): SortedTiles(up_n=128, up_k=128, up_warps=8, up_stages=3, down_n=64, down_k=128, down_warps=4,
+                                 down_stages=4),
+}
+
+# what `moe_bench.py --prefill` times per grouped GEMM (changes to the defaults; gate-up and down separately):
+# wider column tiles and longer K steps (fewer, bigger loads per stage), deeper pipelines, 8 warps
+SORTED_CANDIDATES = [dict(), dict(n=64, k=128), dict(n=128, k=64), dict(n=128, k=128, warps=8), dict(n=64, k=256),
+                     dict(n=64, k=128, stages=4), dict(n=128, k=64, stages=4), dict(n=32, k=256, stages=4),
+                     dict(n=128, k=128, stages=4, warps=8)]
+
+
+def sorted_tiles(block_m: int, hidden: int, inter: int) -> SortedTiles:
+    """The measured grouped-GEMM tiles of this shape, else the defaults."""
+    return SORTED_TUNED.get((block_m, hidden, inter), SortedTiles())
+
+
+def sorted_candidates(base: SortedTiles, which: str) -> list[SortedTiles]:
+    """`base` with each SORTED_CANDIDATES change applied to the `which` ("up" or "down") kernel, `base` first."""
+    out: list[SortedTiles] = []
+    for change in SORTED_CANDIDATES:
+        tiles = replace(base, **{f"{which}_{name}": value for name, value in change.items()})
         if tiles not in out:
             out.append(tiles)
     return out

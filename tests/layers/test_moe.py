@@ -78,7 +78,7 @@ CHECK = """
 import json, torch
 from omnistage.layers import fused, moe, triton_moe, triton_moe_small
 torch.manual_seed(0)
-grouped, small, routes, routers = [], [], [], []
+grouped, grouped_tiles, small, routes, routers = [], [], [], [], []
 # float16 for the 16-bit rounding path: the interpreter cannot do bfloat16 dots (see layers/kernel_check.py)
 for t, e, k, h, i, bm, dt in [(5, 8, 2, 64, 32, 16, torch.float32), (23, 4, 3, 40, 24, 16, torch.float32),
                               (9, 8, 2, 64, 32, 16, torch.float16)]:
@@ -87,6 +87,17 @@ for t, e, k, h, i, bm, dt in [(5, 8, 2, 64, 32, 16, torch.float32), (23, 4, 3, 4
     ref = moe.fused_moe_ref(x, w13, w2, w, ids)
     grouped.append(((triton_moe.fused_moe(x, w13, w2, w, ids, block_m=bm).float() - ref.float()).abs().max().item(),
                     ref.float().abs().max().item(), str(dt)))
+    # launch shapes other than the defaults (`SortedTiles`): K steps that leave H and I remainders, 8 warps
+    tiles = triton_moe.SortedTiles(up_n=16, up_k=32, up_warps=8, up_stages=2, down_n=32, down_k=16, down_stages=4)
+    grouped_tiles.append(((triton_moe.fused_moe(x, w13, w2, w, ids, block_m=bm, tiles=tiles).float()
+                           - ref.float()).abs().max().item(), ref.float().abs().max().item(), str(dt)))
+# the one-launch align (what fused_moe runs up to ALIGN_PAIRS pairs) against align's torch ops: 6 experts
+# (not a power of two), blocks of 4, an expert run longer than a block, 128 experts of the thinker's prefill
+aligns = []
+for t, k, e, bm in [(9, 2, 6, 4), (23, 3, 4, 16), (128, 8, 128, 16)]:
+    ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    aligns.append([torch.equal(a, b) for a, b in zip(triton_moe.align(ids, e, bm),
+                                                      triton_moe.align_one_launch(ids, e, bm))])
 # the decode path (no sort), the one-launch router and the router GEMV with its top-k; H and I not multiples
 # of the tiles, 6 experts (not a multiple of route_r = 4)
 for t, e, k, h, i, dt in [(1, 8, 2, 64, 32, torch.float32), (5, 6, 3, 40, 24, torch.float32),
@@ -132,7 +143,7 @@ for t, e, k, h, i, dt in [(1, 8, 2, 64, 32, torch.float32), (5, 6, 3, 40, 24, to
                                                        prenorm=(res, nw, 1e-6))
         small.append(((got.float() - want.float()).abs().max().item(), want.float().abs().max().item(), str(dt)))
         small.append(((got_h.float() - hsum.float()).abs().max().item(), hsum.float().abs().max().item(), str(dt)))
-print(json.dumps({"grouped": grouped, "small": small, "routes": routes, "routers": routers}))
+print(json.dumps({"grouped": grouped, "grouped_tiles": grouped_tiles, "aligns": aligns, "small": small, "routes": routes, "routers": routers}))
 """
 
 
@@ -147,6 +158,21 @@ def test_triton_fused_moe_equals_reference_in_the_interpreter(interpreted):
     assert len(errs) == 3
     for err, peak, dtype in errs:
         assert err <= (1e-5 if dtype == "torch.float32" else 4e-3) * peak, (err, peak, dtype)
+
+
+def test_triton_fused_moe_with_other_tiles_equals_reference_in_the_interpreter(interpreted):
+    """The grouped GEMMs at launch shapes other than the defaults (`triton_moe_tiles.SortedTiles`, what
+    `benchmarks/moe_bench.py --prefill` sweeps): the same sums to rounding."""
+    errs = interpreted["grouped_tiles"]
+    assert len(errs) == 3
+    for err, peak, dtype in errs:
+        assert err <= (1e-5 if dtype == "torch.float32" else 4e-3) * peak, (err, peak, dtype)
+
+
+def test_one_launch_align_equals_the_torch_align_in_the_interpreter(interpreted):
+    """`triton_moe.align_one_launch` (`_align_kernel`): the sorted pair ids, each block's expert and the
+    padded total equal `align`'s, element for element (the same stable order)."""
+    assert interpreted["aligns"] == [[True, True, True]] * 3
 
 
 def test_small_t_moe_and_router_equal_reference_in_the_interpreter(interpreted):

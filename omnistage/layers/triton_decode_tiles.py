@@ -8,8 +8,11 @@ the residual-add epilogue, "rope" = the rotary + KV-write epilogue; "" = the GEM
 `unfused_us` (cuBLAS plus the launches the fusion replaces, same run); entries without `unfused_us` only
 give tiles (for `OMNISTAGE_DECODE_KERNELS=1`).
 
-Session 7, run 2 (benchmarks/decode_layer_bench.py --sweep --models 1.5B, H200; benchmarks/RESULTS.md): the
-1.5B fusions of the layer then (qkv with the rope epilogue, o with the residual add), tiles only.
+Session 9, run 4 (`--sweep --models q3 --layers qkv|o --weights bf16`, H200, torch 2.11; benchmarks/RESULTS.md):
+the Qwen3-Omni thinker's qkv (residual add + RMSNorm prologue) and o (alone). Only o at M = 2 and 4 beats the
+unfused path (by ~0.4 us); at M = 1 (bs1 decode) neither does, so the thinker's bs1 step stays unfused.
+Session 7, run 2 (`--sweep --models 1.5B`): the 1.5B fusions of the layer then (qkv with the rope epilogue, o
+with the residual add), tiles only.
 """
 
 from typing import NamedTuple, Optional
@@ -25,6 +28,14 @@ class Tile(NamedTuple):
 
 _R = "norm+bias+rope"
 TILES: dict[tuple[int, int, int, int, str], Tile] = {
+    (1, 5120, 2048, 2, "norm"): Tile((8, 512, 1, False, 4, 2), 10.0, 7.9),    # q3 qkv bf16 (cuBLAS alone 6.5)
+    (2, 5120, 2048, 2, "norm"): Tile((32, 128, 4, True, 4, 2), 15.6, 7.8),    # q3 qkv bf16 (cuBLAS alone 6.2)
+    (4, 5120, 2048, 2, "norm"): Tile((32, 128, 4, True, 4, 2), 15.7, 7.5),    # q3 qkv bf16 (cuBLAS alone 6.0)
+    (8, 5120, 2048, 2, "norm"): Tile((32, 128, 4, True, 4, 2), 16.0, 6.9),    # q3 qkv bf16 (cuBLAS alone 5.4)
+    (1, 2048, 4096, 2, ""): Tile((16, 512, 4, False, 4, 3), 8.1, 7.7),        # q3 o bf16 (rule 8.4)
+    (2, 2048, 4096, 2, ""): Tile((32, 128, 8, True, 4, 2), 6.9, 7.4),         # q3 o bf16 (rule 9.3): fused
+    (4, 2048, 4096, 2, ""): Tile((32, 128, 8, True, 4, 2), 6.9, 7.2),         # q3 o bf16 (rule 9.3): fused
+    (8, 2048, 4096, 2, ""): Tile((32, 128, 8, True, 4, 2), 7.0, 6.8),         # q3 o bf16 (rule 9.3)
     (1, 2048, 1536, 2, _R): Tile((8, 1024, 1, False, 8, 2), 6.5),      # 1.5B qkv bf16 (rule 7.0)
     (2, 2048, 1536, 2, _R): Tile((16, 256, 2, True, 4, 3), 8.9),       # 1.5B qkv bf16 (rule 9.5)
     (4, 2048, 1536, 2, _R): Tile((16, 256, 2, True, 4, 3), 9.0),       # 1.5B qkv bf16 (rule 9.6)

@@ -164,10 +164,11 @@ SMALL_MAX = 8                # candidates per (layer, M): the first pass, then K
 def small_candidates(m: int, cols: int, k: int, weight_bytes: int, sms: int):
     """The "small" space's first pass: each tile once, at the K split `triton_decode.tiles`' rule would give
     it (the fewest power-of-two slices, each at least two K steps, that give every SM 4 programs). With M
-    > 1 the `tl.dot` tiles (16 padded rows) are one compile for M = 2, 4 and 8."""
+    > 1 the `tl.dot` tiles (16 padded rows) are one compile for M = 2, 4 and 8; M == 1 tries them too (session 9
+    run 4: on the thinker's o they ran 6.9 us at M = 2, the CUDA-core tiles 8.1 at M = 1)."""
     from omnistage.layers.triton_decode import MAX_SPLIT
 
-    won, core = (SMALL_M1_WON, SMALL_M1_CORE) if m == 1 else (SMALL_MN_WON, SMALL_MN_CORE)
+    won, core = (SMALL_M1_WON + SMALL_MN_WON, SMALL_M1_CORE) if m == 1 else (SMALL_MN_WON, SMALL_MN_CORE)
     tiles = won + [(bn, bk * weight_bytes, dot, w, st) for bn, bk, dot, w, st in core]
     for bn, kbytes, dot, warps, stages in tiles:
         bk = kbytes // weight_bytes

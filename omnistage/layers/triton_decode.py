@@ -18,7 +18,7 @@ A decoder layer at M <= MAX_M (models/llama.py) picks per linear: qkv with the r
 prologue (+ bias), then `Attention._attend` (rotary, KV write, paged attention), o alone (its residual add
 rides in the next norm: the post-attention RMSNorm, or the MoE router launch), the dense MLP as gate_up with
 the residual add + RMSNorm prologue and SiLU*mul, down + residual. The `rope` epilogue is kept for the tile
-sweep's 1.5B entries; the layers no longer use it (the rotary rides in the decode attention).
+sweep's 1.5B entries; the layers no longer use it (the rotary rides with `Attention._attend`).
 
 How the weight is read at bandwidth: each program owns BLOCK_N output columns and one of SPLIT_K slices
 of K, so a small-N matrix (o, down: N = hidden) still gives every SM several programs. With SPLIT_K > 1
@@ -42,6 +42,8 @@ where the `TILES` entry of (M, N, K, weight bytes, fusion) was measured faster t
 the fusion replaces. Session 7, run 2 (benchmarks/RESULTS.md, Qwen2.5-1.5B, one layer in a CUDA graph): a
 whole fused layer was slower (60.3 vs 56.2 us at M = 1 in bf16; ~0.7x at M = 2..8; at M = 1 qkv 6.5 us vs
 cuBLAS 4.4, gate_up 24.6 vs 16.8, down 12.1 vs 9.6 + its reduce; o 4.0 vs 6.2), hence the per-linear table.
+Session 9, run 4 (the Qwen3-Omni thinker, bf16): at M = 1 qkv with the norm prologue 10.0 us vs 7.9 (norm
+kernel + cuBLAS), o 8.1 vs 7.7; only o at M = 2, 4 wins (6.9 vs 7.4 / 7.2), so the thinker's bs1 step stays unfused.
 """
 
 from __future__ import annotations

@@ -143,3 +143,29 @@ def test_decode_gemv_and_fused_layers_equal_the_references_in_the_interpreter():
     for dt, *errs in out["layers"]:             # the final hidden states, then each layer's KV cache
         for e, peak in errs:
             assert e <= 2 * tol[dt] * peak, (dt, e, peak)
+
+
+def test_the_tiles_table_picks_each_linear_and_the_switch_overrides_it(monkeypatch):
+    """Unset, a linear is fused only where its TILES entry measured faster than the unfused path (the thinker's
+    o at M = 2 yes, at M = 1 and its qkv no); "1" always, "0" never; other values name the allowed ones."""
+    import pytest
+    import torch
+    from torch import nn
+
+    from omnistage.layers import triton_decode as td
+
+    monkeypatch.setattr(td, "serves", lambda x, *lin: True)     # CUDA + dtype gate: the table alone decides
+    o = nn.Linear(4096, 2048, bias=False, dtype=torch.bfloat16)
+    qkv = nn.Linear(2048, 5120, bias=False, dtype=torch.bfloat16)
+    rows = {m: torch.zeros(m, 4096, dtype=torch.bfloat16) for m in (1, 2)}
+    monkeypatch.setattr(td, "ENABLED", None)
+    assert td.chooses(rows[2], o, td.fusion()) and not td.chooses(rows[1], o, td.fusion())
+    assert not td.chooses(rows[2][:, :2048], qkv, td.fusion(norm=True))
+    assert not td.chooses(rows[2], o, td.fusion(add=True))         # no entry: unfused
+    monkeypatch.setattr(td, "ENABLED", True)
+    assert td.chooses(rows[1], o, td.fusion())
+    monkeypatch.setattr(td, "ENABLED", False)
+    assert not td.chooses(rows[2], o, td.fusion())
+    assert [td._mode(v) for v in ("0", "1", "")] == [False, True, None]
+    with pytest.raises(ValueError, match="OMNISTAGE_DECODE_KERNELS must be 0"):
+        td._mode("yes")

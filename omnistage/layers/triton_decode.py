@@ -17,8 +17,8 @@ with `residual`. Called by models/llama.py's decoder layers, in the stage proces
 A decoder layer at M <= MAX_M (models/llama.py) picks per linear: qkv with the residual add + input RMSNorm
 prologue (+ bias), then `Attention._attend` (rotary, KV write, paged attention), o alone (its residual add
 rides in the next norm: the post-attention RMSNorm, or the MoE router launch), the dense MLP as gate_up with
-the residual add + RMSNorm prologue and SiLU*mul, down + residual. The `rope` epilogue is kept for the tile
-sweep's 1.5B entries; the layers no longer use it (the rotary rides with `Attention._attend`).
+the residual add + RMSNorm prologue and SiLU*mul, down + residual. The `rope` epilogue (and its session-7 1.5B
+entries in TILES) stays tested but unused by the layers: the rotary rides with `Attention._attend`.
 
 How the weight is read at bandwidth: each program owns BLOCK_N output columns and one of SPLIT_K slices
 of K, so a small-N matrix (o, down: N = hidden) still gives every SM several programs. With SPLIT_K > 1

@@ -72,7 +72,8 @@ class Attention(nn.Module):
         """(o, h): the attention block's output before its residual add, and h = x + residual (x with
         residual None), `norm` the input RMSNorm. Per linear (`triton_decode.chooses`): qkv as one GEMV with
         the residual add + norm (+ bias) inside, or the norm kernel + `qkv_proj`; o as one GEMV (split-K
-        reduced in-kernel) or `o_proj`. `owner`: whose split-K tickets (`triton_decode.counters`)."""
+        reduced in-kernel) or `o_proj`. `owner`: whose split-K tickets (`triton_decode.counters`; the layer's:
+        stages sharing a GPU run their layers side by side on their own streams)."""
         qkv_lin, o_lin = self.qkv_proj, self.o_proj
         if triton_decode.chooses(x, qkv_lin, triton_decode.fusion(norm=True, bias=qkv_lin.bias is not None)):
             qkv = triton_decode.decode_gemv(x, *triton_decode.weights(qkv_lin), residual=residual,

@@ -1,25 +1,30 @@
 """The fused small-M decode kernels (layers/triton_decode.py) on one GPU: tiles, one decoder layer, errors.
 
     PYTHONPATH=$PWD python benchmarks/decode_layer_bench.py            # (ii) + (iii): the layer, fused vs unfused
+        [--models 1.5B,7B | q3] [--weights bf16,fp8]
     PYTHONPATH=$PWD python benchmarks/decode_layer_bench.py --sweep    # (i): tile sweep, prints `TILES = {...}`
-        [--models 1.5B | 7B] [--layers qkv,o,gate_up,down] [--weights bf16,fp8] [--rows 1,2,4,8] [--budget 55]
+        [--models 1.5B | 7B | q3] [--layers qkv,o,gate_up,down] [--weights bf16,fp8] [--rows 1,2,4,8] [--budget 55]
         [--space small | narrow | wide]
     (each tile is a compile the first time, about a second: the default `small` space (<= 8 candidates per layer and M)
     sweeps one layer x one weight kind x M = 1, 2, 4, 8 in ~60 s, e.g. `--layers qkv --weights bf16`; `wide`
     tries ~10x more, so split its runs by --weights / --layers; Triton's cache makes a repeated run fast)
+    The Qwen3-Omni thinker (q3, ~40 s each):
+        --sweep --models q3 --layers qkv --weights bf16;  --sweep --models q3 --layers o --weights bf16
+        --models q3 --weights bf16                         # its attention half, unfused / fused / by the table
 
-(i) For each decoder GEMV of the Qwen2.5-1.5B and -7B shapes with the fusions the layer runs (qkv: residual
-    add + RMSNorm prologue, bias, rotary + KV write; o: residual epilogue; gate_up: RMSNorm prologue,
-    SiLU*mul; down: residual),
-    bf16 and FP8 weights, M = 1, 2, 4, 8: every candidate tile (BLOCK_N, BLOCK_K, SPLIT_K, dot, warps, stages)
-    of `--space` timed in a CUDA graph (checked against `triton_decode.reference` first), the best beside the
-    default tiles, cuBLAS (bf16 F.linear, the GEMV alone), the floor (weight bytes / copy bandwidth) and how
-    many candidates the entry tried; then the best tiles as a Python dict to paste into
-    layers/triton_decode_tiles.py. Stops at `--budget` seconds
-    (what was swept so far still printed).
-(ii) One Qwen2 decoder layer (random weights, 256-token contexts) in a CUDA graph, fused
-    (`triton_decode.ENABLED`) vs unfused, M = 1, 2, 4, 8, bf16 and FP8, and x 28 layers.
-(iii) The same layer's output (the residual stream after it), fused vs unfused: max abs error and the peak.
+(i) For each decoder GEMV of the Qwen2.5-1.5B and -7B shapes (q3: the thinker's qkv and o) with the fusions
+    `models/llama.py`'s layers choose between (`gemv_cases`), bf16 and FP8 weights, M = 1, 2, 4, 8: every
+    candidate tile (BLOCK_N, BLOCK_K, SPLIT_K, dot, warps, stages) of `--space` timed in a CUDA graph
+    (checked against `triton_decode.reference` first), the best beside the default tiles, cuBLAS (bf16
+    F.linear, the GEMV alone), the unfused path it replaces (`unfused_us`: cuBLAS + the norm / SiLU*mul /
+    add launches), the floor (weight bytes / copy bandwidth) and how many candidates the entry tried; then
+    the entries as `Tile(config, us, unfused_us)` lines to paste into layers/triton_decode_tiles.py (the
+    table-driven choice runs the fused launch where us < unfused_us). Stops at `--budget` seconds (what was
+    swept so far still printed).
+(ii) One Qwen2 decoder layer (q3: the thinker's attention half, Qwen3 with q / k norms; random weights,
+    256-token contexts) in a CUDA graph, unfused, all fused and by the table (`triton_decode.ENABLED` False,
+    True, None), M = 1, 2, 4, 8, and x the model's layers.
+(iii) The same output (the residual stream after it), fused vs unfused: max abs error and the peak.
 """
 
 from __future__ import annotations
@@ -38,21 +43,27 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gemv_bench import copy_bandwidth, graph_us, rel_err  # noqa: E402
 
 MODELS = {"1.5B": dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2),
-          "7B": dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4)}
+          "7B": dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4),
+          # Qwen3-Omni-30B-A3B's thinker: its attention half (the MoE half is triton_moe_small's); the dense
+          # intermediate only sizes the stand-in MLP of the attention-half table
+          "q3": dict(hidden_size=2048, intermediate_size=256, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128)}
 ROWS = (1, 2, 4, 8)
 CONTEXT, BLOCK = 256, 16
 
 
-def layer_model(shape: dict, fp8: bool):
-    """A one-layer Qwen2 of `shape` on CUDA in bf16 (optionally FP8 linears) with its KV cache bound."""
-    from transformers import Qwen2Config
+def layer_model(name: str, fp8: bool):
+    """A one-layer Qwen2 (q3: Qwen3, q / k norms, no biases) of `name`'s shape on CUDA in bf16 (optionally FP8
+    linears) with its KV cache bound."""
+    from transformers import Qwen2Config, Qwen3Config
 
-    from omnistage.models.llama import Qwen2ForCausalLM
+    from omnistage.models.llama import Qwen2ForCausalLM, Qwen3ForCausalLM
     from omnistage.testing.llm import draw_norms_and_biases
 
-    cfg = Qwen2Config(**shape, num_hidden_layers=1, vocab_size=1024, max_position_embeddings=4096)
+    config, cls = (Qwen3Config, Qwen3ForCausalLM) if name == "q3" else (Qwen2Config, Qwen2ForCausalLM)
+    cfg = config(**MODELS[name], num_hidden_layers=1, vocab_size=1024, max_position_embeddings=4096)
     with torch.device("cuda"):                  # weights drawn on the GPU (the 7B layer is 0.9 GB in float32)
-        model = Qwen2ForCausalLM(cfg, 4096).to(torch.bfloat16).eval()
+        model = cls(cfg, 4096).to(torch.bfloat16).eval()
     draw_norms_and_biases(model, (0.8, 1.2), 0.02)
     if fp8:
         model.quantize_fp8()
@@ -79,41 +90,65 @@ def decode_inputs(model, m: int):
     return x, res, model.rotary.tables(pos), meta
 
 
-def layer_table() -> None:
+MODES = ((False, "unfused"), (True, "fused"), (None, "by the table"))     # triton_decode.ENABLED values
+
+
+def layer_table(models: list[str], weights: list[str]) -> None:
+    """One decoder layer (q3: the thinker's attention half, `Attention.forward_prenorm`: input norm + qkv,
+    attention, o) in a CUDA graph with `triton_decode.ENABLED` False (unfused), True (every linear fused)
+    and None (each linear as the tiles table says), M = 1, 2, 4, 8; x the model's layers; the error of the
+    all-fused output against the unfused one."""
     from omnistage.layers import triton_decode
 
-    print("| shape | weights | M | unfused layer us | fused layer us | speed-up | x 28 layers ms (fused) "
-          "| max abs err fused vs unfused | peak |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| shape | part | weights | M | unfused us | fused us | by the table us | table speed-up "
+          "| x layers ms (table) | max abs err fused vs unfused | peak |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     torch.manual_seed(0)
-    for name, shape in MODELS.items():
-        for fp8 in (False, True):
-            model = layer_model(shape, fp8)
+    for name in models:
+        depth = {"1.5B": 28, "7B": 28, "q3": 48}[name]
+        for fp8 in [kind == "fp8" for kind in weights]:
+            model = layer_model(name, fp8)
             layer = model.layers[0]
+
+            def run(x, res, rope, meta):
+                if name == "q3":
+                    o, h = layer.self_attn.forward_prenorm(x, res, layer.input_layernorm, rope, meta, layer)
+                    return o + h, None
+                return layer(x, res, rope, meta)
+
             for m in ROWS:
                 x, res, rope, meta = decode_inputs(model, m)
                 times, outs = {}, {}
-                for fused_on in (False, True):
-                    triton_decode.ENABLED = fused_on
+                for mode, _ in MODES:
+                    triton_decode.ENABLED = mode
                     with torch.inference_mode():
-                        out, r = layer(x, res, rope, meta)
-                        outs[fused_on] = out if r is None else out + r
-                        times[fused_on] = graph_us(lambda _: layer(x, res, rope, meta))
-                triton_decode.ENABLED = True
+                        out, r = run(x, res, rope, meta)
+                        outs[mode] = out if r is None else out + r
+                        times[mode] = graph_us(lambda _: run(x, res, rope, meta))
+                triton_decode.ENABLED = None
                 err = (outs[True].float() - outs[False].float()).abs().max().item()
-                print(f"| {name} | {'fp8' if fp8 else 'bf16'} | {m} | {times[False]:.1f} | {times[True]:.1f} "
-                      f"| {times[False] / times[True]:.2f}x | {28 * times[True] / 1e3:.3f} | {err:.2e} "
+                print(f"| {name} | {'attention half' if name == 'q3' else 'layer'} | {'fp8' if fp8 else 'bf16'} "
+                      f"| {m} | {times[False]:.1f} | {times[True]:.1f} | {times[None]:.1f} "
+                      f"| {times[False] / times[None]:.2f}x | {depth * times[None] / 1e3:.3f} | {err:.2e} "
                       f"| {outs[False].float().abs().max().item():.2f} |", flush=True)
             del model
             torch.cuda.empty_cache()
 
 
-def gemv_cases(shape: dict):
-    """(layer name, weight rows N, K, decode_gemv keyword arguments but the weights) per decoder GEMV."""
-    h, inter = shape["hidden_size"], shape["intermediate_size"]
-    qkv = h + 2 * shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
-    return [("qkv", qkv, h, dict(residual=True, norm=True, bias=True, rope=True)), ("o", h, h, dict(add=True)),
-            ("gate_up", 2 * inter, h, dict(norm=True, gated=True)), ("down", h, inter, dict(add=True))]
+def gemv_cases(name: str):
+    """(layer name, weight rows N, K, decode_gemv keyword arguments but the weights) per decoder GEMV, with
+    the fusions `models/llama.py`'s layers choose between (qkv: residual add + RMSNorm prologue, the bias of
+    Qwen2; o alone; gate_up: residual add + RMSNorm prologue, SiLU*mul; down: residual add). q3: the
+    thinker's attention half only, no biases."""
+    shape = MODELS[name]
+    h, inter, heads = shape["hidden_size"], shape["intermediate_size"], shape["num_attention_heads"]
+    d = shape.get("head_dim", h // heads)
+    qkv = (heads + 2 * shape["num_key_value_heads"]) * d
+    cases = [("qkv", qkv, h, dict(residual=True, norm=True, bias=name != "q3")), ("o", h, heads * d, {})]
+    if name != "q3":
+        cases += [("gate_up", 2 * inter, h, dict(residual=True, norm=True, gated=True)),
+                  ("down", h, inter, dict(add=True))]
+    return cases
 
 
 # the "small" space: (BLOCK_N, K step in bytes of each weight row, use_dot, warps, stages). The tiles that won
@@ -129,10 +164,11 @@ SMALL_MAX = 8                # candidates per (layer, M): the first pass, then K
 def small_candidates(m: int, cols: int, k: int, weight_bytes: int, sms: int):
     """The "small" space's first pass: each tile once, at the K split `triton_decode.tiles`' rule would give
     it (the fewest power-of-two slices, each at least two K steps, that give every SM 4 programs). With M
-    > 1 the `tl.dot` tiles (16 padded rows) are one compile for M = 2, 4 and 8."""
+    > 1 the `tl.dot` tiles (16 padded rows) are one compile for M = 2, 4 and 8; M == 1 tries them too (session 9
+    run 4: on the thinker's o they ran 6.9 us at M = 2, the CUDA-core tiles 8.1 at M = 1)."""
     from omnistage.layers.triton_decode import MAX_SPLIT
 
-    won, core = (SMALL_M1_WON, SMALL_M1_CORE) if m == 1 else (SMALL_MN_WON, SMALL_MN_CORE)
+    won, core = (SMALL_M1_WON + SMALL_MN_WON, SMALL_M1_CORE) if m == 1 else (SMALL_MN_WON, SMALL_MN_CORE)
     tiles = won + [(bn, bk * weight_bytes, dot, w, st) for bn, bk, dot, w, st in core]
     for bn, kbytes, dot, warps, stages in tiles:
         bk = kbytes // weight_bytes
@@ -187,15 +223,15 @@ def sweep(models: list[str], rows: list[int], budget: float, layers: list[str], 
     start = time.time()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s\n")
-    print(f"candidate space: {space}")
-    print("| shape | layer (N x K) | weights | M | default us | best us | best tile | candidates tried "
-          "| cuBLAS bf16 us | floor us | best % of floor |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"candidate space: {space}; unfused = cuBLAS (FP8: Fp8Linear) + the launches the fusion replaces")
+    print("| shape | layer (N x K) | fusion | weights | M | default us | best us | best tile | candidates tried "
+          "| cuBLAS bf16 us | unfused us | floor us | best % of floor | fused wins |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     best_tiles: dict = {}
     torch.manual_seed(0)
     for name in models:
-        for layer, n, k, flags in gemv_cases(MODELS[name]):
+        for layer, n, k, flags in gemv_cases(name):
             if layer not in layers:
                 continue
             w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
@@ -213,11 +249,9 @@ def sweep(models: list[str], rows: list[int], budget: float, layers: list[str], 
                               else None, gated=bool(flags.get("gated")),
                               add=torch.randn(m, out_cols, device="cuda", dtype=torch.bfloat16) if flags.get("add")
                               else None)
-                    if flags.get("rope"):
-                        kw["rope"] = sweep_rope(MODELS[name], m)
                     ref = first(triton_decode.reference(x, w, scale, **kw))
                     default = graph_us(lambda _: triton_decode.decode_gemv(x, w, scale, **kw))
-                    two = bool(flags.get("gated") or flags.get("rope"))     # pairs of weight rows per column
+                    two = bool(flags.get("gated"))      # pairs of weight rows per column
                     pool = (small_candidates(m, n // 2 if two else n, k, w.element_size(), sms) if space == "small"
                             else candidates(m, k, w.element_size(), space))
 
@@ -232,13 +266,45 @@ def sweep(models: list[str], rows: list[int], budget: float, layers: list[str], 
                         timed, tried = sorted(timed + more), tried + tried_more
                     best = timed[0] if timed else (float("inf"), None)
                     cublas = graph_us(lambda _: F.linear(x, w16))
+                    unfused = unfused_us(x, w16 if scale is None else None, w, scale, kw)
                     floor = n * k * w.element_size() / bw * 1e6
-                    best_tiles[(m, n, k, w.element_size(), two)] = best[1]
-                    print(f"| {name} | {layer} ({n} x {k}) | {'fp8' if fp8 else 'bf16'} | {m} | {default:.1f} "
-                          f"| {best[0]:.1f} | {best[1]} | {tried} | {cublas:.1f} | {floor:.1f} "
-                          f"| {100 * floor / best[0]:.0f}% |",
+                    parts = triton_decode.fusion(kw["norm_weight"] is not None, kw["bias"] is not None, kw["gated"],
+                                                 kw["add"] is not None)
+                    best_tiles[(m, n, k, w.element_size(), parts)] = (best[1], best[0], unfused)
+                    print(f"| {name} | {layer} ({n} x {k}) | {parts or '-'} | {'fp8' if fp8 else 'bf16'} | {m} "
+                          f"| {default:.1f} | {best[0]:.1f} | {best[1]} | {tried} | {cublas:.1f} | {unfused:.1f} "
+                          f"| {floor:.1f} | {100 * floor / best[0]:.0f}% | {'yes' if best[0] < unfused else 'no'} |",
                           flush=True)
     print_tiles(best_tiles)
+
+
+def unfused_us(x, w16, w, scale, kw: dict) -> float:
+    """GPU us of what the layer runs instead of one fused launch (in a CUDA graph): the input norm kernel
+    (with the residual add) when the launch has the norm prologue, the linear (`nn.Linear`: cuBLAS; FP8:
+    `Fp8Linear`), SiLU*mul when gated, the residual add when it has the add epilogue."""
+    from torch import nn
+
+    from omnistage.layers import fused
+    from omnistage.layers.fp8_linear import Fp8Linear
+
+    if w16 is not None:
+        linear = nn.Linear(w.shape[1], w.shape[0], bias=kw["bias"] is not None, device="cuda", dtype=w.dtype)
+        linear.weight.data = w16
+        if kw["bias"] is not None:
+            linear.bias.data = kw["bias"]
+    else:
+        linear = Fp8Linear(w, scale, kw["bias"])
+    nw, res, add = kw["norm_weight"], kw["residual"], kw["add"]
+
+    def run(_):
+        xn = x if nw is None else fused.rms_norm(x, nw, 1e-6, res)
+        y = linear(xn[0] if isinstance(xn, tuple) else xn)
+        if kw["gated"]:
+            y = fused.silu_and_mul(y)
+        return y if add is None else y + add
+
+    with torch.inference_mode():
+        return graph_us(run)
 
 
 def time_all(cfgs, timer, deadline: float) -> tuple[list[tuple[float, tuple]], int]:
@@ -267,18 +333,6 @@ def time_tile(x, w, scale, kw: dict, ref: torch.Tensor, cfg: tuple):
         return None
 
 
-def sweep_rope(shape: dict, m: int):
-    """The qkv epilogue's inputs for M rows: rotary angles, a KV cache and distinct slots (Qwen2: no q/k norms)."""
-    from omnistage.layers import triton_decode
-
-    heads, kvh = shape["num_attention_heads"], shape["num_key_value_heads"]
-    d = shape["hidden_size"] // heads
-    angle = torch.rand(m, d // 2, device="cuda") * 6
-    cache = torch.zeros(2, m, BLOCK, kvh, d, device="cuda", dtype=torch.bfloat16)
-    return triton_decode.Rope(torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1), heads, kvh, d,
-                              cache, torch.arange(m, device="cuda") * BLOCK)
-
-
 def first(out) -> torch.Tensor:
     """decode_gemv's main output as one tensor: drops h (with a residual), joins the rope epilogue's q, k, v."""
     if isinstance(out, tuple) and len(out) == 2:
@@ -287,29 +341,32 @@ def first(out) -> torch.Tensor:
 
 
 def print_tiles(best: dict) -> None:
+    """The swept entries as `triton_decode_tiles.TILES` lines (the Triton time and the unfused one beside)."""
     print("\nTILES = {")
-    for key, cfg in best.items():
+    for key, (cfg, us, unfused) in best.items():
         if cfg is not None:
-            print(f"    {key}: {cfg},")
+            print(f"    {key}: Tile({cfg}, {us:.1f}, {unfused:.1f}),")
     print("}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--models", default="1.5B", help="the sweep's shapes (the layer table runs both)")
+    parser.add_argument("--models", default=None,
+                        help="1.5B, 7B, q3 (the thinker's attention half), comma-separated; default: the sweep 1.5B, "
+                             "the layer table 1.5B,7B")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--layers", default="qkv,o,gate_up,down", help="the sweep's GEMVs")
-    parser.add_argument("--weights", default="bf16,fp8", help="the sweep's weight kinds")
+    parser.add_argument("--weights", default="bf16,fp8", help="weight kinds")
     parser.add_argument("--space", choices=("small", "narrow", "wide"), default="small",
                         help="the sweep's candidate tiles (small: <= 8 per layer and M, ~60 s per layer x weight kind)")
     parser.add_argument("--budget", type=float, default=55.0)
     args = parser.parse_args()
     if args.sweep:
-        sweep(args.models.split(","), [int(r) for r in args.rows.split(",")], args.budget, args.layers.split(","),
+        sweep((args.models or "1.5B").split(","), [int(r) for r in args.rows.split(",")], args.budget, args.layers.split(","),
               args.weights.split(","), args.space)
     else:
-        layer_table()
+        layer_table((args.models or "1.5B,7B").split(","), args.weights.split(","))
 
 
 if __name__ == "__main__":

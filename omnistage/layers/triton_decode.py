@@ -1,4 +1,4 @@
-"""Fused small-M GEMVs for decode steps: a decoder layer in 5 launches (CUDA; the Triton interpreter runs
+"""Fused small-M GEMVs for decode steps (CUDA; the Triton interpreter runs
 them on CPU tensors in tests; `reference` is the PyTorch maths everywhere else).
 
 In: activation rows x [M, K] (bf16 / fp16, M <= MAX_M: a decode step's tokens), a weight w [N, K] in x's
@@ -14,8 +14,11 @@ dtype or float8_e4m3fn with one float32 scale per output row, an optional bias, 
 Out: [M, N] (gated: [M, N / 2]; rope: q [M, H, D] contiguous, k and v [M, KVH, D]) in x's dtype, and h
 with `residual`. Called by models/llama.py's decoder layers, in the stage process.
 
-A decoder layer at M <= MAX_M (models/llama.py) then runs: input RMSNorm + qkv + bias + rotary + KV write,
-paged decode attention, o_proj + residual, post-attention RMSNorm + gate_up + SiLU*mul, down + residual.
+A decoder layer at M <= MAX_M (models/llama.py) picks per linear: qkv with the residual add + input RMSNorm
+prologue (+ bias), then `Attention._attend` (rotary, KV write, paged attention), o alone (its residual add
+rides in the next norm: the post-attention RMSNorm, or the MoE router launch), the dense MLP as gate_up with
+the residual add + RMSNorm prologue and SiLU*mul, down + residual. The `rope` epilogue (and its session-7 1.5B
+entries in TILES) stays tested but unused by the layers: the rotary rides with `Attention._attend`.
 
 How the weight is read at bandwidth: each program owns BLOCK_N output columns and one of SPLIT_K slices
 of K, so a small-N matrix (o, down: N = hidden) still gives every SM several programs. With SPLIT_K > 1
@@ -33,14 +36,14 @@ the linear's output, silu(gate) and the sums are rounded to x's dtype where the 
 them, so outputs differ from `reference` by float32 summation order only (and in the rotation by
 rounding once where `fused.rotary_ref` rounds thrice).
 
-Off by default: `ENABLED` is read from `OMNISTAGE_DECODE_KERNELS` ("1": on) at import; off, the model
-runs exactly the unfused path. Measured on an H200 (benchmarks/RESULTS.md, session 7 run 2; Qwen2.5-1.5B
-shape, one layer in a CUDA graph) the fused layer is slower: 60.3 vs 56.2 us at M = 1 in bf16 (FP8 51.6
-vs 47.5), ~0.7x at M = 2..8. The launches saved do not pay for GEMVs that stay below cuBLAS: at M = 1
-with the swept tiles qkv 6.5 us (cuBLAS 4.4), gate_up 24.6 (16.8; floor 12.9), down 12.1 (9.6 + its
-reduce); only o wins (4.0 vs 6.2). Tiles of 4-8 weight rows make thousands of small programs that
-stream a few KB each; `benchmarks/decode_layer_bench.py --sweep` now also tries wide CUDA-core tiles
-(16-64 rows, more stages) and the CUDA-core path at M = 2..8 for the next tuning round.
+Which linears take it (`chooses`, per linear, its rows and its fusion): `OMNISTAGE_DECODE_KERNELS`, read at
+import into `ENABLED`: "0" never (False), "1" always where `serves` (True), unset by the table (None): only
+where the `TILES` entry of (M, N, K, weight bytes, fusion) was measured faster than cuBLAS plus the launches
+the fusion replaces. Session 7, run 2 (benchmarks/RESULTS.md, Qwen2.5-1.5B, one layer in a CUDA graph): a
+whole fused layer was slower (60.3 vs 56.2 us at M = 1 in bf16; ~0.7x at M = 2..8; at M = 1 qkv 6.5 us vs
+cuBLAS 4.4, gate_up 24.6 vs 16.8, down 12.1 vs 9.6 + its reduce; o 4.0 vs 6.2), hence the per-linear table.
+Session 9, run 4 (the Qwen3-Omni thinker, bf16): at M = 1 qkv with the norm prologue 10.0 us vs 7.9 (norm
+kernel + cuBLAS), o 8.1 vs 7.7; only o at M = 2, 4 wins (6.9 vs 7.4 / 7.2), so the thinker's bs1 step stays unfused.
 """
 
 from __future__ import annotations
@@ -65,8 +68,19 @@ try:
 except ImportError:                             # CPU-only installs: the unfused path
     triton = None
 
-# opt-in: measured slower than the unfused path on an H200 (see the module docstring)
-ENABLED = os.environ.get("OMNISTAGE_DECODE_KERNELS", "0") == "1"
+_MODES = {"0": False, "1": True, "": None}
+
+
+def _mode(value: str) -> Optional[bool]:
+    """`OMNISTAGE_DECODE_KERNELS` -> `ENABLED`."""
+    if value not in _MODES:
+        raise ValueError(f"OMNISTAGE_DECODE_KERNELS must be 0 (never), 1 (always) or unset (by the measured "
+                         f"tiles table), got {value!r}")
+    return _MODES[value]
+
+
+# False: never; True: always where `serves`; None: where `TILES` says the fused launch is faster
+ENABLED = _mode(os.environ.get("OMNISTAGE_DECODE_KERNELS", ""))
 MAX_M = 8                                       # rows these kernels serve (decode steps up to batch 8)
 MAX_SPLIT = 16                                  # most K slices per column block
 
@@ -314,16 +328,24 @@ def counters(owner, device: torch.device) -> torch.Tensor:
     return owner._decode_counters[device]
 
 
-def tiles(m: int, n: int, k: int, weight_bytes: int, two: bool, sms: int) -> tuple[int, int, int, bool, int, int]:
+def fusion(norm: bool = False, bias: bool = False, gated: bool = False, add: bool = False, rope: bool = False) -> str:
+    """The `TILES` key's name of what rides in a launch: the present parts joined by "+" in this order
+    ("" for the GEMV alone). `norm`: the RMSNorm prologue (with or without the residual add)."""
+    return "+".join(name for name, on in (("norm", norm), ("bias", bias), ("gated", gated), ("add", add),
+                                          ("rope", rope)) if on)
+
+
+def tiles(m: int, n: int, k: int, weight_bytes: int, two: bool, sms: int,
+          parts: str = "") -> tuple[int, int, int, bool, int, int]:
     """(BLOCK_N, BLOCK_K, SPLIT_K, use_dot, num_warps, num_stages) for an [m, k] x [n, k]^T product (n:
-    the weight's rows; `two`: each output column reads two of them: gate and up, or a rotary pair). The
-    swept `TILES` entry when there is one; else M == 1: CUDA-core reduce over 8 weight rows (4 pairs when
+    the weight's rows; `two`: each output column reads two of them: gate and up, or a rotary pair; `parts`:
+    `fusion`'s name of the launch). The swept `TILES` entry when there is one; else M == 1: CUDA-core reduce over 8 weight rows (4 pairs when
     `two`) and 1 KiB of each row per step; M > 1: a 16-row `tl.dot` tile of 16 columns and 512 B of each
     row per step; then the fewest K slices (a power of two, each at least two K steps) that give every SM
     4 programs (1.5B down_proj at M = 1: 4 slices, 768 programs)."""
-    hit = TILES.get((m, n, k, weight_bytes, two))
+    hit = TILES.get((m, n, k, weight_bytes, parts))
     if hit is not None:
-        return hit
+        return hit.config
     use_dot = m > 1
     cols = n // 2 if two else n
     block_n = 16 if use_dot else (4 if two else 8)
@@ -362,8 +384,9 @@ def decode_gemv(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] 
     h = torch.empty_like(x) if residual is not None else x
     r = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
     a = add if add is None or add.stride(-1) == 1 else add.contiguous()
+    parts = fusion(norm_weight is not None, bias is not None, gated, add is not None, rope is not None)
     block_n, block_k, split, use_dot, warps, stages = config or tiles(m, n, k, w.element_size(), two,
-                                                                      _num_sms(x.device))
+                                                                      _num_sms(x.device), parts)
     qk_norm = rope is not None and rope.q_norm is not None
     if qk_norm:                                     # one head per program
         block_n = rope.head_dim // 2
@@ -410,10 +433,10 @@ def weights(linear: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor], Op
 
 
 def serves(x: torch.Tensor, *linears: nn.Module) -> bool:
-    """Whether the fused kernels run rows like `x` through `linears`: CUDA with Triton, both switches on
-    (`ENABLED`: opt-in, fused.ENABLED), at most MAX_M 16-bit rows, every linear a plain `nn.Linear` in x's dtype
-    or an `Fp8Linear` (tensor-parallel shards are other types: they keep the unfused path)."""
-    if not (ENABLED and fused.use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= MAX_M
+    """Whether the fused kernels can run rows like `x` through `linears`: CUDA with Triton (fused.ENABLED),
+    at most MAX_M 16-bit rows, every linear a plain `nn.Linear` in x's dtype or an `Fp8Linear` (tensor-parallel
+    shards are other types: they keep the unfused path)."""
+    if not (fused.use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= MAX_M
             and x.dtype in (torch.bfloat16, torch.float16)):
         return False
     for lin in linears:
@@ -423,3 +446,16 @@ def serves(x: torch.Tensor, *linears: nn.Module) -> bool:
         elif type(lin) is not Fp8Linear:
             return False
     return True
+
+
+def chooses(x: torch.Tensor, linear: nn.Module, parts: str) -> bool:
+    """Whether rows like `x` go through `linear` with the fusion `parts` (`fusion`'s name) in one
+    `decode_gemv` launch: never with `ENABLED` False; where `serves`, always with True, and with None (the
+    default) where its `TILES` entry was measured faster than the unfused path."""
+    if ENABLED is False or not serves(x, linear):
+        return False
+    if ENABLED:
+        return True
+    w = weights(linear)[0]
+    hit = TILES.get((x.shape[0], w.shape[0], w.shape[1], w.element_size(), parts))
+    return hit is not None and hit.unfused_us is not None and hit.us < hit.unfused_us

@@ -15,10 +15,12 @@ A layer's elementwise work goes through `layers.fused` (one Triton kernel each o
 add rides with the next RMSNorm (layers pass (hidden, residual) along), the Qwen3 q/k norms and the
 KV-cache write ride with the rotary (on a decode-only step all three inside the decode attention kernel,
 `attention.rope_attend`), and the MLP's activation with its product. Each token's rotary
-cos / sin rows are looked up once per forward. Opt-in (`OMNISTAGE_DECODE_KERNELS=1`; measured slower than
-this path on an H200 so far, see layers/triton_decode.py), at <= 8 rows on CUDA a layer is 5 launches instead: the norms, residual adds, bias, q/k norms, rotary + KV write and SiLU*mul
-ride as prologues / epilogues of the qkv, o, gate_up and down GEMVs (`layers.triton_decode`, bf16 and
-FP8 weights alike); a dense layer then hands on its residual stream whole, `(h, None)`.
+cos / sin rows are looked up once per forward. At <= 8 rows on CUDA each linear may instead be one
+`layers.triton_decode` GEMV (bf16 and FP8 weights alike) where its measured tiles table says it beats
+this path (`OMNISTAGE_DECODE_KERNELS`: 0 never, 1 always, unset by the table): qkv with the residual add +
+input norm (+ bias) as its prologue, o alone, the dense MLP's gate_up with the residual add + norm and
+SiLU*mul, down with the residual add; a dense layer with the fused MLP hands on its residual stream whole,
+`(h, None)`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.layers import fused, triton_decode
-from omnistage.layers.attention import AttentionMetadata, attend, rope_attend
+from omnistage.layers.attention import AttentionMetadata, rope_attend
 from omnistage.layers.fp8_linear import quantize_fp8
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding
@@ -66,22 +68,27 @@ class Attention(nn.Module):
         """x [T, hidden]; rope: the step's cos, sin rows [T, head_dim] (`RotaryEmbedding.tables`)."""
         return self.o_proj(self._attend(self.qkv_proj(x), rope, meta))
 
-    def fused_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: RMSNorm, rope, meta,
-                      tickets: torch.Tensor) -> torch.Tensor:
-        """A decode step's attention block at <= triton_decode.MAX_M rows: norm(x + residual) -> qkv + bias ->
-        (q / k norms) rotary, KV write (one kernel), attention, o_proj + the residual add (one kernel) -> the
-        residual stream. `tickets`: the layer's split-K counters (`triton_decode.counters`)."""
-        fuse_rope = triton_decode.rope_fuses(self.head_dim, self.q_norm is not None)
-        epilogue = triton_decode.Rope(*rope, self.num_heads, self.num_kv_heads, self.head_dim, self.kv_cache,
-                                      meta.slot_mapping, self.q_norm, self.k_norm) if fuse_rope else None
-        qkv = triton_decode.decode_gemv(x, *triton_decode.weights(self.qkv_proj), norm_weight=norm.weight,
-                                        eps=norm.eps, residual=residual, rope=epilogue, tickets=tickets)
-        qkv, h = (qkv, x) if residual is None else qkv
-        if fuse_rope:
-            o = attend(*qkv, self.kv_cache, meta, self.scale).reshape(x.shape[0], self.q_size)
+    def forward_prenorm(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: RMSNorm, rope,
+                        meta: AttentionMetadata, owner: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o, h): the attention block's output before its residual add, and h = x + residual (x with
+        residual None), `norm` the input RMSNorm. Per linear (`triton_decode.chooses`): qkv as one GEMV with
+        the residual add + norm (+ bias) inside, or the norm kernel + `qkv_proj`; o as one GEMV (split-K
+        reduced in-kernel) or `o_proj`. `owner`: whose split-K tickets (`triton_decode.counters`; the layer's:
+        stages sharing a GPU run their layers side by side on their own streams)."""
+        qkv_lin, o_lin = self.qkv_proj, self.o_proj
+        if triton_decode.chooses(x, qkv_lin, triton_decode.fusion(norm=True, bias=qkv_lin.bias is not None)):
+            qkv = triton_decode.decode_gemv(x, *triton_decode.weights(qkv_lin), residual=residual,
+                                            norm_weight=norm.weight, eps=norm.eps,
+                                            tickets=triton_decode.counters(owner, x.device))
+            qkv, h = (qkv, x) if residual is None else qkv
         else:
-            o = self._attend(qkv, rope, meta)
-        return triton_decode.decode_gemv(o, *triton_decode.weights(self.o_proj), add=h, tickets=tickets)
+            normed, h = (norm(x), x) if residual is None else norm(x, residual)
+            qkv = qkv_lin(normed)
+        o = self._attend(qkv, rope, meta)
+        if triton_decode.chooses(o, o_lin, triton_decode.fusion(bias=o_lin.bias is not None)):
+            return triton_decode.decode_gemv(o, *triton_decode.weights(o_lin),
+                                             tickets=triton_decode.counters(owner, o.device)), h
+        return o_lin(o), h
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, q + 2 kv] -> q [T, H, D], k and v [T, KVH, D] (views)."""
@@ -112,12 +119,20 @@ class MLP(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)     # this rank's halves under tensor parallelism
         return self.down_proj(self.act(gate) * up)
 
-    def fused_forward(self, h: torch.Tensor, norm: RMSNorm, tickets: torch.Tensor) -> torch.Tensor:
-        """A decode step's MLP block at <= triton_decode.MAX_M rows (SiLU): norm(h) -> gate_up -> silu * mul
-        (one kernel), down + the residual add (one kernel) -> the residual stream."""
-        act = triton_decode.decode_gemv(h, *triton_decode.weights(self.gate_up_proj), norm_weight=norm.weight,
-                                        eps=norm.eps, gated=True, tickets=tickets)
+    def fused_forward(self, o: torch.Tensor, h: torch.Tensor, norm: RMSNorm, tickets: torch.Tensor) -> torch.Tensor:
+        """A decode step's MLP block at <= triton_decode.MAX_M rows (SiLU) after the attention output o and
+        the residual stream h: norm(o + h) -> gate_up -> silu * mul (one kernel), down + the residual add
+        (one kernel) -> the residual stream."""
+        act, h = triton_decode.decode_gemv(o, *triton_decode.weights(self.gate_up_proj), residual=h,
+                                           norm_weight=norm.weight, eps=norm.eps, gated=True, tickets=tickets)
         return triton_decode.decode_gemv(act, *triton_decode.weights(self.down_proj), add=h, tickets=tickets)
+
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether rows like `x` take `fused_forward` (`triton_decode.chooses` both of its launches; SiLU only)."""
+        bias = self.gate_up_proj.bias is not None
+        return (self.act is None and triton_decode.chooses(x, self.gate_up_proj, triton_decode.fusion(
+            norm=True, bias=bias, gated=True)) and triton_decode.chooses(x, self.down_proj, triton_decode.fusion(
+                bias=bias, add=True)))
 
 
 class DecoderLayer(nn.Module):
@@ -130,25 +145,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, rope, meta):
         """(x, residual): this layer's input is x + residual (residual None: x alone) -> the same pair
-        for the next layer, so each residual add runs inside the RMSNorm kernel that follows it. At decode
-        sizes on CUDA (`triton_decode.serves`) the norms, residual adds, biases and SiLU*mul ride in the
-        GEMV kernels instead, and a dense layer returns its residual stream whole: (h, None)."""
-        attn = self.self_attn
-        if triton_decode.serves(x, attn.qkv_proj, attn.o_proj):
-            # the layer's own tickets: stages sharing a GPU run their layers side by side on their own streams
-            tickets = triton_decode.counters(self, x.device)
-            h = attn.fused_forward(x, residual, self.input_layernorm, rope, meta, tickets)
-            mlp = self.mlp
-            if isinstance(mlp, MLP) and mlp.act is None and triton_decode.serves(h, mlp.gate_up_proj, mlp.down_proj):
-                return mlp.fused_forward(h, self.post_attention_layernorm, tickets), None
-            return self.mlp(self.post_attention_layernorm(h)), h
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, rope, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        for the next layer, so each residual add runs inside the norm (or GEMV prologue) that follows it.
+        At decode sizes on CUDA each linear may take a `triton_decode` GEMV with the norm / residual add /
+        SiLU*mul inside (`Attention.forward_prenorm`, `MLP.fuses`); a fused MLP returns (h, None)."""
+        o, h = self.self_attn.forward_prenorm(x, residual, self.input_layernorm, rope, meta, self)
+        mlp = self.mlp
+        if isinstance(mlp, MLP) and mlp.fuses(o):
+            return mlp.fused_forward(o, h, self.post_attention_layernorm, triton_decode.counters(self, o.device)), None
+        normed, h = self.post_attention_layernorm(o, h)
+        return self.mlp(normed), h
 
 
 class LlamaForCausalLM(nn.Module):

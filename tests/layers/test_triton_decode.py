@@ -1,8 +1,8 @@
 """layers.triton_decode under Triton's interpreter (CPU): the fused small-M GEMVs against their PyTorch
 reference (M = 1..8, 16-bit and FP8 weights, every prologue / epilogue, split-K), the split-K reduce
 deterministic with its tickets reset after each launch (what a CUDA-graph replay needs), and tiny
-Llama / Qwen2 / Qwen3 models whose decoder layers take the fused path equal to the unfused path; the
-fused path is opt-in (off by default).
+Llama / Qwen2 / Qwen3 models and a Qwen3-MoE thinker whose decoder layers take the fused path equal to the
+unfused path; the fused path is not forced on by default (the tiles table picks it per linear).
 
 The interpreter truncates float32 -> bfloat16 casts (CUDA rounds to nearest) and cannot do bfloat16
 dots, so the tight checks run float16 and the bfloat16 one (M = 1) allows a few bfloat16 steps."""
@@ -11,15 +11,16 @@ from interpreted import run_in_interpreter
 
 CHECK = r"""
 import json, torch
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 from omnistage.layers import triton_decode as td
 from omnistage.layers.attention import AttentionMetadata
 from omnistage.layers.fp8_linear import quantize_rows
 from omnistage.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from omnistage.models.qwen3_omni.thinker import Qwen3MoeForCausalLM
 from omnistage.testing.llm import draw_norms_and_biases
 
 torch.manual_seed(0)
-out = {"gemv": [], "layers": [], "opt_in": not td.ENABLED}     # off unless OMNISTAGE_DECODE_KERNELS=1
+out = {"gemv": [], "layers": [], "opt_in": not td.ENABLED}     # by the table unless OMNISTAGE_DECODE_KERNELS=1
 
 def err(a, b):
     return [(a.float() - b.float()).abs().max().item(), b.float().abs().max().item()]
@@ -82,17 +83,25 @@ for m, nh, kvh, d, qkn, dt, fp8, cfg in [(1, 4, 2, 16, False, torch.float16, Tru
 assert not td.counters(td._OWN, torch.device("cpu")).any(), "split-K tickets left non-zero"
 assert td.tiles(1, 40, 96, 1, False, 4)[2] == 1 and td.tiles(1, 24, 4096, 2, False, 4)[2] > 1
 
-# models: every decoder layer through DecoderLayer.forward, the fused path forced on CPU tensors (on CUDA
-# `serves` picks it) vs the unfused path, over a decode step of M rows with 3..12-token contexts
+# models: every decoder layer through DecoderLayer.forward (the thinker's: MoeDecoderLayer.forward), the
+# fused path forced on CPU tensors (on CUDA `serves` and the tiles table pick it) vs the unfused path, over a
+# decode step of M rows with 3..12-token contexts
 serves = td.serves
+moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[],
+           norm_topk_prob=True)
 for cls, cfgc, m, dt, fp8 in [(Qwen2ForCausalLM, Qwen2Config, 1, torch.float16, False),
                               (Qwen2ForCausalLM, Qwen2Config, 8, torch.float16, True),
                               (Qwen3ForCausalLM, Qwen3Config, 3, torch.float16, True),
-                              (LlamaForCausalLM, LlamaConfig, 1, torch.float16, False)]:
+                              (LlamaForCausalLM, LlamaConfig, 1, torch.float16, False),
+                              (Qwen3MoeForCausalLM, Qwen3MoeConfig, 2, torch.float16, False)]:
     cfg = cfgc(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-               num_hidden_layers=2, vocab_size=100)
+               num_hidden_layers=2, vocab_size=100, **(moe if cls is Qwen3MoeForCausalLM else {}))
     model = cls(cfg, 64)
     draw_norms_and_biases(model, (0.5, 1.5), 0.1)
+    for layer in model.layers:                  # the MoE block's experts start empty
+        for w in (getattr(layer.mlp, "w13", None), getattr(layer.mlp, "w2", None)):
+            if w is not None:
+                w.data.normal_(0, 0.2)
     if fp8:
         model.quantize_fp8()
     model = model.to(dt)
@@ -108,12 +117,13 @@ for cls, cfgc, m, dt, fp8 in [(Qwen2ForCausalLM, Qwen2Config, 1, torch.float16, 
     res = {}
     for fused_on in (False, True):
         td.serves = (lambda x, *lin: x.shape[0] <= td.MAX_M) if fused_on else serves
+        td.ENABLED = fused_on
         caches = [cache.clone() for _ in model.layers]
         for layer, c in zip(model.layers, caches):
             layer.self_attn.kv_cache = c
         with torch.no_grad():
             res[fused_on] = (model(ids, pos, meta), caches)
-    td.serves = serves
+    td.serves, td.ENABLED = serves, None
     assert all("_decode_counters" in layer.__dict__ and not td.counters(layer, torch.device("cpu")).any()
                for layer in model.layers), "a layer's tickets missing or left non-zero"
     out["layers"].append([str(dt), err(res[True][0], res[False][0])]
@@ -127,9 +137,35 @@ def test_decode_gemv_and_fused_layers_equal_the_references_in_the_interpreter():
     # float16: rounding of the output (and of h / the normed rows where the unfused path stores them) with float32
     # sums in another order; bfloat16 (interpreter casts truncate): a few steps of 2^-8
     tol = {"torch.float16": 4e-3, "torch.bfloat16": 4e-2}
-    assert len(out["gemv"]) == 9 + 5 * 5 and len(out["layers"]) == 4 and out["opt_in"]
+    assert len(out["gemv"]) == 9 + 5 * 5 and len(out["layers"]) == 5 and out["opt_in"]
     for dt, (e, peak) in out["gemv"]:
         assert e <= tol[dt] * peak, (dt, e, peak)
     for dt, *errs in out["layers"]:             # the final hidden states, then each layer's KV cache
         for e, peak in errs:
             assert e <= 2 * tol[dt] * peak, (dt, e, peak)
+
+
+def test_the_tiles_table_picks_each_linear_and_the_switch_overrides_it(monkeypatch):
+    """Unset, a linear is fused only where its TILES entry measured faster than the unfused path (the thinker's
+    o at M = 2 yes, at M = 1 and its qkv no); "1" always, "0" never; other values name the allowed ones."""
+    import pytest
+    import torch
+    from torch import nn
+
+    from omnistage.layers import triton_decode as td
+
+    monkeypatch.setattr(td, "serves", lambda x, *lin: True)     # CUDA + dtype gate: the table alone decides
+    o = nn.Linear(4096, 2048, bias=False, dtype=torch.bfloat16)
+    qkv = nn.Linear(2048, 5120, bias=False, dtype=torch.bfloat16)
+    rows = {m: torch.zeros(m, 4096, dtype=torch.bfloat16) for m in (1, 2)}
+    monkeypatch.setattr(td, "ENABLED", None)
+    assert td.chooses(rows[2], o, td.fusion()) and not td.chooses(rows[1], o, td.fusion())
+    assert not td.chooses(rows[2][:, :2048], qkv, td.fusion(norm=True))
+    assert not td.chooses(rows[2], o, td.fusion(add=True))         # no entry: unfused
+    monkeypatch.setattr(td, "ENABLED", True)
+    assert td.chooses(rows[1], o, td.fusion())
+    monkeypatch.setattr(td, "ENABLED", False)
+    assert not td.chooses(rows[2], o, td.fusion())
+    assert [td._mode(v) for v in ("0", "1", "")] == [False, True, None]
+    with pytest.raises(ValueError, match="OMNISTAGE_DECODE_KERNELS must be 0"):
+        td._mode("yes")

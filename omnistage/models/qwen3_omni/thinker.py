@@ -30,7 +30,6 @@ from typing import Optional
 
 import torch
 
-from omnistage.layers import triton_decode
 from omnistage.layers.attention import AttentionMetadata
 from omnistage.layers.moe import SparseMoeBlock
 from omnistage.models.llama import DecoderLayer, Qwen3ForCausalLM
@@ -58,17 +57,12 @@ class MoeDecoderLayer(DecoderLayer):
                                   shared_expert_intermediate)
 
     def forward(self, x, residual, rope, meta):
-        """`DecoderLayer.forward`, the post-attention residual add + RMSNorm handed to the MoE block
-        (`SparseMoeBlock.forward_normed`: at decode sizes on CUDA inside its router launch). With the
-        fused decode kernels on, the attention half is theirs (`DecoderLayer.forward`)."""
-        attn = self.self_attn
-        if triton_decode.serves(x, attn.qkv_proj, attn.o_proj):
-            return super().forward(x, residual, rope, meta)
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        return self.mlp.forward_normed(attn(h, rope, meta), residual, self.post_attention_layernorm)
+        """`DecoderLayer.forward` with the post-attention residual add + RMSNorm handed to the MoE block
+        (`SparseMoeBlock.forward_normed`: at decode sizes on CUDA inside its router launch). The attention
+        half is `Attention.forward_prenorm` (qkv and o each a `triton_decode` GEMV where measured faster): at
+        bs1 decode a layer is then qkv (with the input norm), the attention launches, o, router, gate-up, down."""
+        o, h = self.self_attn.forward_prenorm(x, residual, self.input_layernorm, rope, meta, self)
+        return self.mlp.forward_normed(o, h, self.post_attention_layernorm)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):

@@ -29,7 +29,7 @@ the positions before it. Rounding follows `triton_fused`'s rotary kernel, so the
 chain of memory latencies (context length -> table entry -> K, V), so the program orders its work around
 it: the raw rows, cos / sin and norm weights are loaded first (they depend on nothing), and the norms and
 rotary run while the first table entry loads (H200, thinker bs1: q work placed before the chain measured
-5.03 us per decode launch, the kernel fed rotated q 3.65).
+5.03 us per decode launch, the kernel fed rotated q 3.65; this order is not measured on a GPU yet).
 """
 
 from __future__ import annotations

@@ -200,12 +200,11 @@ class Code2Wav:
         for name, value in (("dit_dtype", dit_dtype), ("vocoder_dtype", vocoder_dtype)):
             if value not in DIT_DTYPES:
                 raise ValueError(f"{name} must be one of {sorted(DIT_DTYPES)}, got {value!r}")
-        if not isinstance(tf32, bool):
-            raise ValueError(f"tf32 must be true or false, got {tf32!r}")
+        for name, value in (("tf32", tf32), ("fused_vocoder", fused_vocoder)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false, got {value!r}")
         if fused_dit is not None and not isinstance(fused_dit, bool):
             raise ValueError(f"fused_dit must be true, false or null (on CUDA only), got {fused_dit!r}")
-        if not isinstance(fused_vocoder, bool):
-            raise ValueError(f"fused_vocoder must be true or false, got {fused_vocoder!r}")
         self.device = torch.device(device)
         self.model, self.speakers = load_token2wav(model_dir, self.device)
         self.dit = self.model.code2wav_dit_model

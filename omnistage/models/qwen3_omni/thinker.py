@@ -59,8 +59,8 @@ class MoeDecoderLayer(DecoderLayer):
     def forward(self, x, residual, rope, meta):
         """`DecoderLayer.forward` with the post-attention residual add + RMSNorm handed to the MoE block
         (`SparseMoeBlock.forward_normed`: at decode sizes on CUDA inside its router launch). The attention
-        half is `Attention.forward_prenorm` (qkv and o each a `triton_decode` GEMV where measured faster): at
-        bs1 decode a layer is then qkv (with the input norm), the attention launches, o, router, gate-up, down."""
+        half is `Attention.forward_prenorm` (qkv and o each a `triton_decode` GEMV where its tiles table measured
+        that faster; at bs1 neither is: the input norm, qkv, the attention launches, o, router, gate-up, down)."""
         o, h = self.self_attn.forward_prenorm(x, residual, self.input_layernorm, rope, meta, self)
         return self.mlp.forward_normed(o, h, self.post_attention_layernorm)
 

@@ -82,9 +82,10 @@ def bench_ours(path: str, batches, profile_steps: int, modes=("cuda graphs", "ea
                       loader=load_thinker)
     params = SamplingParams(max_tokens=OUT_LEN, temperature=0, ignore_eos=True)
 
-    def run(n: int, seed: int, new: int = OUT_LEN) -> tuple[float, int, float]:
+    def run(n: int, seed: int, new: int = OUT_LEN) -> tuple[float, int, float, float]:
         """(seconds, output tokens, wall ms per `step()` call from the one that returned the first tokens to
-        the last: the decode steps only, prefill excluded; at bs1 one call is one token)."""
+        the last: the decode steps only, prefill excluded; at bs1 one call is one token, seconds to the first
+        tokens: the prefill and first step)."""
         for i, p in enumerate(prompts(n, seed)):
             engine.add_request(f"{seed}-{i}", {"prompt_token_ids": p}, params.clone(max_tokens=new))
         torch.cuda.synchronize()
@@ -101,22 +102,53 @@ def bench_ours(path: str, batches, profile_steps: int, modes=("cuda graphs", "ea
                     tokens += len(out.output.outputs[0].token_ids)
         torch.cuda.synchronize()
         end = time.perf_counter()
-        return end - t, tokens, 1e3 * (end - first) / max(calls, 1)
+        return end - t, tokens, 1e3 * (end - first) / max(calls, 1), first - t
 
     run(4, 1, 16)                                             # warm-up: Triton compiles, graphs
     rows = []
     for i, b in enumerate(batches):
-        dt, n, step_ms = run(b, 10 + i)
-        rows.append({"batch": b, "seconds": dt, "output_tokens": n, "tok_s": n / dt, "decode_step_ms": step_ms})
+        dt, n, step_ms, first_s = run(b, 10 + i)
+        rows.append({"batch": b, "seconds": dt, "output_tokens": n, "tok_s": n / dt, "decode_step_ms": step_ms,
+                     "first_token_s": first_s})
+    dt, n, step_ms, first_s = run(1, 30)                      # bs1 again: one-time costs of the first bs1 run show
+    rows.append({"batch": "1 (again)", "seconds": dt, "output_tokens": n, "tok_s": n / dt, "decode_step_ms": step_ms,
+                 "first_token_s": first_s})
+    prefill_table = profile_prefill(engine, params)
     gap = replay_host_ms(engine.runner.graphs, 1)
     gap["engine_decode_step_ms"] = rows[batches.index(1)]["decode_step_ms"]
-    tables = {}
+    tables = {"bs1 prefill (128 tokens), one step": prefill_table}
     if profile_steps:
-        tables, profiled = profile_bs1(engine, params, profile_steps, modes)
+        decode_tables, profiled = profile_bs1(engine, params, profile_steps, modes)
+        tables.update(decode_tables)
         gap.update(profiled)
     del engine
     torch.cuda.empty_cache()
     return rows, tables, gap
+
+
+def profile_prefill(engine, params) -> str:
+    """torch.profiler table of one bs1 prefill step (128 prompt tokens; top 20 by self CUDA time), with the
+    step's wall time: what the ~55 ms from a request's arrival to its first token is made of."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.add_request("profile-prefill", {"prompt_token_ids": prompts(1, 98)[0]}, params.clone(max_tokens=2))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    while engine.has_unfinished():
+        engine.step()
+    events = prof.key_averages()
+    out = f"wall {wall * 1e3:.1f} ms (profiled)\n"
+    for key in ("self_device_time_total", "self_cuda_time_total"):
+        try:
+            out += events.table(sort_by=key, row_limit=20)
+            break
+        except (KeyError, AttributeError, ValueError):
+            continue
+    return out + "\nby self CPU time:\n" + events.table(sort_by="self_cpu_time_total", row_limit=15)
 
 
 def profile_bs1(engine, params, steps: int, modes) -> tuple[dict[str, str], dict]:
@@ -266,12 +298,17 @@ def main() -> None:
         ours, floor = res["ours"][i]["tok_s"], res["floor"][i]["tok_s"]
         hf = f"{res['transformers'][i]['tok_s']:.1f}" if "transformers" in res else "-"
         print(f"| {b} | {ours:.1f} | {hf} | {floor:.0f} | {ours / floor:.0%} |")
+    for row in res["ours"]:
+        print(f"  batch {row['batch']}: {row['tok_s']:.1f} tok/s, prefill + first step {row['first_token_s'] * 1e3:.1f} ms, "
+              f"decode step {row['decode_step_ms']:.3f} ms (decode rate {row['batch'] if isinstance(row['batch'], int) else 1}"
+              f" x {1e3 / row['decode_step_ms']:.1f} tok/s)")
     print_gap_table(gap, args.profile_steps)
     print("MoE decode tiles chosen at start-up (moe_tune):")
     for key, tiles in chosen.items():
         print(f"  {key}: {tiles}")
     for mode, table in tables.items():
-        print(f"\nbs1 decode, {args.profile_steps} steps, {mode}: top 15 kernels by self CUDA time\n{table}")
+        what = mode if "prefill" in mode else f"bs1 decode, {args.profile_steps} steps, {mode}: top 15 kernels by self CUDA time"
+        print(f"\n{what}\n{table}")
 
 
 if __name__ == "__main__":

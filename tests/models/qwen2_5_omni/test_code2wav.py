@@ -179,7 +179,7 @@ def test_tf32_is_set_for_the_block_only():
 @pytest.mark.parametrize("options, message", [
     ({"dit_dtype": "float16"}, "dit_dtype must be one of"),
     ({"fused_dit": "yes"}, "fused_dit must be true, false or null"),
-    ({"fused_vocoder": None}, "fused_vocoder must be true or false"),
+    ({"fused_vocoder": 1}, "fused_vocoder must be true, false or null"),
     ({"vocoder_dtype": "float16"}, "vocoder_dtype must be one of"),
     ({"max_batch_requests": 0}, r"max_batch_requests must be an integer in \[1, 64\]"),
     ({"tf32": "yes"}, "tf32 must be true or false")])

@@ -334,10 +334,8 @@ def time_tile(x, w, scale, kw: dict, ref: torch.Tensor, cfg: tuple):
 
 
 def first(out) -> torch.Tensor:
-    """decode_gemv's main output as one tensor: drops h (with a residual), joins the rope epilogue's q, k, v."""
-    if isinstance(out, tuple) and len(out) == 2:
-        out = out[0]
-    return torch.cat([t.reshape(t.shape[0], -1) for t in out], -1) if isinstance(out, tuple) else out
+    """decode_gemv's main output: without h (with a residual)."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 def print_tiles(best: dict) -> None:

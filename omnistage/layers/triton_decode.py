@@ -7,18 +7,14 @@ dtype or float8_e4m3fn with one float32 scale per output row, an optional bias, 
             `norm_weight`: RMSNorm(h) * norm_weight (each program recomputes the row's norm: the row
             is only hidden-size long)
   epilogue  `gated`: w holds [gate | up] rows and the output is silu(gate) * up (each program owns the
-            gate and the up rows of its columns); `add`: out + add (the residual add after o / down);
-            `rope` (`Rope`, the qkv projection): per-head q / k RMSNorm (Qwen3), the rotary on q and k,
-            k and v stored into their KV-cache slots (each program owns rotary pairs (i, i + D/2) of
-            heads; with q / k norms one whole head)
-Out: [M, N] (gated: [M, N / 2]; rope: q [M, H, D] contiguous, k and v [M, KVH, D]) in x's dtype, and h
-with `residual`. Called by models/llama.py's decoder layers, in the stage process.
+            gate and the up rows of its columns); `add`: out + add (the residual add after o / down)
+Out: [M, N] (gated: [M, N / 2]) in x's dtype, and h with `residual`. Called by models/llama.py's decoder
+layers, in the stage process.
 
 A decoder layer at M <= MAX_M (models/llama.py) picks per linear: qkv with the residual add + input RMSNorm
 prologue (+ bias), then `Attention._attend` (rotary, KV write, paged attention), o alone (its residual add
 rides in the next norm: the post-attention RMSNorm, or the MoE router launch), the dense MLP as gate_up with
-the residual add + RMSNorm prologue and SiLU*mul, down + residual. The `rope` epilogue (and its session-7 1.5B
-entries in TILES) stays tested but unused by the layers: the rotary rides with `Attention._attend`.
+the residual add + RMSNorm prologue and SiLU*mul, down + residual.
 
 How the weight is read at bandwidth: each program owns BLOCK_N output columns and one of SPLIT_K slices
 of K, so a small-N matrix (o, down: N = hidden) still gives every SM several programs. With SPLIT_K > 1
@@ -33,8 +29,7 @@ benchmarks/decode_layer_bench.py --sweep) or `tiles`' rule.
 
 Rounding follows the unfused path (what the model runs on CPU and for M > MAX_M): h, the normed rows,
 the linear's output, silu(gate) and the sums are rounded to x's dtype where the unfused path stores
-them, so outputs differ from `reference` by float32 summation order only (and in the rotation by
-rounding once where `fused.rotary_ref` rounds thrice).
+them, so outputs differ from `reference` by float32 summation order only.
 
 Which linears take it (`chooses`, per linear, its rows and its fusion): `OMNISTAGE_DECODE_KERNELS`, read at
 import into `ENABLED`: "0" never (False), "1" always where `serves` (True), unset by the table (None): only
@@ -50,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional
 
@@ -85,32 +79,10 @@ MAX_M = 8                                       # rows these kernels serve (deco
 MAX_SPLIT = 16                                  # most K slices per column block
 
 
-@dataclass
-class Rope:
-    """The qkv GEMV's epilogue (`decode_gemv(..., rope=)`): what `fused.rotary_and_cache` does after it."""
-
-    cos: torch.Tensor                           # [M, D] float32: each row's rotary cos (`RotaryEmbedding.tables`)
-    sin: torch.Tensor                           # [M, D] float32: each row's rotary sin
-    heads: int                                  # query heads H (the weight's rows: (H + 2 KVH) * D)
-    kv_heads: int                               # key / value heads KVH
-    head_dim: int                               # D, even
-    cache: Optional[torch.Tensor]               # [2, blocks, block_size, KVH, D] KV cache, or None: no write
-    slots: Optional[torch.Tensor]               # [M] long: each row's cache slot (block * block_size + offset)
-    q_norm: Optional[nn.Module] = None          # per-head RMSNorm of q (Qwen3; with k_norm) or None
-    k_norm: Optional[nn.Module] = None          # per-head RMSNorm of k or None
-
-
-def rope_fuses(head_dim: int, qk_norm: bool) -> bool:
-    """Whether the qkv epilogue takes the rotary: D even, and with q / k norms D / 2 a power of two (one
-    head per program)."""
-    half = head_dim // 2
-    return head_dim % 2 == 0 and (not qk_norm or half & (half - 1) == 0)
-
-
 def reference(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None,
               bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
               norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6, gated: bool = False,
-              add: Optional[torch.Tensor] = None, rope: Optional[Rope] = None):
+              add: Optional[torch.Tensor] = None):
     """The unfused path's maths: the same arguments and results as `decode_gemv`."""
     h = x if residual is None else x + residual
     xn = h if norm_weight is None else fused.rms_norm_ref(h, norm_weight, eps).to(x.dtype)
@@ -124,13 +96,6 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = 
         y = F.silu(gate) * up
     if add is not None:
         y = y + add
-    if rope is not None:
-        t, d = y.shape[0], rope.head_dim
-        q, k, v = y.split([rope.heads * d, rope.kv_heads * d, rope.kv_heads * d], dim=-1)
-        v = v.reshape(t, -1, d)
-        q, k = fused.rotary_and_cache(q.reshape(t, -1, d), k.reshape(t, -1, d), v, rope.cos, rope.sin, rope.cache,
-                                      rope.slots, rope.q_norm, rope.k_norm)
-        y = (q, k, v)
     return y if residual is None else (y, h)
 
 
@@ -152,103 +117,44 @@ if triton is not None:
         return tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
     @triton.jit
-    def _finish(acc, acc2, scale_ptr, bias_ptr, add_ptr, out_ptr, M, rm, rn, row1, row2, m_ok, n_ok, stride_add,
-                stride_out, cos_ptr, sin_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, stride_cs, q_eps, k_eps,
-                HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                GATED: tl.constexpr, ROPE: tl.constexpr, HAS_ADD: tl.constexpr, H: tl.constexpr,
-                KVH: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr, WRITE: tl.constexpr):
-        """Scale, bias (the linear's output rounded), then silu(gate) * up, + add, or the rotary; store."""
+    def _finish(acc, acc2, scale_ptr, bias_ptr, add_ptr, out_ptr, rm, rn, up, m_ok, n_ok, stride_add,
+                stride_out, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                HAS_ADD: tl.constexpr):
+        """Scale, bias (the linear's output rounded), then silu(gate) * up, + add; store."""
         dt = out_ptr.dtype.element_ty
         if HAS_SCALE:
-            acc = acc * tl.load(scale_ptr + row1, mask=n_ok, other=0.0)[None, :]
-            if GATED or ROPE:
-                acc2 = acc2 * tl.load(scale_ptr + row2, mask=n_ok, other=0.0)[None, :]
+            acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0)[None, :]
+            if GATED:
+                acc2 = acc2 * tl.load(scale_ptr + up, mask=n_ok, other=0.0)[None, :]
         if HAS_BIAS:
-            acc = acc + tl.load(bias_ptr + row1, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            if GATED or ROPE:
-                acc2 = acc2 + tl.load(bias_ptr + row2, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc = acc + tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc2 = acc2 + tl.load(bias_ptr + up, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         y = acc.to(dt).to(tl.float32)
         mask = m_ok[:, None] & n_ok[None, :]
-        if ROPE:
-            _rope(y, acc2.to(dt).to(tl.float32), out_ptr, M, rm, rn, row1, m_ok, n_ok, cos_ptr, sin_ptr,
-                  qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, stride_cs, q_eps, k_eps, H, KVH, HALF, QK_NORM, WRITE)
-        else:
-            if GATED:
-                y = (y / (1.0 + tl.exp(-y))).to(dt).to(tl.float32) * acc2.to(dt).to(tl.float32)
-            if HAS_ADD:
-                y = y.to(dt).to(tl.float32) + tl.load(add_ptr + rm[:, None] * stride_add + rn[None, :], mask=mask,
-                                                      other=0.0).to(tl.float32)
-            tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], y.to(dt), mask=mask)
-
-    @triton.jit
-    def _rope(y1, y2, out_ptr, M, rm, rn, row1, m_ok, n_ok, cos_ptr, sin_ptr, qw_ptr, kw_ptr, kc_ptr,
-              vc_ptr, slot_ptr, stride_cs, q_eps, k_eps, H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
-              QK_NORM: tl.constexpr, WRITE: tl.constexpr):
-        """q|k|v columns (i, i + HALF) of heads in y1, y2 [BLOCK_M, BLOCK_N]: per-head RMSNorm of q and k
-        (QK_NORM: the program holds one whole head), the rotation of q and k, stores, k and v into their slots."""
-        dt = out_ptr.dtype.element_ty
-        mask = m_ok[:, None] & n_ok[None, :]
-        head = rn // HALF
-        i = rn % HALF
-        is_q = head < H
-        is_k = (head >= H) & (head < H + KVH)
-        rot = (is_q | is_k)[None, :]
-        if QK_NORM:
-            eps = tl.where(is_q, q_eps, k_eps)[None, :]
-            rstd = tl.rsqrt(tl.sum(y1 * y1 + y2 * y2, axis=1)[:, None] / (2 * HALF) + eps)
-            w1 = tl.where(is_q, tl.load(qw_ptr + i, mask=n_ok & is_q, other=0.0),
-                          tl.load(kw_ptr + i, mask=n_ok & is_k, other=0.0)).to(tl.float32)[None, :]
-            w2 = tl.where(is_q, tl.load(qw_ptr + HALF + i, mask=n_ok & is_q, other=0.0),
-                          tl.load(kw_ptr + HALF + i, mask=n_ok & is_k, other=0.0)).to(tl.float32)[None, :]
-            y1 = tl.where(rot, ((y1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32), y1)
-            y2 = tl.where(rot, ((y2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32), y2)
-        cs = rm[:, None] * stride_cs + i[None, :]
-        c1 = tl.load(cos_ptr + cs, mask=mask, other=0.0)
-        c2 = tl.load(cos_ptr + cs + HALF, mask=mask, other=0.0)
-        s1 = tl.load(sin_ptr + cs, mask=mask, other=0.0)
-        s2 = tl.load(sin_ptr + cs + HALF, mask=mask, other=0.0)
-        o1 = tl.where(rot, y1 * c1 - y2 * s1, y1).to(dt)
-        o2 = tl.where(rot, y2 * c2 + y1 * s2, y2).to(dt)
-        # out: q [M, H * D] contiguous (what the attention kernels read), then k | v [M, 2 * KVH * D]
-        q_off = rm[:, None] * (H * 2 * HALF) + row1[None, :]
-        kv_off = M * (H * 2 * HALF) + rm[:, None] * (2 * KVH * 2 * HALF) + (row1 - H * 2 * HALF)[None, :]
-        off = tl.where(is_q[None, :], q_off, kv_off)
-        tl.store(out_ptr + off, o1, mask=mask)
-        tl.store(out_ptr + off + HALF, o2, mask=mask)
-        if WRITE:
-            kvd = KVH * 2 * HALF                        # one slot's k (or v) row: [KVH, D]
-            slot = tl.load(slot_ptr + rm, mask=m_ok, other=0).to(tl.int64)[:, None] * kvd
-            k_off = slot + (row1 - H * 2 * HALF)[None, :]
-            kmask = mask & is_k[None, :]
-            vmask = mask & (head >= H + KVH)[None, :]
-            tl.store(kc_ptr + k_off, o1.to(kc_ptr.dtype.element_ty), mask=kmask)
-            tl.store(kc_ptr + k_off + HALF, o2.to(kc_ptr.dtype.element_ty), mask=kmask)
-            tl.store(vc_ptr + k_off - kvd, o1.to(vc_ptr.dtype.element_ty), mask=vmask)
-            tl.store(vc_ptr + k_off - kvd + HALF, o2.to(vc_ptr.dtype.element_ty), mask=vmask)
+        if GATED:
+            y = (y / (1.0 + tl.exp(-y))).to(dt).to(tl.float32) * acc2.to(dt).to(tl.float32)
+        if HAS_ADD:
+            y = y.to(dt).to(tl.float32) + tl.load(add_ptr + rm[:, None] * stride_add + rn[None, :], mask=mask,
+                                                  other=0.0).to(tl.float32)
+        tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], y.to(dt), mask=mask)
 
     # M and SPLIT_K are not specialized on: one compile serves every decode batch bucket and K split of a shape
     @triton.jit(do_not_specialize=["M", "SPLIT_K"])
     def _decode_gemv_kernel(x_ptr, r_ptr, h_ptr, nw_ptr, w_ptr, scale_ptr, bias_ptr, add_ptr, out_ptr, part_ptr,
-                            count_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr,
-                            M, N, K, SPLIT_K, eps, q_eps, k_eps, stride_x, stride_r, stride_h, stride_w, stride_add,
-                            stride_out, stride_cs, HAS_RES: tl.constexpr, NORM: tl.constexpr,
-                            HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                            HAS_ADD: tl.constexpr, ROPE: tl.constexpr, H: tl.constexpr, KVH: tl.constexpr,
-                            HALF: tl.constexpr, QK_NORM: tl.constexpr, WRITE: tl.constexpr, USE_DOT: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            count_ptr, M, N, K, SPLIT_K, eps, stride_x, stride_r, stride_h, stride_w, stride_add,
+                            stride_out, HAS_RES: tl.constexpr, NORM: tl.constexpr, HAS_SCALE: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_ADD: tl.constexpr,
+                            USE_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)   # output columns (ROPE: rotary pairs (i, i + HALF) of heads)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)   # output columns
         rm = tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         n_ok = rn < N
         m_ok = rm < M
-        if ROPE:
-            row1 = (rn // HALF) * (2 * HALF) + rn % HALF
-            row2 = row1 + HALF
-        else:
-            row1 = rn
-            row2 = rn + N                               # GATED: the up row of each gate row
+        up = rn + N                                     # GATED: the up row of each gate row
         if NORM:                                        # the whole rows' mean square, in every program
             ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -273,20 +179,19 @@ if triton is not None:
                 nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
                 x = ((x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32) * nw[None, :]).to(dt)
             w_mask = n_ok[:, None] & k_ok[None, :]
-            acc += _partial(x, w_ptr, row1, k, w_mask, stride_w, USE_DOT)
-            if GATED or ROPE:
-                acc2 += _partial(x, w_ptr, row2, k, w_mask, stride_w, USE_DOT)
+            acc += _partial(x, w_ptr, rn, k, w_mask, stride_w, USE_DOT)
+            if GATED:
+                acc2 += _partial(x, w_ptr, up, k, w_mask, stride_w, USE_DOT)
         if SPLIT_K == 1:
-            _finish(acc, acc2, scale_ptr, bias_ptr, add_ptr, out_ptr, M, rm, rn, row1, row2, m_ok, n_ok, stride_add,
-                    stride_out, cos_ptr, sin_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, stride_cs, q_eps, k_eps,
-                    HAS_SCALE, HAS_BIAS, GATED, ROPE, HAS_ADD, H, KVH, HALF, QK_NORM, WRITE)
+            _finish(acc, acc2, scale_ptr, bias_ptr, add_ptr, out_ptr, rm, rn, up, m_ok, n_ok, stride_add,
+                    stride_out, HAS_SCALE, HAS_BIAS, GATED, HAS_ADD)
         else:
             # partials [SPLIT_K, 2, BLOCK_M, N] float32; the last program of the column block reduces them
             tile = rm[:, None] * N + rn[None, :]
             pmask = m_ok[:, None] & n_ok[None, :]
             slab = 2 * BLOCK_M * N
             tl.store(part_ptr + pid_k * slab + tile, acc, mask=pmask)
-            if GATED or ROPE:
+            if GATED:
                 tl.store(part_ptr + pid_k * slab + BLOCK_M * N + tile, acc2, mask=pmask)
             tl.debug_barrier()                          # every thread's partials before the ticket
             ticket = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
@@ -296,12 +201,11 @@ if triton is not None:
                 acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for s in range(0, SPLIT_K):
                     acc += tl.load(part_ptr + s * slab + tile, mask=pmask, other=0.0, cache_modifier=".cg")
-                    if GATED or ROPE:
+                    if GATED:
                         acc2 += tl.load(part_ptr + s * slab + BLOCK_M * N + tile, mask=pmask, other=0.0,
                                         cache_modifier=".cg")
-                _finish(acc, acc2, scale_ptr, bias_ptr, add_ptr, out_ptr, M, rm, rn, row1, row2, m_ok, n_ok, stride_add,
-                        stride_out, cos_ptr, sin_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, stride_cs, q_eps, k_eps,
-                        HAS_SCALE, HAS_BIAS, GATED, ROPE, HAS_ADD, H, KVH, HALF, QK_NORM, WRITE)
+                _finish(acc, acc2, scale_ptr, bias_ptr, add_ptr, out_ptr, rm, rn, up, m_ok, n_ok,
+                        stride_add, stride_out, HAS_SCALE, HAS_BIAS, GATED, HAS_ADD)
                 tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
@@ -328,17 +232,16 @@ def counters(owner, device: torch.device) -> torch.Tensor:
     return owner._decode_counters[device]
 
 
-def fusion(norm: bool = False, bias: bool = False, gated: bool = False, add: bool = False, rope: bool = False) -> str:
+def fusion(norm: bool = False, bias: bool = False, gated: bool = False, add: bool = False) -> str:
     """The `TILES` key's name of what rides in a launch: the present parts joined by "+" in this order
     ("" for the GEMV alone). `norm`: the RMSNorm prologue (with or without the residual add)."""
-    return "+".join(name for name, on in (("norm", norm), ("bias", bias), ("gated", gated), ("add", add),
-                                          ("rope", rope)) if on)
+    return "+".join(name for name, on in (("norm", norm), ("bias", bias), ("gated", gated), ("add", add)) if on)
 
 
 def tiles(m: int, n: int, k: int, weight_bytes: int, two: bool, sms: int,
           parts: str = "") -> tuple[int, int, int, bool, int, int]:
     """(BLOCK_N, BLOCK_K, SPLIT_K, use_dot, num_warps, num_stages) for an [m, k] x [n, k]^T product (n:
-    the weight's rows; `two`: each output column reads two of them: gate and up, or a rotary pair; `parts`:
+    the weight's rows; `two`: each output column reads two of them, gate and up; `parts`:
     `fusion`'s name of the launch). The swept `TILES` entry when there is one; else M == 1: CUDA-core reduce over 8 weight rows (4 pairs when
     `two`) and 1 KiB of each row per step; M > 1: a 16-row `tl.dot` tile of 16 columns and 512 B of each
     row per step; then the fewest K slices (a power of two, each at least two K steps) that give every SM
@@ -360,69 +263,41 @@ def tiles(m: int, n: int, k: int, weight_bytes: int, two: bool, sms: int,
 def decode_gemv(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor] = None,
                 bias: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None,
                 norm_weight: Optional[torch.Tensor] = None, eps: float = 1e-6, gated: bool = False,
-                add: Optional[torch.Tensor] = None, rope: Optional[Rope] = None, config: Optional[tuple] = None,
+                add: Optional[torch.Tensor] = None, config: Optional[tuple] = None,
                 tickets: Optional[torch.Tensor] = None):
     """x [M, K] (M <= MAX_M), w [N, K] contiguous (x's dtype with scale None, or fp8 with `scale` [N, 1] float32),
-    bias [N], residual [M, K], norm_weight [K], add [M, N or N / 2] or None -> out [M, N] ([M, N / 2] gated;
-    with `rope`: (q [M, H, D], k, v [M, KVH, D]), q and k normed (Qwen3) and rotated, k and v also stored in
-    their cache slots),
-    and with `residual` (out, x + residual). `config`: `tiles`' tuple, overriding it (the tile sweep; with
-    q / k norms BLOCK_N is one head's pairs whatever it says). `tickets`: `counters(owner, device)` of the
-    caller (None: this module's own, for callers that never run on two streams at once)."""
+    bias [N], residual [M, K], norm_weight [K], add [M, N or N / 2] or None -> out [M, N] ([M, N / 2] gated),
+    and with `residual` (out, x + residual). `config`: `tiles`' tuple, overriding it (the tile sweep).
+    `tickets`: `counters(owner, device)` of the caller (None: this module's own, for callers that never run
+    on two streams at once)."""
     m, k = x.shape
     n = w.shape[0]
-    two = gated or rope is not None                 # two weight rows per output column block entry
-    if m > MAX_M or w.shape[1] != k or (two and n % 2):
+    if m > MAX_M or w.shape[1] != k or (gated and n % 2):
         raise ValueError(f"decode_gemv: x {tuple(x.shape)} and w {tuple(w.shape)} need M <= {MAX_M}, equal K "
-                         "and (gated, rope) an even N")
-    if rope is not None and (n != (rope.heads + 2 * rope.kv_heads) * rope.head_dim
-                             or not rope_fuses(rope.head_dim, rope.q_norm is not None)):
-        raise ValueError(f"decode_gemv: rope needs N = (heads + 2 kv_heads) * head_dim and `rope_fuses`; got N {n}")
+                         "and (gated) an even N")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    cols = n // 2 if two else n                     # gated: output columns; rope: rotary pairs
-    out = torch.empty(m * n if rope is not None else (m, cols), device=x.device, dtype=x.dtype)
+    cols = n // 2 if gated else n                   # the output's columns
+    out = torch.empty(m, cols, device=x.device, dtype=x.dtype)
     h = torch.empty_like(x) if residual is not None else x
     r = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
     a = add if add is None or add.stride(-1) == 1 else add.contiguous()
-    parts = fusion(norm_weight is not None, bias is not None, gated, add is not None, rope is not None)
-    block_n, block_k, split, use_dot, warps, stages = config or tiles(m, n, k, w.element_size(), two,
+    parts = fusion(norm_weight is not None, bias is not None, gated, add is not None)
+    block_n, block_k, split, use_dot, warps, stages = config or tiles(m, n, k, w.element_size(), gated,
                                                                       _num_sms(x.device), parts)
-    qk_norm = rope is not None and rope.q_norm is not None
-    if qk_norm:                                     # one head per program
-        block_n = rope.head_dim // 2
-        use_dot = use_dot and block_n >= 16         # tl.dot needs 16 columns (tiny test heads have fewer)
     block_m = 16 if use_dot else triton.next_power_of_2(m)
-    if qk_norm:     # keep a K step's weight tile (on CUDA cores: its [M, N, K] products) within registers' reach
-        block_k = max(16, min(block_k, 8192 // (block_n if use_dot else block_m * block_n)))
     grid = (triton.cdiv(cols, block_n), split)
     part = torch.empty(split * 2 * block_m * cols if split > 1 else 1, device=x.device, dtype=torch.float32)
     count = counters(_OWN, x.device) if tickets is None else tickets
     if grid[0] > count.numel():
         raise ValueError(f"decode_gemv: {grid[0]} column blocks, more than the {count.numel()} split-K counters")
-    write = rope is not None and rope.cache is not None
-    cos, sin = (rope.cos.contiguous(), rope.sin.contiguous()) if rope is not None else (x, x)
-    kc, vc = (rope.cache[0], rope.cache[1]) if write else (x, x)
-    qw, kw = (rope.q_norm.weight, rope.k_norm.weight) if qk_norm else (x, x)
     _decode_gemv_kernel[grid](
         x, x if r is None else r, h, x if norm_weight is None else norm_weight, w, w if scale is None else scale,
-        w if bias is None else bias, x if a is None else a, out, part, count, cos, sin, qw, kw, kc, vc,
-        rope.slots if write else x, m, cols, k, split, eps, rope.q_norm.eps if qk_norm else 0.0,
-        rope.k_norm.eps if qk_norm else 0.0, x.stride(0), 0 if r is None else r.stride(0), h.stride(0), w.stride(0),
-        0 if a is None else a.stride(0), out.stride(0) if rope is None else 0, cos.stride(0), HAS_RES=r is not None,
-        NORM=norm_weight is not None, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, GATED=gated,
-        HAS_ADD=a is not None, ROPE=rope is not None, H=rope.heads if rope else 0, KVH=rope.kv_heads if rope else 0,
-        HALF=rope.head_dim // 2 if rope else 1, QK_NORM=qk_norm, WRITE=write, USE_DOT=use_dot,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
-    if rope is not None:
-        out = _split_heads(out, m, rope)
+        w if bias is None else bias, x if a is None else a, out, part, count, m, cols, k, split, eps, x.stride(0),
+        0 if r is None else r.stride(0), h.stride(0), w.stride(0), 0 if a is None else a.stride(0), out.stride(0),
+        HAS_RES=r is not None, NORM=norm_weight is not None, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
+        GATED=gated, HAS_ADD=a is not None, USE_DOT=use_dot, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages)
     return out if residual is None else (out, h)
-
-
-def _split_heads(flat: torch.Tensor, m: int, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rope epilogue's output [M * H * D | M * 2 * KVH * D] -> q [M, H, D] contiguous, k and v [M, KVH, D]."""
-    d, q_len = rope.head_dim, m * rope.heads * rope.head_dim
-    kv = flat[q_len:].view(m, 2, rope.kv_heads, d)
-    return flat[:q_len].view(m, rope.heads, d), kv[:, 0], kv[:, 1]
 
 
 def weights(linear: nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:

@@ -3,16 +3,15 @@ triton_decode, any process).
 
 `TILES`: (M, N, K, weight bytes, fusion) -> `Tile`. `fusion` names what rides in the launch
 (`triton_decode.fusion`: "norm" = the residual add + RMSNorm prologue, "bias", "gated" = SiLU*mul, "add" =
-the residual-add epilogue, "rope" = the rotary + KV-write epilogue; "" = the GEMV alone). With
-`OMNISTAGE_DECODE_KERNELS` unset a decoder linear runs the Triton kernel only where its entry has `us` below
-`unfused_us` (cuBLAS plus the launches the fusion replaces, same run); entries without `unfused_us` only
-give tiles (for `OMNISTAGE_DECODE_KERNELS=1`).
+the residual-add epilogue; "" = the GEMV alone). With `OMNISTAGE_DECODE_KERNELS` unset a decoder linear runs
+the Triton kernel only where its entry has `us` below `unfused_us` (cuBLAS plus the launches the fusion
+replaces, same run); entries without `unfused_us` only give tiles (for `OMNISTAGE_DECODE_KERNELS=1`).
 
 Session 9, run 4 (`--sweep --models q3 --layers qkv|o --weights bf16`, H200, torch 2.11; benchmarks/RESULTS.md):
 the Qwen3-Omni thinker's qkv (residual add + RMSNorm prologue) and o (alone). Only o at M = 2 and 4 beats the
 unfused path (by ~0.4 us); at M = 1 (bs1 decode) neither does, so the thinker's bs1 step stays unfused.
-Session 7, run 2 (`--sweep --models 1.5B`): the 1.5B fusions of the layer then (qkv with the rope epilogue, o
-with the residual add), tiles only.
+Session 7, run 2 (`--sweep --models 1.5B`): the 1.5B o, gate_up and down with the fusions of the layer then,
+tiles only.
 """
 
 from typing import NamedTuple, Optional
@@ -26,7 +25,6 @@ class Tile(NamedTuple):
     unfused_us: Optional[float] = None            # cuBLAS + the launches the fusion replaces, us; None: not measured
 
 
-_R = "norm+bias+rope"
 TILES: dict[tuple[int, int, int, int, str], Tile] = {
     (1, 5120, 2048, 2, "norm"): Tile((8, 512, 1, False, 4, 2), 10.0, 7.9),    # q3 qkv bf16 (cuBLAS alone 6.5)
     (2, 5120, 2048, 2, "norm"): Tile((32, 128, 4, True, 4, 2), 15.6, 7.8),    # q3 qkv bf16 (cuBLAS alone 6.2)
@@ -36,14 +34,6 @@ TILES: dict[tuple[int, int, int, int, str], Tile] = {
     (2, 2048, 4096, 2, ""): Tile((32, 128, 8, True, 4, 2), 6.9, 7.4),         # q3 o bf16 (rule 9.3): fused
     (4, 2048, 4096, 2, ""): Tile((32, 128, 8, True, 4, 2), 6.9, 7.2),         # q3 o bf16 (rule 9.3): fused
     (8, 2048, 4096, 2, ""): Tile((32, 128, 8, True, 4, 2), 7.0, 6.8),         # q3 o bf16 (rule 9.3)
-    (1, 2048, 1536, 2, _R): Tile((8, 1024, 1, False, 8, 2), 6.5),      # 1.5B qkv bf16 (rule 7.0)
-    (2, 2048, 1536, 2, _R): Tile((16, 256, 2, True, 4, 3), 8.9),       # 1.5B qkv bf16 (rule 9.5)
-    (4, 2048, 1536, 2, _R): Tile((16, 256, 2, True, 4, 3), 9.0),       # 1.5B qkv bf16 (rule 9.6)
-    (8, 2048, 1536, 2, _R): Tile((16, 256, 2, True, 4, 3), 9.1),       # 1.5B qkv bf16 (rule 9.8)
-    (1, 2048, 1536, 1, _R): Tile((4, 1024, 1, False, 4, 2), 5.7),      # 1.5B qkv fp8 (rule 5.8)
-    (2, 2048, 1536, 1, _R): Tile((32, 256, 4, True, 4, 2), 9.1),       # 1.5B qkv fp8 (rule 18.8)
-    (4, 2048, 1536, 1, _R): Tile((32, 256, 4, True, 4, 2), 9.3),       # 1.5B qkv fp8 (rule 19.0)
-    (8, 2048, 1536, 1, _R): Tile((32, 256, 4, True, 4, 2), 9.3),       # 1.5B qkv fp8 (rule 19.2)
     (1, 1536, 1536, 2, "add"): Tile((4, 512, 1, False, 4, 2), 4.0),    # 1.5B o bf16 (rule 4.4)
     (2, 1536, 1536, 2, "add"): Tile((16, 256, 1, True, 4, 3), 4.8),    # 1.5B o bf16 (rule 5.8)
     (4, 1536, 1536, 2, "add"): Tile((16, 256, 1, True, 4, 3), 4.8),    # 1.5B o bf16 (rule 5.9)

@@ -39,6 +39,10 @@ if triton is not None:
         y = (h * rstd).to(dt).to(tl.float32) * w
         tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
+    # Not shared with triton_attention's `_norm_rope` (the same norm + rotation): this loads each head's halves
+    # itself, padded to powers of two (any head count and D), while `_norm_rope` takes whole [G, D] rows its
+    # caller loaded ahead of the KV-block latency chain (D a power of two) and sums each norm in one reduction;
+    # one helper would move those loads or change that float32 summation order (results, not only layout).
     @triton.jit
     def _rope_heads(ptr, w_ptr, eps, c1, c2, s1, s2, NH: tl.constexpr, NHP: tl.constexpr, D: tl.constexpr,
                     HALF: tl.constexpr, HALFP: tl.constexpr, NORM: tl.constexpr):

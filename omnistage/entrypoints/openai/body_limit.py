@@ -7,7 +7,10 @@ without reading a byte of the body; a body without one (chunked) is counted as i
 the read that crosses the cap raises `BodyTooLarge`, which FastAPI and the serving code let through
 to the 413 handler. Either way the 413 says `Connection: close`, and the rest of the body is then
 read and dropped (never kept; at most `DRAIN_BYTES` or `DRAIN_SECONDS`), as web servers linger before
-closing: a client still sending when the connection closed would get a reset instead of the 413.
+closing: a client still sending when the connection closed would get a reset instead of the 413. The drain
+runs while the response is still open (its body sent, the final empty body message held back): uvicorn
+answers `receive()` with a disconnect once a response is complete, and a close with the client's bytes
+unread resets the connection, which can drop the 413 before the client reads it.
 """
 
 from __future__ import annotations
@@ -81,6 +84,10 @@ class BodySizeLimitMiddleware:
                 started = True
                 if received > self.limit:       # the 413 of BodyTooLarge: the unread rest ends the connection
                     message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            elif received > self.limit and not message.get("more_body", False):
+                await send({**message, "more_body": True})   # the 413 out, the response held open: drop
+                await drain_body(receive)                    # the rest of the body, then complete it
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
             await send(message)
 
         try:
@@ -89,9 +96,6 @@ class BodySizeLimitMiddleware:
             if started:
                 raise
             await self._refuse(scope, receive, send, str(e.detail))
-            return
-        if received > self.limit:               # the 413 went out: drop the rest before the close
-            await drain_body(receive)
 
     @staticmethod
     async def _refuse(scope, receive, send, message: str) -> None:
@@ -99,9 +103,11 @@ class BodySizeLimitMiddleware:
 
 
 async def refuse_and_close(error: OpenAIError, scope, receive, send) -> None:
-    """Answers `error` with `Connection: close` before the route runs, then drops the unread body
-    (`drain_body`), so the client reads the answer instead of a reset."""
+    """Answers `error` with `Connection: close` before the route runs, dropping the unread body
+    (`drain_body`) before the response completes, so the client reads the answer instead of a reset."""
     response = error.response()
     response.headers["connection"] = "close"
-    await response(scope, receive, send)
+    await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+    await send({"type": "http.response.body", "body": response.body, "more_body": True})
     await drain_body(receive)
+    await send({"type": "http.response.body", "body": b"", "more_body": False})

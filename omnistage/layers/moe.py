@@ -22,7 +22,9 @@ In: hidden rows x [T, H] of one engine step. Out: [T, H], the weighted sum of ea
         the module; `load_weights` takes the checkpoint's names relative to the block
         (`experts.{e}.gate_proj|up_proj|down_proj.weight`, `gate.weight`, `shared_expert.*`,
         `shared_expert_gate.weight`) or transformers' fused in-memory ones (`experts.gate_up_proj`,
-        `experts.down_proj`)
+        `experts.down_proj`); `forward_normed` runs it between a decoder layer's residual adds + RMSNorms
+        (the one before it inside the router launch, the one after it inside the down launch at decode sizes
+        on CUDA; `NORM_FOLD`)
 
 The reference rounds to the model dtype where transformers' block does (gate-up output, the product,
 down output, then times the routing weight cast to the model dtype), so in float32 both agree to

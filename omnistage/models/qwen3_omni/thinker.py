@@ -12,7 +12,11 @@ The decoder is `models.llama`'s Qwen3 structure (GQA attention with per-head q/k
 config's `head_dim`, fused residual norms) with `layers.moe.SparseMoeBlock` as the MLP of every layer
 transformers makes sparse (`decoder_sparse_step`, `mlp_only_layers`); the others keep the dense MLP. A
 MoE layer hands its post-attention residual add + RMSNorm to the block (`forward_normed`: at decode sizes
-on CUDA inside the router launch, one launch fewer per layer).
+on CUDA inside the router launch, one launch fewer per layer), and the residual add + RMSNorm after it (the
+next layer's input norm, the final norm after the last layer) too: inside the down launch at decode sizes on
+CUDA, one launch fewer again; the next layer takes the normed rows (`prenormed`). A step's deepstack rows
+ride along (added before that norm, by torch); only the reported layer's own deepstack step keeps the norm
+in the next layer (the report is taken between the add of the residual and of the deepstack rows).
 Rope is Qwen3-Omni's interleaved MRoPE (`mrope_interleaved`; transformers always interleaves here).
 Weights: `thinker.model.*` (experts one by one, or fused as transformers holds them in memory) and
 `thinker.lm_head.weight`; the audio and vision towers are the chat renderer's (`processor.py`). A

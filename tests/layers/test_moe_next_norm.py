@@ -71,14 +71,17 @@ from omnistage.testing.llm import draw_norms_and_biases
 torch.manual_seed(0)
 rows = []
 small = moe._small_path
-for shared, dt in ((0, torch.float32), (40, torch.float32), (0, torch.float16)):
+# (shared expert width, dtype, dense layers: a dense layer after a folded MoE one takes the normed rows)
+for shared, dt, dense in ((0, torch.float32, []), (40, torch.float32, []), (0, torch.float16, []),
+                          (0, torch.float32, [1])):
     cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=16, num_hidden_layers=3, vocab_size=100, num_experts=4, num_experts_per_tok=2,
-                         moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+                         moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=dense, norm_topk_prob=True)
     cfg.shared_expert_intermediate_size = shared
     model = Qwen3MoeForCausalLM(cfg, 64, report_layer=2)
     draw_norms_and_biases(model, (0.5, 1.5), 0.1)
-    for layer in model.layers:                  # the MoE block's experts start empty
+    sparse = [layer for layer in model.layers if isinstance(layer.mlp, moe.SparseMoeBlock)]
+    for layer in sparse:                        # the MoE block's experts start empty
         layer.mlp.w13.data.normal_(0, 0.2)
         layer.mlp.w2.data.normal_(0, 0.2)
     model = model.to(dt)
@@ -100,11 +103,11 @@ for shared, dt in ((0, torch.float32), (40, torch.float32), (0, torch.float16)):
             with torch.no_grad():
                 res[mode] = model(ids, pos, meta, layer_adds=adds)
             # the down launch's tickets are made by its first NEXT_NORM call (these tiles: no split-K)
-            res[mode] += (sum("_decode_counters" in layer.mlp.w2.__dict__ for layer in model.layers),)
+            res[mode] += (sum("_decode_counters" in layer.mlp.w2.__dict__ for layer in sparse), len(sparse))
         moe._small_path, moe.NORM_FOLD = small, True
         want = res["torch"]
         for mode in ("kernels", "folded"):
-            rows.append([str(dt), shared, adds is not None, mode, res[mode][2]]
+            rows.append([str(dt), shared, adds is not None, mode, *res[mode][2:]]
                         + [[(a.float() - b.float()).abs().max().item(), b.float().abs().max().item()]
                            for a, b in zip(res[mode][:2], want[:2])])
 print(json.dumps(rows))
@@ -146,16 +149,16 @@ def test_block_with_both_norms_folded_equals_the_reference_chain(interpreted):
 
 
 def test_decoders_with_the_next_norm_folded_equal_the_pytorch_path():
-    """A decode step of 2 rows through 3 MoE layers: the decode kernels (forced on CPU tensors; on CUDA
+    """A decode step of 2 rows through 3 layers: the decode kernels (forced on CPU tensors; on CUDA
     `moe._small_path` picks them) with the next norm folded into the down launch, and without (`NORM_FOLD`
     off: the norm after the block by itself), both equal the PyTorch path's final normed rows and reported
-    layer, with deepstack rows (the reported layer's own deepstack step keeps its norm unfolded) and the
-    talker's shared expert."""
+    layer, with deepstack rows (the reported layer's own deepstack step keeps its norm unfolded), the
+    talker's shared expert, and a dense layer among the MoE ones."""
     rows = run_in_interpreter("-c", MODEL)
-    assert len(rows) == 3 * 2 * 2
+    assert len(rows) == 4 * 2 * 2
     tol = {"torch.float32": 1e-5, "torch.float16": 4e-3}
-    for dt, shared, adds, mode, folded_layers, (err, peak), (err_rep, peak_rep) in rows:
-        case = (dt, shared, adds, mode)
-        if not adds:                            # the first run of each model: only the folded one folds, every layer
-            assert folded_layers == (3 if mode == "folded" else 0), (case, folded_layers)
+    for dt, shared, adds, mode, folded, sparse, (err, peak), (err_rep, peak_rep) in rows:
+        case = (dt, shared, adds, mode, sparse)
+        if not adds:                            # each model's first run: only the folded one folds, every MoE layer
+            assert folded == (sparse if mode == "folded" else 0), (case, folded)
         assert err <= tol[dt] * peak and err_rep <= tol[dt] * peak_rep, (case, err, err_rep)

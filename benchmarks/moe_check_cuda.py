@@ -22,11 +22,6 @@ The sorted path's rows also time it as it ran before (old: `triton_moe.align`'s 
 `SortedTiles`) beside today's (the one-launch align up to ALIGN_PAIRS pairs, the `SORTED_TUNED` tiles). With
 --decode instead, at T = 1, 2, 4, 8, the decode kernels in the tiles the start-up tuner picks from session 9's candidate lists
 (old) and from today's (new), per kernel and for the thinker's whole block, beside their floors at 4.2 TB/s.
-With --fold instead, at T = 1, 2, 4, 8: the thinker layer's block with the next layer's input residual add +
-RMSNorm as its own launch (the plain norm kernel after `routed_moe_small(prenorm=)`) vs folded into the down
-launch (`routed_moe_small(prenorm=, next_norm=)`), us per call from CUDA graphs (16 calls per graph, each on
-its own rows), in the start-up tiles and with down split-K forced to 2 and 4; each one's h and normed rows
-against the PyTorch reference chain, and folded vs unfused (max abs, elements that differ).
 """
 
 from __future__ import annotations
@@ -39,7 +34,7 @@ import sys
 
 import torch
 
-from omnistage.layers import fused, moe, moe_tune, triton_decode, triton_moe, triton_moe_small, triton_moe_tiles
+from omnistage.layers import fused, moe, moe_tune, triton_moe, triton_moe_small, triton_moe_tiles
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gemv_bench import graph_us  # noqa: E402  (one CUDA-graph timer for every benchmark)
@@ -97,7 +92,6 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
     parser.add_argument("--decode", action="store_true", help="instead: the decode kernels' old / new table")
-    parser.add_argument("--fold", action="store_true", help="instead: the block with / without the next norm folded")
     args = parser.parse_args()
     torch.manual_seed(0)
     dev = "cuda"
@@ -108,9 +102,6 @@ def main() -> None:
     if args.decode:
         logging.basicConfig(format="%(message)s")
         decode_old_new(w13, w2)
-        return
-    if args.fold:
-        norm_fold(w13, w2)
         return
     hf = hf_experts(w13, w2)
     for t in TS:
@@ -212,48 +203,6 @@ def decode_old_new(w13: torch.Tensor, w2: torch.Tensor) -> None:
         got = triton_moe_small.routed_moe_small(xs[0], gate, w13, w2, K, True, new, prenorm=(res[0], nw, 1e-6))[0]
         print(f"    new tiles' block err {(got.float() - ref.float()).abs().max().item():.1e} "
               f"(peak {ref.float().abs().max().item():.2f}); tuner {old_s:.1f} s / {new_s:.1f} s; old {old}; new {new}")
-
-
-def norm_fold(w13: torch.Tensor, w2: torch.Tensor) -> None:
-    """The thinker block with the next norm unfused / folded into the down launch (see the module docstring)."""
-    import dataclasses
-
-    gate = torch.randn(E, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5
-    nw, nw2 = (1 + 0.1 * torch.randn(2, H, device="cuda", dtype=torch.bfloat16)).unbind(0)
-    eps = 1e-6
-    print(f"\n{'T':>3} {'tiles':>9} {'unfused us':>10} {'folded us':>9} {'saved':>6} {'h err':>8} {'n err':>8} "
-          f"{'n peak':>6} {'fold-unf':>8} {'differ':>6}   (err: folded vs the PyTorch chain)")
-    for t in DECODE_TS:
-        xs = [torch.randn(t, H, device="cuda", dtype=torch.bfloat16) for _ in range(16)]
-        res = [torch.randn(t, H, device="cuda", dtype=torch.bfloat16) for _ in range(16)]
-        base = moe_tune.tiles_for(xs[0], gate, w13, w2, K, True)
-        for label, tiles in (("start-up", base), ("split 2", dataclasses.replace(base, down_split=2)),
-                             ("split 4", dataclasses.replace(base, down_split=4))):
-            def unfused(i, tiles=tiles):
-                out, h = triton_moe_small.routed_moe_small(xs[i], gate, w13, w2, K, True, tiles,
-                                                           prenorm=(res[i], nw, eps))
-                return fused.rms_norm(out, nw2, eps, h)
-
-            def folded(i, tiles=tiles):
-                return triton_moe_small.routed_moe_small(xs[i], gate, w13, w2, K, True, tiles,
-                                                         prenorm=(res[i], nw, eps), next_norm=(None, nw2, eps))
-
-            us_unf, us_fold = graph_us(unfused, calls=16), graph_us(folded, calls=16)
-            normed, h = fused.rms_norm_ref(xs[0] + res[0], nw, eps), xs[0] + res[0]
-            want_h = moe.fused_moe_ref(normed, w13, w2, *moe.route(normed @ gate.T, K, True)) + h
-            want_n = fused.rms_norm_ref(want_h, nw2, eps)
-            got_n, got_h = folded(0)
-            unf_n, _ = unfused(0)
-            peak = want_n.float().abs().max().item()
-            print(f"{t:>3} {label:>9} {us_unf:>10.1f} {us_fold:>9.1f} {us_unf - us_fold:>6.1f} "
-                  f"{_max_err(got_h, want_h):>8.1e} {_max_err(got_n, want_n):>8.1e} {peak:>6.2f} "
-                  f"{_max_err(got_n, unf_n):>8.1e} {int((got_n != unf_n).sum()):>6}")
-    left = int(triton_decode.counters(w2, torch.device("cuda")).abs().sum())
-    print(f"start-up tiles: {base}; down tickets left non-zero: {left}")
-
-
-def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
 
 
 def small_path(w13: torch.Tensor, w2: torch.Tensor) -> None:

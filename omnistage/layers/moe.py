@@ -22,9 +22,7 @@ In: hidden rows x [T, H] of one engine step. Out: [T, H], the weighted sum of ea
         the module; `load_weights` takes the checkpoint's names relative to the block
         (`experts.{e}.gate_proj|up_proj|down_proj.weight`, `gate.weight`, `shared_expert.*`,
         `shared_expert_gate.weight`) or transformers' fused in-memory ones (`experts.gate_up_proj`,
-        `experts.down_proj`); `forward_normed` runs it between a decoder layer's residual adds + RMSNorms
-        (the one before it inside the router launch, the one after it inside the down launch at decode sizes
-        on CUDA; `NORM_FOLD`)
+        `experts.down_proj`)
 
 The reference rounds to the model dtype where transformers' block does (gate-up output, the product,
 down output, then times the routing weight cast to the model dtype), so in float32 both agree to
@@ -33,7 +31,6 @@ rounding of sums. `fused.ENABLED` (OMNISTAGE_FUSED_KERNELS) switches the Triton 
 
 from __future__ import annotations
 
-import os
 from typing import Iterable
 
 import torch
@@ -42,11 +39,6 @@ from torch import nn
 
 from omnistage.layers import fused, moe_tune, triton_gemv, triton_moe, triton_moe_small
 from omnistage.layers.triton_moe_tiles import small_tiles
-
-
-# OMNISTAGE_MOE_NORM_FOLD=0: `SparseMoeBlock.forward_normed` runs the norm after the block as its own launch
-# even where the down launch could (the A/B switch of benchmarks/q3_thinker_bench.py)
-NORM_FOLD = os.environ.get("OMNISTAGE_MOE_NORM_FOLD", "1") != "0"
 
 
 def _triton(t: torch.Tensor) -> bool:
@@ -152,47 +144,25 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = SharedExpert(hidden, shared_expert_intermediate) if shared_expert_intermediate else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_expert_intermediate else None
 
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
-                       next_norm: nn.Module | None = None, add: torch.Tensor | None = None
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """(block(norm(x + residual)), x + residual), `norm` an RMSNorm (`weight`, `eps`): what a decoder
         layer's post-attention norm + MLP do. At decode sizes on CUDA without a shared expert the residual
-        add and the norm run inside the router launch (`triton_moe_small.routed_moe_small(prenorm=)`).
-        With `next_norm` (the RMSNorm after the layer: the next layer's input norm or the model's final one)
-        -> (next_norm(out + h), out + h), out = the block's output (+ `add`, deepstack rows), h = x + residual:
-        at decode sizes on CUDA without `add` inside the down launch (`routed_moe_small(next_norm=)`;
-        `NORM_FOLD`), elsewhere by `next_norm` itself."""
-        small = _small_path(x, self.top_k)
-        fold = small and next_norm is not None and add is None and NORM_FOLD
-        if small and (self.shared_expert is None or fold):
+        add and the norm run inside the router launch (`triton_moe_small.routed_moe_small(prenorm=)`)."""
+        if self.shared_expert is None and _small_path(x, self.top_k):
             tiles = moe_tune.tiles_for(x, self.gate.weight, self.w13, self.w2, self.top_k, self.norm_topk_prob)
-            if self.shared_expert is None:      # the residual add + norm in the router launch
-                rows, prenorm, stream = x, (residual, norm.weight, norm.eps), None
-            else:                               # the shared expert reads the normed rows first
-                (rows, stream), prenorm = norm(x, residual), None
-            got = triton_moe_small.routed_moe_small(
-                rows, self.gate.weight, self.w13, self.w2, self.top_k, self.norm_topk_prob, tiles=tiles,
-                shared=self._shared(rows), prenorm=prenorm,
-                next_norm=(stream, next_norm.weight, next_norm.eps) if fold else None)
-            if fold:
-                return got
-            out, h = got
-        else:
-            normed, h = norm(x, residual)
-            out = self(normed)
-        if next_norm is None:
-            return out, h
-        return next_norm(out if add is None else out + add, h)
+            return triton_moe_small.routed_moe_small(x, self.gate.weight, self.w13, self.w2, self.top_k,
+                                                     self.norm_topk_prob, tiles=tiles,
+                                                     prenorm=(residual, norm.weight, norm.eps))
+        normed, h = norm(x, residual)
+        return self(normed), h
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        return routed_moe(x, self.gate.weight, self.w13, self.w2, self.top_k, self.norm_topk_prob, self._shared(x))
-
-    def _shared(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(the shared expert's output, its gate logits) for rows x, or None without a shared expert."""
-        if self.shared_expert is None:
-            return None
-        return self.shared_expert(x), self.shared_expert_gate(x)
+        shared = None
+        if self.shared_expert is not None:
+            shared = (self.shared_expert(x), self.shared_expert_gate(x))
+        return routed_moe(x, self.gate.weight, self.w13, self.w2, self.top_k, self.norm_topk_prob, shared)
 
     # ---- loading -------------------------------------------------------------------------------
     def expected_weights(self) -> set[str]:

@@ -16,10 +16,7 @@ the grouped GEMM's tiles mostly padding, and align's torch ops cost more launche
                                 experts' down rows in one
                                 [K, BLOCK_N, BLOCK_K] tile per step (K experts' loads in flight at once),
                                 times the routing weights, summed over the slots in float32 and stored
-                                once [T, H] (the weighted sum fused; deterministic, no atomics); with
-                                NEXT_NORM the program finishing a token's last column block (a per-token
-                                ticket) also runs the residual add + RMSNorm after the block (the next
-                                layer's input norm, or the model's final one) on the whole row
+                                once [T, H] (the weighted sum fused; deterministic, no atomics)
   _router_kernel                grid (T, blocks of `route_r` experts): the router GEMV x @ gate^T (logits rounded
                                 to the model dtype, as nn.Linear stores them, into a float32 [T, E] scratch);
                                 the program that takes the token's last ticket (one int32 per token, reset by
@@ -27,8 +24,7 @@ the grouped GEMM's tiles mostly padding, and align's torch ops cost more launche
                                 (`_top_k`, `route`'s code): the expert ids and weights for the next two launches
   routed_moe_small(x, gate, ...)   router, gate-up, down: three launches for the whole block (PDL: see below) (with a shared
                                 expert's output and gate logit, the down launch also adds sigmoid(gate) * shared;
-                                with `prenorm` the router launch also runs the residual add + RMSNorm before it,
-                                with `next_norm` the down launch the one after it)
+                                with `prenorm` the router launch also runs the residual add + RMSNorm before it)
   route(logits, top_k, norm)    one program per row: float32 softmax over the experts, the top k by
                                 repeated argmax (descending, as torch.topk), the renormalisation; one launch
                                 for what takes torch four or five.
@@ -130,15 +126,11 @@ if triton is not None:
 
     @triton.jit
     def _token_down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, ids_ptr, shared_ptr, gate_ptr, part_ptr, count_ptr,
-                           res_ptr, nw_ptr, hsum_ptr, normed_ptr, eps,
                            top_k, inter, hidden, stride_h, stride_we, stride_wn, stride_out, stride_s, stride_g,
-                           stride_r, SHARED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr,
-                           NEXT_NORM: tl.constexpr = False, BLOCK_H: tl.constexpr = 1, PDL: tl.constexpr = False):
+                           SHARED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr = False):
         # all K slots of the token in one [slots, BLOCK_N, BLOCK_K] tile: K experts' loads in flight at once;
-        # SPLIT > 1: this program's slice of I, float32 partials, the last slice (ticket) finishes.
-        # NEXT_NORM: the program finishing the token's last column block (row ticket) also stores
-        # h = out + residual and RMSNorm(h) * nw (`_next_norm`)
+        # SPLIT > 1: this program's slice of I, float32 partials, the last slice (ticket) finishes
         token = tl.program_id(0)
         pid_n = tl.program_id(1)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -165,9 +157,6 @@ if triton is not None:
         if SPLIT == 1:
             _down_finish(acc, out_ptr, weight_ptr, shared_ptr, gate_ptr, token, pair, cols, col_ok, s_ok, stride_out,
                          stride_s, stride_g, SHARED)
-            if NEXT_NORM:
-                _next_norm(out_ptr, res_ptr, nw_ptr, hsum_ptr, normed_ptr, count_ptr, token, hidden, eps, stride_out,
-                           stride_r, BLOCK_H)
         else:
             tile = part_ptr + ((tl.program_id(2) * tl.num_programs(0) + token) * BLOCK_S + slots)[:, None] * hidden \
                 + cols[None, :]
@@ -183,9 +172,6 @@ if triton is not None:
                 _down_finish(acc, out_ptr, weight_ptr, shared_ptr, gate_ptr, token, pair, cols, col_ok, s_ok,
                              stride_out, stride_s, stride_g, SHARED)
                 tl.atomic_xchg(ticket_at, 0)
-                if NEXT_NORM:                   # the column block's finisher takes the row ticket
-                    _next_norm(out_ptr, res_ptr, nw_ptr, hsum_ptr, normed_ptr, count_ptr, token, hidden, eps,
-                               stride_out, stride_r, BLOCK_H)
 
     @triton.jit
     def _down_finish(acc, out_ptr, weight_ptr, shared_ptr, gate_ptr, token, pair, cols, col_ok, s_ok, stride_out,
@@ -201,30 +187,6 @@ if triton is not None:
             sig = (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
             total = (total.to(tl.float32) + (sig * sh).to(dt).to(tl.float32)).to(dt)
         tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, total, mask=col_ok)
-
-    @triton.jit
-    def _next_norm(out_ptr, res_ptr, nw_ptr, hsum_ptr, normed_ptr, count_ptr, token, hidden, eps, stride_out,
-                   stride_r, BLOCK_H: tl.constexpr):
-        """After this program stored its column block of the token's output row: the token's row ticket (one
-        int32 per token after the launch's split-K tickets, reset by its last taker); the last taker reads the
-        whole row back (.cg: from L2, where the other programs' stores are) with the residual row and stores
-        h = out + residual and RMSNorm(h) * nw, rows [T, H] contiguous, rounded as fused.rms_norm_ref."""
-        tl.debug_barrier()                      # every thread's columns stored before the ticket
-        row_at = count_ptr + tl.num_programs(0) * tl.num_programs(1) + token
-        if tl.atomic_add(row_at, 1, sem="acq_rel") == tl.num_programs(1) - 1:
-            dt = out_ptr.dtype.element_ty
-            cols = tl.arange(0, BLOCK_H)
-            ok = cols < hidden
-            y = tl.load(out_ptr + token.to(tl.int64) * stride_out + cols, mask=ok, other=0.0, cache_modifier=".cg")
-            r = tl.load(res_ptr + token.to(tl.int64) * stride_r + cols, mask=ok, other=0.0)
-            hv = (y.to(tl.float32) + r.to(tl.float32)).to(dt).to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(hv * hv, axis=0) / hidden + eps)
-            nw = tl.load(nw_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-            at = token.to(tl.int64) * hidden + cols
-            tl.store(hsum_ptr + at, hv.to(dt), mask=ok)
-            tl.store(normed_ptr + at, ((hv * rstd).to(dt).to(tl.float32) * nw).to(normed_ptr.dtype.element_ty),
-                     mask=ok)
-            tl.atomic_xchg(row_at, 0)
 
     @triton.jit
     def _top_k(z, es, ok, TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -361,25 +323,18 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
 def routed_moe_small(x: torch.Tensor, gate: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                      norm_topk_prob: bool, tiles: SmallTiles | None = None,
                      shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     prenorm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                     next_norm: tuple[torch.Tensor | None, torch.Tensor, float] | None = None):
+                     prenorm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
     """The router (x @ gate^T, gate [E, H]) with softmax and top-k, then `fused_moe_small`: three launches.
     `shared` = (a shared expert's output [T, H], its gate logits [T, 1]): the down launch also adds
     sigmoid(gate) * shared. `prenorm` = (residual, RMSNorm weight, eps): the block runs on RMSNorm(x +
-    residual), normed inside the router launch, and returns (out, x + residual). `next_norm` = (stream,
-    RMSNorm weight, eps), stream None with `prenorm` (then x + residual): the down launch also runs the residual
-    add + RMSNorm after the block (`small_down`), and the call returns (RMSNorm(out + stream), out + stream)."""
+    residual), normed inside the router launch, and returns (out, x + residual)."""
     t = x.shape[0]
     tiles = tiles or small_tiles(t, top_k, w13.shape[2], w2.shape[2], triton_gemv._num_sms(x.device))
     routed = small_route(x, gate, top_k, norm_topk_prob, tiles, prenorm)
     weights, ids = routed[:2]
     rows = x if prenorm is None else routed[2]
-    if next_norm is not None and next_norm[0] is None:
-        if prenorm is None:
-            raise ValueError("routed_moe_small: next_norm's stream None needs prenorm")
-        next_norm = (routed[3], *next_norm[1:])
-    out = small_down(small_gate_up(rows, w13, ids, tiles), w2, weights, ids, tiles, shared, next_norm)
-    return out if prenorm is None or next_norm is not None else (out, routed[3])
+    out = small_down(small_gate_up(rows, w13, ids, tiles), w2, weights, ids, tiles, shared)
+    return out if prenorm is None else (out, routed[3])
 
 
 def small_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob: bool, tiles: SmallTiles,
@@ -430,12 +385,9 @@ def small_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, ti
 
 
 def small_down(mid: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-               tiles: SmallTiles, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-               next_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
+               tiles: SmallTiles, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`fused_moe_small`'s second launch: per token, the K down GEMVs times their weights, summed [T, H]
-    (plus sigmoid(gate) * shared, see `routed_moe_small`). `next_norm` = (residual [T, H], RMSNorm weight [H],
-    eps): the launch also adds the output to the residual and norms the sum (the next layer's input norm):
-    returns (RMSNorm(out + residual), out + residual) instead."""
+    (plus sigmoid(gate) * shared, see `routed_moe_small`)."""
     t, k = topk_ids.shape
     h, inter = w2.shape[1], w2.shape[2]
     w2 = w2.contiguous()
@@ -445,23 +397,12 @@ def small_down(mid: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, 
     split = tiles.down_split > 1
     slots = triton.next_power_of_2(k)
     part = torch.empty(tiles.down_split * t * slots * h if split else 1, dtype=torch.float32, device=mid.device)
-    tickets = triton_decode.counters(w2, mid.device) if split or next_norm is not None else part
-    # split-K tickets at [0, T * column blocks), the row tickets of NEXT_NORM right after them
-    used = (grid[0] * grid[1] if split else 0) + (t if next_norm is not None else 0)
-    if used > tickets.numel():
-        raise ValueError(f"small_down: {used} tickets needed, {tickets.numel()} there")
-    if next_norm is not None:
-        residual, norm_weight, eps = next_norm
-        residual = residual.contiguous()
-        hsum = torch.empty_like(out)
-        normed = torch.empty(t, h, dtype=torch.promote_types(out.dtype, norm_weight.dtype), device=out.device)
-    else:
-        residual, norm_weight, eps, hsum, normed = out, out, 0.0, out, out
+    tickets = triton_decode.counters(w2, mid.device) if split else part
+    if split and grid[0] * grid[1] > tickets.numel():
+        raise ValueError(f"small_down: {grid[0] * grid[1]} column blocks, more than {tickets.numel()} tickets")
     _token_down_kernel[grid](
         mid, w2, out, topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1).contiguous(), rows, gate, part,
-        tickets, residual, norm_weight, hsum, normed, float(eps), k, inter, h, mid.stride(0), w2.stride(0),
-        w2.stride(1), out.stride(0), rows.stride(0), gate.stride(0), residual.stride(0), SHARED=shared is not None,
-        SPLIT=tiles.down_split, BLOCK_S=slots, BLOCK_N=tiles.down_n, BLOCK_K=tiles.down_k, UNROLL=tiles.down_unroll,
-        NEXT_NORM=next_norm is not None, BLOCK_H=triton.next_power_of_2(h), num_warps=tiles.down_warps,
-        **_pdl(mid))
-    return out if next_norm is None else (normed, hsum)
+        tickets, k, inter, h, mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0), rows.stride(0),
+        gate.stride(0), SHARED=shared is not None, SPLIT=tiles.down_split, BLOCK_S=slots, BLOCK_N=tiles.down_n,
+        BLOCK_K=tiles.down_k, UNROLL=tiles.down_unroll, num_warps=tiles.down_warps, **_pdl(mid))
+    return out

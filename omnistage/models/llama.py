@@ -69,24 +69,14 @@ class Attention(nn.Module):
         return self.o_proj(self._attend(self.qkv_proj(x), rope, meta))
 
     def forward_prenorm(self, x: torch.Tensor, residual: Optional[torch.Tensor], norm: RMSNorm, rope,
-                        meta: AttentionMetadata, owner: nn.Module,
-                        prenormed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        meta: AttentionMetadata, owner: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(o, h): the attention block's output before its residual add, and h = x + residual (x with
         residual None), `norm` the input RMSNorm. Per linear (`triton_decode.chooses`): qkv as one GEMV with
         the residual add + norm (+ bias) inside, or the norm kernel + `qkv_proj`; o as one GEMV (split-K
         reduced in-kernel) or `o_proj`. `owner`: whose split-K tickets (`triton_decode.counters`; the layer's:
-        stages sharing a GPU run their layers side by side on their own streams). `prenormed`: x is already
-        norm(h) and residual is h (the layer before ran this norm: `SparseMoeBlock.forward_normed(next_norm=)`)."""
+        stages sharing a GPU run their layers side by side on their own streams)."""
         qkv_lin, o_lin = self.qkv_proj, self.o_proj
-        bias = qkv_lin.bias is not None
-        if prenormed:
-            h = residual
-            if triton_decode.chooses(x, qkv_lin, triton_decode.fusion(bias=bias)):
-                qkv = triton_decode.decode_gemv(x, *triton_decode.weights(qkv_lin),
-                                                tickets=triton_decode.counters(owner, x.device))
-            else:
-                qkv = qkv_lin(x)
-        elif triton_decode.chooses(x, qkv_lin, triton_decode.fusion(norm=True, bias=bias)):
+        if triton_decode.chooses(x, qkv_lin, triton_decode.fusion(norm=True, bias=qkv_lin.bias is not None)):
             qkv = triton_decode.decode_gemv(x, *triton_decode.weights(qkv_lin), residual=residual,
                                             norm_weight=norm.weight, eps=norm.eps,
                                             tickets=triton_decode.counters(owner, x.device))
@@ -153,13 +143,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, residual, rope, meta, prenormed: bool = False):
+    def forward(self, x, residual, rope, meta):
         """(x, residual): this layer's input is x + residual (residual None: x alone) -> the same pair
         for the next layer, so each residual add runs inside the norm (or GEMV prologue) that follows it.
         At decode sizes on CUDA each linear may take a `triton_decode` GEMV with the norm / residual add /
-        SiLU*mul inside (`Attention.forward_prenorm`, `MLP.fuses`); a fused MLP returns (h, None).
-        `prenormed`: x is the input norm of residual already (the layer before ran it)."""
-        o, h = self.self_attn.forward_prenorm(x, residual, self.input_layernorm, rope, meta, self, prenormed)
+        SiLU*mul inside (`Attention.forward_prenorm`, `MLP.fuses`); a fused MLP returns (h, None)."""
+        o, h = self.self_attn.forward_prenorm(x, residual, self.input_layernorm, rope, meta, self)
         mlp = self.mlp
         if isinstance(mlp, MLP) and mlp.fuses(o):
             return mlp.fused_forward(o, h, self.post_attention_layernorm, triton_decode.counters(self, o.device)), None

@@ -12,11 +12,7 @@ The decoder is `models.llama`'s Qwen3 structure (GQA attention with per-head q/k
 config's `head_dim`, fused residual norms) with `layers.moe.SparseMoeBlock` as the MLP of every layer
 transformers makes sparse (`decoder_sparse_step`, `mlp_only_layers`); the others keep the dense MLP. A
 MoE layer hands its post-attention residual add + RMSNorm to the block (`forward_normed`: at decode sizes
-on CUDA inside the router launch, one launch fewer per layer), and the residual add + RMSNorm after it (the
-next layer's input norm, the final norm after the last layer) too: inside the down launch at decode sizes on
-CUDA, one launch fewer again; the next layer takes the normed rows (`prenormed`). A step's deepstack rows
-ride along (added before that norm, by torch); only the reported layer's own deepstack step keeps the norm
-in the next layer (the report is taken between the add of the residual and of the deepstack rows).
+on CUDA inside the router launch, one launch fewer per layer).
 Rope is Qwen3-Omni's interleaved MRoPE (`mrope_interleaved`; transformers always interleaves here).
 Weights: `thinker.model.*` (experts one by one, or fused as transformers holds them in memory) and
 `thinker.lm_head.weight`; the audio and vision towers are the chat renderer's (`processor.py`). A
@@ -60,16 +56,13 @@ class MoeDecoderLayer(DecoderLayer):
                                   config.moe_intermediate_size, bool(config.norm_topk_prob),
                                   shared_expert_intermediate)
 
-    def forward(self, x, residual, rope, meta, prenormed: bool = False, next_norm=None, add=None):
+    def forward(self, x, residual, rope, meta):
         """`DecoderLayer.forward` with the post-attention residual add + RMSNorm handed to the MoE block
         (`SparseMoeBlock.forward_normed`: at decode sizes on CUDA inside its router launch). The attention
         half is `Attention.forward_prenorm` (qkv and o each a `triton_decode` GEMV where its tiles table measured
-        that faster; at bs1 neither is: qkv, the attention launches, o, router, gate-up, down). With `next_norm`
-        (the RMSNorm after this layer) -> (next_norm(out + add + h), out + add + h), out the block's output
-        (`add`: deepstack rows or None): at decode sizes on CUDA inside the down launch; the next layer then
-        takes them with `prenormed`."""
-        o, h = self.self_attn.forward_prenorm(x, residual, self.input_layernorm, rope, meta, self, prenormed)
-        return self.mlp.forward_normed(o, h, self.post_attention_layernorm, next_norm, add)
+        that faster; at bs1 neither is: the input norm, qkv, the attention launches, o, router, gate-up, down)."""
+        o, h = self.self_attn.forward_prenorm(x, residual, self.input_layernorm, rope, meta, self)
+        return self.mlp.forward_normed(o, h, self.post_attention_layernorm)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
@@ -93,29 +86,13 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         rope = self.rotary.tables(positions)
         residual = None
         reported = x if self.report_layer == 0 else None
-        normed = False                          # x is norm(residual) already: the MoE layer before ran it
-        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            add = layer_adds[i] if layer_adds is not None and i < len(layer_adds) else None
-            reports = i + 1 == self.report_layer
-            if isinstance(layer, MoeDecoderLayer) and not (reports and add is not None):
-                # the next layer's input norm (the final norm after the last) rides with the block
-                after = self.norm if i == last else self.layers[i + 1].input_layernorm
-                x, residual = layer(x, residual, rope, meta, normed, after, add)
-                normed = True
-                if reports:                     # residual is the layer's output x + residual, summed once
-                    reported = residual
-                continue
-            x, residual = layer(x, residual, rope, meta, normed)
-            normed = False
-            if reports:                         # transformers records a layer's output before deepstack
+            x, residual = layer(x, residual, rope, meta)
+            if i + 1 == self.report_layer:      # transformers records a layer's output before deepstack
                 reported = x if residual is None else x + residual   # a fused dense layer: (h, None)
-            if add is not None:
-                x = x + add
-        if normed:
-            out = x
-        else:
-            out = self.norm(x) if residual is None else self.norm(x, residual)[0]
+            if layer_adds is not None and i < len(layer_adds):
+                x = x + layer_adds[i]
+        out = self.norm(x) if residual is None else self.norm(x, residual)[0]
         return out if self.report_layer is None else (out, reported)
 
     # ---- loading -------------------------------------------------------------------------------

@@ -30,13 +30,19 @@ chain of memory latencies (context length -> table entry -> K, V), so the progra
 it: the raw rows, cos / sin and norm weights are loaded first (they depend on nothing), and the norms and
 rotary run while the first table entry loads (H200, thinker bs1: q work placed before the chain measured
 5.03 us per decode launch, the kernel fed rotated q 3.65; this order is not measured on a GPU yet).
+
+With programmatic dependent launch (`pdl`, on by default on sm_90+) both launches are PDL-launched. The decode
+kernel waits first of all (on a decode-only step it follows the qkv GEMM, which writes its rows) and then lets
+the combine launch start; the combine programs read the context length, wait, and only then read the
+partials (or return: every program waits, layers/pdl.py's rule 2).
 """
 
 from __future__ import annotations
 
 import torch
 
-from omnistage.layers import triton_fused
+from omnistage.layers import pdl, triton_fused
+from omnistage.layers.pdl import gdc_launch_dependents, gdc_wait
 
 try:
     import triton
@@ -56,7 +62,11 @@ if triton is not None:
                              stride_q, kn_ptr, vn_ptr, stride_kn, stride_vn, cos_ptr, sin_ptr, stride_cs, slot_ptr,
                              qw_ptr, kw_ptr, q_eps, k_eps, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
                              G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NSPLIT: tl.constexpr,
-                             MIN_RUN: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr, IEEE: tl.constexpr):
+                             MIN_RUN: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr, IEEE: tl.constexpr,
+                             PDL: tl.constexpr = False):
+        if PDL:                                          # first: the rows come from the kernel before (qkv)
+            gdc_wait()
+            gdc_launch_dependents()                      # the combine launch may start (it waits)
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -178,7 +188,7 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(m_ptr, l_ptr, acc_ptr, ctx_ptr, out_ptr, H: tl.constexpr, KVH: tl.constexpr,
                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                        NSPLIT: tl.constexpr, MIN_RUN: tl.constexpr):
+                        NSPLIT: tl.constexpr, MIN_RUN: tl.constexpr, PDL: tl.constexpr = False):
         # one program per (sequence, query head): all of its splits in one vector load, no loop; a context of
         # one split was stored by its decode program
         b = tl.program_id(0)
@@ -187,7 +197,11 @@ if triton is not None:
         gi = hq % G
         sp = tl.arange(0, NSPLIT)
         d = tl.arange(0, D)
+        # the context length before the wait: the decode launch triggers only after its own wait, so what the
+        # kernels before it wrote is complete (layers/pdl.py)
         _, used = _runs(tl.cdiv(tl.load(ctx_ptr + b), BS), NSPLIT, MIN_RUN)
+        if PDL:                                          # every program, also those that return below
+            gdc_wait()
         if used == 1:
             return
         on = sp < used
@@ -257,8 +271,8 @@ def _launch(q, stride_q, cache, block_tables, ctx_lens, scale, min_run, rope=Non
         q, cache[0], cache[1], block_tables, ctx_lens, m, l, acc, out, scale, block_tables.stride(0), stride_q, *new,
         q_norm.weight if norm else q, k_norm.weight if norm else q, q_norm.eps if norm else 0.0,
         k_norm.eps if norm else 0.0, H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs, NSPLIT=nsplit, MIN_RUN=min_run,
-        ROPE=rope is not None, NORM=norm, IEEE=q.dtype == torch.float32, num_warps=4)
+        ROPE=rope is not None, NORM=norm, IEEE=q.dtype == torch.float32, num_warps=4, **pdl.launch(q))
     if nsplit > 1:                                   # else every context is one run, stored by its program
         _combine_kernel[(bsz, h)](m, l, acc, ctx_lens, out, H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs,
-                                  NSPLIT=nsplit, MIN_RUN=min_run, num_warps=4)
+                                  NSPLIT=nsplit, MIN_RUN=min_run, num_warps=4, **pdl.launch(q))
     return out

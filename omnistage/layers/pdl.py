@@ -19,9 +19,11 @@ Rules every PDL-aware kernel here follows:
      resident and wait, or run what precedes their wait); placing it early, even first, is safe as long as the
      next kernel waits. Without it the next kernel launches as the earlier one's programs exit.
   So, by 2, when every PDL-launched kernel waits in every program, a finished kernel implies all kernels before
-  it finished; a kernel whose predecessor triggers only after its own gdc_wait may therefore read, before its
-  own wait, whatever the kernels before its predecessor wrote (the MoE down launch reads the router's expert
-  ids so: gate-up waits before it triggers).
+  it finished. A kernel whose predecessor was launched without PDL, or triggers only after its own gdc_wait (as
+  every kernel here does), starts only once every kernel before that predecessor has finished: before its own
+  wait it may read what those kernels wrote, just not what the predecessor writes. The MoE down launch reads
+  the router's expert ids so (gate-up waits, then triggers); the paged decode kernel fed raw qkv rows reads the
+  context lengths, block table and cached K / V so (the qkv GEMM before it writes only the rows).
 
 Switch: `OMNISTAGE_PDL`, read at import into `ENABLED` (benchmarks may flip it; launches read it): "1" (the
 default) on, "0" off (the kernels launch as before PDL existed: no `PDL` constexpr, no `launch_pdl`). On only

@@ -31,10 +31,13 @@ it: the raw rows, cos / sin and norm weights are loaded first (they depend on no
 rotary run while the first table entry loads (H200, thinker bs1: q work placed before the chain measured
 5.03 us per decode launch, the kernel fed rotated q 3.65; this order is not measured on a GPU yet).
 
-With programmatic dependent launch (`pdl`, on by default on sm_90+) both launches are PDL-launched. The decode
-kernel waits first of all (on a decode-only step it follows the qkv GEMM, which writes its rows) and then lets
-the combine launch start; the combine programs read the context length, wait, and only then read the
-partials (or return: every program waits, layers/pdl.py's rule 2).
+With programmatic dependent launch (`pdl`, on by default on sm_90+) both launches are PDL-launched. Fed raw
+rows, the decode kernel follows the kernel that wrote them (on a decode-only step the qkv GEMM) and nothing it
+reads besides those rows is that kernel's: each program walks the chain context length -> table entry -> first
+K, V block before its gdc_wait, the rows after it, so the chain can overlap the GEMM's end. Fed rotated q (the
+cache's last position written by the kernel before), it waits first of all. Either way it then lets the
+combine launch start; the combine programs read the context length, wait, and only then read the partials
+(or return: every program waits, layers/pdl.py's rule 2). With PDL off the kernels are as before.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ if triton is not None:
                              G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NSPLIT: tl.constexpr,
                              MIN_RUN: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr, IEEE: tl.constexpr,
                              PDL: tl.constexpr = False):
-        if PDL:                                          # first: the rows come from the kernel before (qkv)
+        if PDL and not ROPE:                             # first: q and the cache come from the kernels before
             gdc_wait()
             gdc_launch_dependents()                      # the combine launch may start (it waits)
         b = tl.program_id(0)
@@ -76,17 +79,15 @@ if triton is not None:
         gmask = g < G
         ctx = tl.load(ctx_ptr + b)
         q_rows = q_ptr + b * stride_q + (kh * G + g)[:, None] * D
+        k_row = kn_ptr + b * stride_kn + kh * D
+        v_row = vn_ptr + b * stride_vn + kh * D
         dd = d[None, :]                                  # every [D] row as [1, D]: one layout with q's rows
         swap = (dd + D // 2) % D                         # rotate-half: each element's partner
         if ROPE:
-            # this step's raw rows first: their loads need nothing else, so their latency hides behind the
-            # context's (context length -> table entry -> K, V); see the module docstring
-            qx = tl.load(q_rows + dd, mask=gmask[:, None], other=0.0)
-            qs = tl.load(q_rows + swap, mask=gmask[:, None], other=0.0)
-            k_row = kn_ptr + b * stride_kn + kh * D
-            kx = tl.load(k_row + dd)
-            ks = tl.load(k_row + swap)
-            vn = tl.load(vn_ptr + b * stride_vn + kh * D + dd)
+            if not PDL:
+                # this step's raw rows first: their loads need nothing else, so their latency hides behind the
+                # context's (context length -> table entry -> K, V); see the module docstring
+                qx, qs, kx, ks, vn = _raw_rows(q_rows, k_row, v_row, gmask, dd, swap)
             slot = tl.load(slot_ptr + b).to(tl.int64) * (KVH * D) + kh * D + dd
             cs = tl.load(cos_ptr + b * stride_cs + dd)
             sn = tl.load(sin_ptr + b * stride_cs + dd)
@@ -97,16 +98,27 @@ if triton is not None:
                 qw, qws, kw, kws = cs, cs, cs, cs        # unused
         nblocks = tl.cdiv(ctx, BS)
         run, used = _runs(nblocks, NSPLIT, MIN_RUN)       # splits past `used` have no blocks: they exit
-        if sp >= used:
-            return
         first = sp * run
-        last = tl.minimum(first + run, nblocks)
         if ROPE:
             cached = ctx - 1                             # the new token's k and v come from registers (below)
         else:
             cached = ctx
         bt_row = bt_ptr + b * stride_bt
-        blk = tl.load(bt_row + first)                    # the run's first block: the q work runs while it loads
+        if PDL and ROPE:
+            # the context before the wait: the kernel before this launch (the qkv GEMM) writes only this step's
+            # rows, and what the kernels before it wrote is complete (layers/pdl.py), so the chain context length
+            # -> table entry -> first K, V block overlaps its end; the rows after the wait. Splits past `used`:
+            # masked loads (their run starts past the table's real entries)
+            blk = tl.load(bt_row + first, mask=sp < used, other=0)
+            k, v, on = _kv_block(k_ptr, v_ptr, blk, first, kh, cached, t, d, KVH, D, BS)
+            gdc_wait()                                   # every program, also those that return below
+            gdc_launch_dependents()
+            qx, qs, kx, ks, vn = _raw_rows(q_rows, k_row, v_row, gmask, dd, swap)
+        if sp >= used:
+            return
+        last = tl.minimum(first + run, nblocks)
+        if not PDL or not ROPE:
+            blk = tl.load(bt_row + first)                # the run's first block: the q work runs while it loads
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         l = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
@@ -124,7 +136,8 @@ if triton is not None:
                 acc = acc + vn.to(tl.float32)
         else:
             q = tl.load(q_rows + dd, mask=gmask[:, None], other=0.0)
-        k, v, on = _kv_block(k_ptr, v_ptr, blk, first, kh, cached, t, d, KVH, D, BS)
+        if not PDL or not ROPE:                          # (with both, the first block was read before the wait)
+            k, v, on = _kv_block(k_ptr, v_ptr, blk, first, kh, cached, t, d, KVH, D, BS)
         m, l, acc = _online_softmax(q, k, v, on, m, l, acc, scale, IEEE)
         for j in range(first + 1, last):
             k, v, on = _kv_block(k_ptr, v_ptr, tl.load(bt_row + j), j, kh, cached, t, d, KVH, D, BS)
@@ -137,6 +150,14 @@ if triton is not None:
             tl.store(m_ptr + (base + sp) * G_PAD + g, m)
             tl.store(l_ptr + (base + sp) * G_PAD + g, l)
             tl.store(acc_ptr + ((base + sp) * G_PAD + g)[:, None] * D + d[None, :], acc)
+
+    @triton.jit
+    def _raw_rows(q_rows, k_row, v_row, gmask, dd, swap):
+        """This step's raw rows: the head group's q [G_PAD, D] and the KV head's k [1, D], each also with its halves
+        exchanged (`swap`: the rotate-half partners), and its v [1, D]."""
+        qx = tl.load(q_rows + dd, mask=gmask[:, None], other=0.0)
+        qs = tl.load(q_rows + swap, mask=gmask[:, None], other=0.0)
+        return qx, qs, tl.load(k_row + dd), tl.load(k_row + swap), tl.load(v_row + dd)
 
     @triton.jit
     def _kv_block(k_ptr, v_ptr, blk, j, kh, cached, t, d, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):

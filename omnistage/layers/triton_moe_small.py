@@ -31,10 +31,11 @@ the grouped GEMM's tiles mostly padding, and align's torch ops cost more launche
                                 launch for what takes torch four or five.
 With programmatic dependent launch (`pdl`, the rules in its docstring; on by default on sm_90+) the block's
 three launches are chained: each lets the next launch early (gdc_launch_dependents) right after its own
-gdc_wait. The router waits first of all (it follows the o projection); gate-up reads nothing before its wait;
-down loads its expert ids before its wait (the router's, finished: gate-up triggers only after its wait) and
-gate-up's rows after it. So the launch latency and down's id loads overlap the launch before; down also lets
-the kernel after it (the next layer's input RMSNorm) launch early.
+gdc_wait. The router (after the o projection, which writes x) loads its first gate rows before its wait
+(with the mean square over several K steps it waits first); gate-up reads nothing before its wait; down loads
+its expert ids before its wait (the router's, finished: gate-up triggers only after its wait) and gate-up's
+rows after it. So the launch latency and these loads overlap the launch before; down also lets the kernel
+after it (the next layer's input RMSNorm) launch early.
 The decode launch shapes (`SmallTiles`, triton_moe_tiles.py) are timed on the device at start-up by
 `moe_tune` (candidates around `TUNED`, an H200 sweep of `benchmarks/moe_bench.py`, or `small_tiles`'
 rule: column tiles narrow enough for ~4 programs per SM, since a decode MoE layer is a weight read,
@@ -236,9 +237,9 @@ if triton is not None:
         # the token's last ticket reads the whole row back, routes it and resets the ticket to 0.
         # NORMED: x is RMSNorm(x + residual) * nw first (each program recomputes the row's mean square;
         # the first column of programs stores h = x + residual and the normed row, rows [T, H] contiguous)
-        if PDL:                                 # the o projection's rows complete; gate-up may launch (it waits)
-            gdc_wait()
-            gdc_launch_dependents()
+        if PDL and NORMED and not SINGLE:       # the mean square below reads the rows first
+            gdc_wait()                          # (the kernel before, the o projection, writes x)
+            gdc_launch_dependents()             # gate-up may launch (it waits for this grid)
         token = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         r_ok = rows < num_experts
@@ -259,6 +260,10 @@ if triton is not None:
             k_ok = (k0 + ks) < hidden
             w = tl.load(g_ptr + rows[:, None] * stride_g + (k0 + ks)[None, :], mask=r_ok[:, None] & k_ok[None, :],
                         other=0.0)              # first: in flight while the row is normed
+            if PDL and (SINGLE or not NORMED):
+                if k0 == 0:                     # the first gate rows (weights) before the wait, x after it
+                    gdc_wait()
+                    gdc_launch_dependents()
             if NORMED:                          # rounded as fused.rms_norm_ref: h, h * rstd, then times the weight
                 hv = _residual_sum(x_row, r_row, k0 + ks, k_ok, dt)
                 if SINGLE:

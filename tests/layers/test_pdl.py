@@ -106,14 +106,17 @@ def digest(*ts):
 out = {"on": pdl.on(torch.zeros(1))}
 x, r, w = rnd(3, 96), rnd(3, 96), 1 + rnd(96, scale=0.1)
 out["rms_norm"] = digest(triton_fused.rms_norm(x, w, 1e-6), *triton_fused.rms_norm(x, w, 1e-6, r))
-# the MoE block: router (+ residual add + RMSNorm), gate-up, down; split-K gate-up and down; a shared expert
+# the MoE block: router (+ residual add + RMSNorm), gate-up, down; split-K gate-up and down; a shared expert.
+# The router over several K steps (`split`) and over all of H in one (the default tiles), with and without the norm
 t, e, k, h, i = 2, 8, 2, 40, 24
 x, res, nw, gate = rnd(t, h), rnd(t, h), 1 + rnd(h, scale=0.1), rnd(e, h, scale=0.3)
 w13, w2 = rnd(e, 2 * i, h, scale=0.2), rnd(e, h, i, scale=0.2)
-tiles = tms.SmallTiles(up_n=8, up_k=16, up_split=2, down_n=8, down_k=8, down_split=2, route_r=4, route_k=16)
+split = tms.SmallTiles(up_n=8, up_k=16, up_split=2, down_n=8, down_k=8, down_split=2, route_r=4, route_k=16)
 shared = (rnd(t, h), rnd(t, 1))
-out["moe"] = digest(*tms.routed_moe_small(x, gate, w13, w2, k, True, tiles=tiles, prenorm=(res, nw, 1e-6)),
-                    tms.routed_moe_small(x, gate, w13, w2, k, False, tiles=tms.SmallTiles(), shared=shared))
+out["moe"] = digest(*tms.routed_moe_small(x, gate, w13, w2, k, True, tiles=split, prenorm=(res, nw, 1e-6)),
+                    *tms.routed_moe_small(x, gate, w13, w2, k, True, tiles=tms.SmallTiles(), prenorm=(res, nw, 1e-6)),
+                    tms.routed_moe_small(x, gate, w13, w2, k, False, tiles=tms.SmallTiles(), shared=shared),
+                    tms.routed_moe_small(x, gate, w13, w2, k, False, tiles=split))
 # paged decode attention from raw qkv rows: a batch (contexts of one run: stored by the decode program, the combine
 # program returns at once) and a lone row (its context over several splits: the combine launch merges them)
 hq, kvh, d, bs, nb, width = 4, 2, 32, 16, 24, 6

@@ -23,7 +23,7 @@ Rules every PDL-aware kernel here follows:
   every kernel here does), starts only once every kernel before that predecessor has finished: before its own
   wait it may read what those kernels wrote, just not what the predecessor writes. The MoE down launch reads
   the router's expert ids so (gate-up waits, then triggers); the paged decode kernel fed raw qkv rows reads the
-  context lengths, block table and cached K / V so (the qkv GEMM before it writes only the rows).
+  context lengths and its block-table entry so (the qkv GEMM before it writes only the rows).
 
 Switch: `OMNISTAGE_PDL`, read at import into `ENABLED` (benchmarks may flip it; launches read it): "1" (the
 default) on, "0" off (the kernels launch as before PDL existed: no `PDL` constexpr, no `launch_pdl`). On only

@@ -33,9 +33,10 @@ rotary run while the first table entry loads (H200, thinker bs1: q work placed b
 
 With programmatic dependent launch (`pdl`, on by default on sm_90+) both launches are PDL-launched. Fed raw
 rows, the decode kernel follows the kernel that wrote them (on a decode-only step the qkv GEMM) and nothing it
-reads besides those rows is that kernel's: each program walks the chain context length -> table entry -> first
-K, V block before its gdc_wait, the rows after it, so the chain can overlap the GEMM's end. Fed rotated q (the
-cache's last position written by the kernel before), it waits first of all. Either way it then lets the
+reads besides those rows is that kernel's: each program loads the context length, its run's first table entry,
+slot, cos / sin and norm weights before its gdc_wait, so that much of the chain can overlap the GEMM's end, and
+the rows with the first K, V block after it. Fed rotated q (the cache's last position written by the kernel
+before), it waits first of all. Either way it then lets the
 combine launch start; the combine programs read the context length, wait, and only then read the partials
 (or return: every program waits, layers/pdl.py's rule 2). With PDL off the kernels are as before.
 """
@@ -106,11 +107,12 @@ if triton is not None:
         bt_row = bt_ptr + b * stride_bt
         if PDL and ROPE:
             # the context before the wait: the kernel before this launch (the qkv GEMM) writes only this step's
-            # rows, and what the kernels before it wrote is complete (layers/pdl.py), so the chain context length
-            # -> table entry -> first K, V block overlaps its end; the rows after the wait. Splits past `used`:
-            # masked loads (their run starts past the table's real entries)
+            # rows, and what the kernels before it wrote is complete (layers/pdl.py), so context length -> table
+            # entry can overlap its end; then the rows and the first K, V block load together. (The block's loads
+            # would not stay in flight across the wait: sm_90 compiles finish them, shared-memory stores
+            # included, before it, so the rows' latency would follow the whole chain.) Splits past `used`: a
+            # masked load (their run starts past the table's real entries)
             blk = tl.load(bt_row + first, mask=sp < used, other=0)
-            k, v, on = _kv_block(k_ptr, v_ptr, blk, first, kh, cached, t, d, KVH, D, BS)
             gdc_wait()                                   # every program, also those that return below
             gdc_launch_dependents()
             qx, qs, kx, ks, vn = _raw_rows(q_rows, k_row, v_row, gmask, dd, swap)
@@ -136,8 +138,7 @@ if triton is not None:
                 acc = acc + vn.to(tl.float32)
         else:
             q = tl.load(q_rows + dd, mask=gmask[:, None], other=0.0)
-        if not PDL or not ROPE:                          # (with both, the first block was read before the wait)
-            k, v, on = _kv_block(k_ptr, v_ptr, blk, first, kh, cached, t, d, KVH, D, BS)
+        k, v, on = _kv_block(k_ptr, v_ptr, blk, first, kh, cached, t, d, KVH, D, BS)
         m, l, acc = _online_softmax(q, k, v, on, m, l, acc, scale, IEEE)
         for j in range(first + 1, last):
             k, v, on = _kv_block(k_ptr, v_ptr, tl.load(bt_row + j), j, kh, cached, t, d, KVH, D, BS)

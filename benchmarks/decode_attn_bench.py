@@ -12,6 +12,8 @@ table, Qwen2.5-1.5B's (12 / 2 heads of 128, no norm). Per (batch, context) the t
   rot+dec      today's decode step before the fused entry: `fused.rotary_and_cache` (norms, rotary, KV write)
                then `paged_decode_attention`
   fused, ferr, cerr  `rope_decode_attention` (raw qkv rows: norms, rotary and KV write in the decode kernel)
+               as OMNISTAGE_PDL says (`layers/pdl.py`, default on: decode and combine PDL-launched), `no pdl`
+               the same with programmatic dependent launch off,
                and its max abs error vs `rotary_and_cache` + `attend` on the reference path: the output
                (its scale: `peak`) and the cache after (values ~N(0, 1), peak ~4.5: one bf16 step there is
                0.03; the reference rounds the rotation three times, the kernel once)
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from omnistage.layers import fused, triton_attention
+from omnistage.layers import fused, pdl, triton_attention
 from omnistage.layers.attention import AttentionMetadata, attend, rope_attend
 from omnistage.layers.norm import RMSNorm
 
@@ -64,6 +66,15 @@ def reference(fn):
         return fn()
     finally:
         fused.ENABLED, triton_attention.triton = saved, saved_triton
+
+
+def without_pdl(fn):
+    """fn() with programmatic dependent launch off."""
+    saved, pdl.ENABLED = pdl.ENABLED, False
+    try:
+        return fn()
+    finally:
+        pdl.ENABLED = saved
 
 
 def err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -112,7 +123,7 @@ class Case:
 def thinker_table() -> None:
     print("Qwen3-Omni thinker attention: 32 / 4 heads of 128, q/k norm, bf16")
     print(f"{'batch':>5} {'ctx':>5} {'err':>8} {'peak':>6} " + " ".join(f"{label:>9}" for label, _ in VARIANTS)
-          + f" {'rot+dec':>8} {'fused':>7} {'ferr':>8} {'cerr':>8} {'floor':>6}  (us, CUDA graphs)")
+          + f" {'rot+dec':>8} {'fused':>7} {'no pdl':>7} {'ferr':>8} {'cerr':>8} {'floor':>6}  (us, CUDA graphs)")
     for b in BATCHES:
         for ctx in CONTEXTS:
             c = Case(32, 4, 128, True, b, ctx)
@@ -122,12 +133,14 @@ def thinker_table() -> None:
             times = [per_call_us(lambda r=r: triton_attention.paged_decode_attention(
                 q, c.cache, c.tables, c.ctx, c.scale, r)) for _, r in VARIANTS]
             today, fused_us = per_call_us(lambda: c.today(c.cache)), per_call_us(lambda: c.fused(c.cache))
+            no_pdl = without_pdl(lambda: per_call_us(lambda: c.fused(c.cache)))
             floor_us = b * ctx * 4 * 128 * 2 * 2 / 4e12 * 1e6
             print(f"{b:>5} {ctx:>5} {err(got, ref):>8.1e} {ref.float().abs().max().item():>6.2f} "
                   + " ".join(f"{t:>9.2f}" for t in times)
-                  + f" {today:>8.2f} {fused_us:>7.2f} " + " ".join(f"{e:>8.1e}" for e in c.fused_errors())
+                  + f" {today:>8.2f} {fused_us:>7.2f} {no_pdl:>7.2f} "
+                  + " ".join(f"{e:>8.1e}" for e in c.fused_errors())
                   + f" {floor_us:>6.2f}")
-    print(f"(default MIN_RUN = {triton_attention.MIN_RUN})")
+    print(f"(default MIN_RUN = {triton_attention.MIN_RUN}; OMNISTAGE_PDL here: {pdl.ENABLED})")
 
 
 def dense_table() -> None:

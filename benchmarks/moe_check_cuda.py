@@ -21,7 +21,11 @@ router logits -- each beside the bandwidth floor.
 The sorted path's rows also time it as it ran before (old: `triton_moe.align`'s torch ops, the default
 `SortedTiles`) beside today's (the one-launch align up to ALIGN_PAIRS pairs, the `SORTED_TUNED` tiles). With
 --decode instead, at T = 1, 2, 4, 8, the decode kernels in the tiles the start-up tuner picks from session 9's candidate lists
-(old) and from today's (new), per kernel and for the thinker's whole block, beside their floors at 4.2 TB/s.
+(old) and from today's (new), per kernel and for the thinker's whole block, beside their floors at 4.2 TB/s;
+then, in the new tiles, the block and the block followed by the next layer's input RMSNorm (the kernel after
+down in the thinker's step) with programmatic dependent launch on and off (`layers/pdl.py`; whatever
+OMNISTAGE_PDL says, both are timed), and the router's top-k (`triton_moe_small.route`) against torch's
+softmax + topk + renormalisation on random logits (the same experts; weights to float32 rounding).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import sys
 
 import torch
 
-from omnistage.layers import fused, moe, moe_tune, triton_moe, triton_moe_small, triton_moe_tiles
+from omnistage.layers import fused, moe, moe_tune, pdl, triton_fused, triton_moe, triton_moe_small, triton_moe_tiles
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gemv_bench import graph_us  # noqa: E402  (one CUDA-graph timer for every benchmark)
@@ -101,7 +105,8 @@ def main() -> None:
     w13, w2 = w13_f.bfloat16(), w2_f.bfloat16()
     if args.decode:
         logging.basicConfig(format="%(message)s")
-        decode_old_new(w13, w2)
+        pdl_on_off(w13, w2, decode_old_new(w13, w2))
+        route_check()
         return
     hf = hf_experts(w13, w2)
     for t in TS:
@@ -165,12 +170,14 @@ def tuned(x, gate, w13, w2, lists: dict | None):
     return tiles, next(iter(moe_tune.SECONDS.values()))
 
 
-def decode_old_new(w13: torch.Tensor, w2: torch.Tensor) -> None:
+def decode_old_new(w13: torch.Tensor, w2: torch.Tensor) -> dict:
     """The decode kernels (the thinker layer's block: residual add + RMSNorm in the router launch) in the
     tiles the start-up tuner picks from session 9's candidate lists (old) and from today's (new): us per
     call, 16 calls per CUDA graph each on its own rows (other experts; L2 does not hold them), and the
     tuner's seconds (each includes compiles only of candidates no earlier call compiled), and the new
-    tiles' block against the PyTorch reference (RMSNorm, router, `moe.route`, `fused_moe_ref`)."""
+    tiles' block against the PyTorch reference (RMSNorm, router, `moe.route`, `fused_moe_ref`). Returns the new
+    tiles per T."""
+    chosen = {}
     gate = torch.randn(E, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5
     nw = 1 + 0.1 * torch.randn(H, device="cuda", dtype=torch.bfloat16)
     print(f"\n{'T':>3} {'kernel':>7} {'old us':>7} {'new us':>7} {'floor':>6}   (tuner s old / new; tiles)")
@@ -183,6 +190,7 @@ def decode_old_new(w13: torch.Tensor, w2: torch.Tensor) -> None:
         moe_tune.log.setLevel(logging.DEBUG)    # each candidate's time (changed fields only), today's lists
         new, new_s = tuned(xs[0], gate, w13, w2, None)
         moe_tune.log.setLevel(logging.WARNING)
+        chosen[t] = new
         routed = [triton_moe_small.small_route(x, gate, K, True, new) for x in xs]
         mids = [triton_moe_small.small_gate_up(xs[i], w13, routed[i][1], new) for i in range(16)]
         hit = sum(r[1].unique().numel() for r in routed) / 16
@@ -203,6 +211,45 @@ def decode_old_new(w13: torch.Tensor, w2: torch.Tensor) -> None:
         got = triton_moe_small.routed_moe_small(xs[0], gate, w13, w2, K, True, new, prenorm=(res[0], nw, 1e-6))[0]
         print(f"    new tiles' block err {(got.float() - ref.float()).abs().max().item():.1e} "
               f"(peak {ref.float().abs().max().item():.2f}); tuner {old_s:.1f} s / {new_s:.1f} s; old {old}; new {new}")
+    return chosen
+
+
+def pdl_on_off(w13: torch.Tensor, w2: torch.Tensor, chosen: dict) -> None:
+    """us per call of the thinker's block, and of the block + the next layer's input RMSNorm, PDL on / off
+    (16 calls per CUDA graph, each on its own rows), in the tiles `decode_old_new` chose."""
+    gate = torch.randn(E, H, device="cuda", dtype=torch.bfloat16) * H ** -0.5
+    nw = 1 + 0.1 * torch.randn(H, device="cuda", dtype=torch.bfloat16)
+    saved = pdl.ENABLED
+    print(f"\n{'T':>3} {'launches':>11} {'PDL on':>7} {'off':>7}   (us per call; OMNISTAGE_PDL here: {saved})")
+    for t, tiles in chosen.items():
+        xs = [torch.randn(t, H, device="cuda", dtype=torch.bfloat16) for _ in range(16)]
+        res = [torch.randn(t, H, device="cuda", dtype=torch.bfloat16) for _ in range(16)]
+
+        def block(i):
+            return triton_moe_small.routed_moe_small(xs[i], gate, w13, w2, K, True, tiles, prenorm=(res[i], nw, 1e-6))
+
+        def block_norm(i):
+            out, h = block(i)
+            return triton_fused.rms_norm(out, nw, 1e-6, h)
+
+        for name, run in (("block", block), ("block+norm", block_norm)):
+            us = {}
+            for on in (True, False):
+                pdl.ENABLED = on and pdl.gdc_wait is not None
+                us[on] = graph_us(run, calls=16)
+            pdl.ENABLED = saved
+            print(f"{t:>3} {name:>11} {us[True]:>7.1f} {us[False]:>7.1f}")
+
+
+def route_check() -> None:
+    """`triton_moe_small.route` (softmax, top-k by ranks, renormalisation) vs torch on random logits."""
+    logits = torch.randn(64, E, device="cuda") * 3
+    for norm in (True, False):
+        w, ids = triton_moe_small.route(logits, K, norm)
+        want_w, want_ids = torch.topk(torch.softmax(logits, -1), K, dim=-1)
+        want_w = want_w / want_w.sum(-1, keepdim=True) if norm else want_w
+        print(f"route (norm {norm}): ids equal torch.topk's {torch.equal(ids, want_ids)}, "
+              f"weights max abs err {(w - want_w).abs().max().item():.1e}")
 
 
 def small_path(w13: torch.Tensor, w2: torch.Tensor) -> None:

@@ -279,11 +279,11 @@ def main() -> None:
     bw = copy_bandwidth()
     ours, tables, gap = bench_ours(args.work, batches, args.profile_steps,
                                    ("cuda graphs",) if args.gap_only else ("cuda graphs", "eager"))
-    from omnistage.layers import moe_tune
+    from omnistage.layers import moe_tune, pdl
     chosen = {f"T bucket {key[1]}, top_k {key[2]}, hidden {key[3]}, width {key[4]}": repr(tiles)
               for key, tiles in moe_tune.CHOSEN.items()}
     res = {"tiny_cuda_equals_transformers": tiny, "copy_bandwidth_GBs": bw / 1e9, "floor": [floor_tok_s(b, bw) for b in batches],
-           "ours": ours, "profile_bs1": tables, "moe_tiles_chosen": chosen, "bs1_gap": gap}
+           "ours": ours, "profile_bs1": tables, "moe_tiles_chosen": chosen, "bs1_gap": gap, "pdl": pdl.ENABLED}
     if not args.skip_hf:
         res["transformers"] = bench_hf(args.work, batches)
     if args.out:
@@ -291,7 +291,8 @@ def main() -> None:
             json.dump(res, f, indent=1)
     print(f"tiny Qwen3-Omni on CUDA (fp32), greedy ids equal transformers': {tiny}")
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; active params per token "
-          f"{res['floor'][0]['active_params_per_token'] / 1e9:.2f} B")
+          f"{res['floor'][0]['active_params_per_token'] / 1e9:.2f} B; programmatic dependent launch "
+          f"(OMNISTAGE_PDL) {'on' if pdl.ENABLED else 'off'}")
     print("| batch | omnistage tok/s | transformers tok/s | floor tok/s | omnistage / floor |")
     print("|---|---|---|---|---|")
     for i, b in enumerate(batches):

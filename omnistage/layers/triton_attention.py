@@ -30,13 +30,23 @@ chain of memory latencies (context length -> table entry -> K, V), so the progra
 it: the raw rows, cos / sin and norm weights are loaded first (they depend on nothing), and the norms and
 rotary run while the first table entry loads (H200, thinker bs1: q work placed before the chain measured
 5.03 us per decode launch, the kernel fed rotated q 3.65; this order is not measured on a GPU yet).
+
+With programmatic dependent launch (`pdl`, on by default on sm_90+) both launches are PDL-launched. Fed raw
+rows, the decode kernel follows the kernel that wrote them (on a decode-only step the qkv GEMM) and nothing it
+reads besides those rows is that kernel's: each program loads the context length, its run's first table entry,
+slot, cos / sin and norm weights before its gdc_wait, so that much of the chain can overlap the GEMM's end, and
+the rows with the first K, V block after it. Fed rotated q (the cache's last position written by the kernel
+before), it waits first of all. Either way it then lets the
+combine launch start; the combine programs read the context length, wait, and only then read the partials
+(or return: every program waits, layers/pdl.py's rule 2). With PDL off the kernels are as before.
 """
 
 from __future__ import annotations
 
 import torch
 
-from omnistage.layers import triton_fused
+from omnistage.layers import pdl, triton_fused
+from omnistage.layers.pdl import gdc_launch_dependents, gdc_wait
 
 try:
     import triton
@@ -56,7 +66,11 @@ if triton is not None:
                              stride_q, kn_ptr, vn_ptr, stride_kn, stride_vn, cos_ptr, sin_ptr, stride_cs, slot_ptr,
                              qw_ptr, kw_ptr, q_eps, k_eps, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
                              G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NSPLIT: tl.constexpr,
-                             MIN_RUN: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr, IEEE: tl.constexpr):
+                             MIN_RUN: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr, IEEE: tl.constexpr,
+                             PDL: tl.constexpr = False):
+        if PDL and not ROPE:                             # first: q and the cache come from the kernels before
+            gdc_wait()
+            gdc_launch_dependents()                      # the combine launch may start (it waits)
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -66,17 +80,15 @@ if triton is not None:
         gmask = g < G
         ctx = tl.load(ctx_ptr + b)
         q_rows = q_ptr + b * stride_q + (kh * G + g)[:, None] * D
+        k_row = kn_ptr + b * stride_kn + kh * D
+        v_row = vn_ptr + b * stride_vn + kh * D
         dd = d[None, :]                                  # every [D] row as [1, D]: one layout with q's rows
         swap = (dd + D // 2) % D                         # rotate-half: each element's partner
         if ROPE:
-            # this step's raw rows first: their loads need nothing else, so their latency hides behind the
-            # context's (context length -> table entry -> K, V); see the module docstring
-            qx = tl.load(q_rows + dd, mask=gmask[:, None], other=0.0)
-            qs = tl.load(q_rows + swap, mask=gmask[:, None], other=0.0)
-            k_row = kn_ptr + b * stride_kn + kh * D
-            kx = tl.load(k_row + dd)
-            ks = tl.load(k_row + swap)
-            vn = tl.load(vn_ptr + b * stride_vn + kh * D + dd)
+            if not PDL:
+                # this step's raw rows first: their loads need nothing else, so their latency hides behind the
+                # context's (context length -> table entry -> K, V); see the module docstring
+                qx, qs, kx, ks, vn = _raw_rows(q_rows, k_row, v_row, gmask, dd, swap)
             slot = tl.load(slot_ptr + b).to(tl.int64) * (KVH * D) + kh * D + dd
             cs = tl.load(cos_ptr + b * stride_cs + dd)
             sn = tl.load(sin_ptr + b * stride_cs + dd)
@@ -87,16 +99,28 @@ if triton is not None:
                 qw, qws, kw, kws = cs, cs, cs, cs        # unused
         nblocks = tl.cdiv(ctx, BS)
         run, used = _runs(nblocks, NSPLIT, MIN_RUN)       # splits past `used` have no blocks: they exit
-        if sp >= used:
-            return
         first = sp * run
-        last = tl.minimum(first + run, nblocks)
         if ROPE:
             cached = ctx - 1                             # the new token's k and v come from registers (below)
         else:
             cached = ctx
         bt_row = bt_ptr + b * stride_bt
-        blk = tl.load(bt_row + first)                    # the run's first block: the q work runs while it loads
+        if PDL and ROPE:
+            # the context before the wait: the kernel before this launch (the qkv GEMM) writes only this step's
+            # rows, and what the kernels before it wrote is complete (layers/pdl.py), so context length -> table
+            # entry can overlap its end; then the rows and the first K, V block load together. (The block's loads
+            # would not stay in flight across the wait: sm_90 compiles finish them, shared-memory stores
+            # included, before it, so the rows' latency would follow the whole chain.) Splits past `used`: a
+            # masked load (their run starts past the table's real entries)
+            blk = tl.load(bt_row + first, mask=sp < used, other=0)
+            gdc_wait()                                   # every program, also those that return below
+            gdc_launch_dependents()
+            qx, qs, kx, ks, vn = _raw_rows(q_rows, k_row, v_row, gmask, dd, swap)
+        if sp >= used:
+            return
+        last = tl.minimum(first + run, nblocks)
+        if not PDL or not ROPE:
+            blk = tl.load(bt_row + first)                # the run's first block: the q work runs while it loads
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         l = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
@@ -127,6 +151,14 @@ if triton is not None:
             tl.store(m_ptr + (base + sp) * G_PAD + g, m)
             tl.store(l_ptr + (base + sp) * G_PAD + g, l)
             tl.store(acc_ptr + ((base + sp) * G_PAD + g)[:, None] * D + d[None, :], acc)
+
+    @triton.jit
+    def _raw_rows(q_rows, k_row, v_row, gmask, dd, swap):
+        """This step's raw rows: the head group's q [G_PAD, D] and the KV head's k [1, D], each also with its halves
+        exchanged (`swap`: the rotate-half partners), and its v [1, D]."""
+        qx = tl.load(q_rows + dd, mask=gmask[:, None], other=0.0)
+        qs = tl.load(q_rows + swap, mask=gmask[:, None], other=0.0)
+        return qx, qs, tl.load(k_row + dd), tl.load(k_row + swap), tl.load(v_row + dd)
 
     @triton.jit
     def _kv_block(k_ptr, v_ptr, blk, j, kh, cached, t, d, KVH: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
@@ -178,7 +210,7 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(m_ptr, l_ptr, acc_ptr, ctx_ptr, out_ptr, H: tl.constexpr, KVH: tl.constexpr,
                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                        NSPLIT: tl.constexpr, MIN_RUN: tl.constexpr):
+                        NSPLIT: tl.constexpr, MIN_RUN: tl.constexpr, PDL: tl.constexpr = False):
         # one program per (sequence, query head): all of its splits in one vector load, no loop; a context of
         # one split was stored by its decode program
         b = tl.program_id(0)
@@ -187,7 +219,11 @@ if triton is not None:
         gi = hq % G
         sp = tl.arange(0, NSPLIT)
         d = tl.arange(0, D)
+        # the context length before the wait: the decode launch triggers only after its own wait, so what the
+        # kernels before it wrote is complete (layers/pdl.py)
         _, used = _runs(tl.cdiv(tl.load(ctx_ptr + b), BS), NSPLIT, MIN_RUN)
+        if PDL:                                          # every program, also those that return below
+            gdc_wait()
         if used == 1:
             return
         on = sp < used
@@ -257,8 +293,8 @@ def _launch(q, stride_q, cache, block_tables, ctx_lens, scale, min_run, rope=Non
         q, cache[0], cache[1], block_tables, ctx_lens, m, l, acc, out, scale, block_tables.stride(0), stride_q, *new,
         q_norm.weight if norm else q, k_norm.weight if norm else q, q_norm.eps if norm else 0.0,
         k_norm.eps if norm else 0.0, H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs, NSPLIT=nsplit, MIN_RUN=min_run,
-        ROPE=rope is not None, NORM=norm, IEEE=q.dtype == torch.float32, num_warps=4)
+        ROPE=rope is not None, NORM=norm, IEEE=q.dtype == torch.float32, num_warps=4, **pdl.launch(q))
     if nsplit > 1:                                   # else every context is one run, stored by its program
         _combine_kernel[(bsz, h)](m, l, acc, ctx_lens, out, H=h, KVH=kvh, G=g, G_PAD=g_pad, D=d, BS=bs,
-                                  NSPLIT=nsplit, MIN_RUN=min_run, num_warps=4)
+                                  NSPLIT=nsplit, MIN_RUN=min_run, num_warps=4, **pdl.launch(q))
     return out

@@ -1,6 +1,8 @@
 """Triton kernels behind `fused.py` (CUDA; the Triton interpreter runs them on CPU tensors in tests).
 
-  rms_norm          one program per row: optional residual add, RMSNorm, weight
+  rms_norm          one program per row: optional residual add, RMSNorm, weight (PDL-launched where `pdl`
+                    is on: it waits first of all, so the kernel before it, e.g. the MoE down launch,
+                    lets it launch early)
   rotary_and_cache  one program per token: every q and k head (optional per-head RMSNorm, then
                     the rotation), the rotated k and the v rows stored into their KV-cache slot
   silu_and_mul      a 2-D grid over (row, column block) of [gate | up]
@@ -14,6 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from omnistage.layers import pdl
+from omnistage.layers.pdl import gdc_launch_dependents, gdc_wait
+
 try:
     import triton
     import triton.language as tl
@@ -24,7 +29,10 @@ except ImportError:                                  # CPU-only installs
 if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, stride_x, stride_r, stride_out, stride_res, n, eps,
-                         BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+                         BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:                                      # x and the residual come from the kernel before
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -128,12 +136,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         return out.view(shape) if residual is None else (out.view(shape), residual + x)
     if residual is None:
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0, n, eps,
-                                         BLOCK=block, HAS_RES=False, num_warps=_warps(block))
+                                         BLOCK=block, HAS_RES=False, num_warps=_warps(block), **pdl.launch(x2))
         return out.view(shape)
     r2 = _rows(residual)
     res = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res, x2.stride(0), r2.stride(0), out.stride(0),
-                                     res.stride(0), n, eps, BLOCK=block, HAS_RES=True, num_warps=_warps(block))
+                                     res.stride(0), n, eps, BLOCK=block, HAS_RES=True, num_warps=_warps(block),
+                                     **pdl.launch(x2))
     return out.view(shape), res.view(shape)
 
 

@@ -22,12 +22,20 @@ the grouped GEMM's tiles mostly padding, and align's torch ops cost more launche
                                 the program that takes the token's last ticket (one int32 per token, reset by
                                 it, so CUDA graphs replay it as captured) reads the row back and routes it
                                 (`_top_k`, `route`'s code): the expert ids and weights for the next two launches
-  routed_moe_small(x, gate, ...)   router, gate-up, down: three launches for the whole block (PDL: see below) (with a shared
+  routed_moe_small(x, gate, ...)   router, gate-up, down: three launches for the whole block (with a shared
                                 expert's output and gate logit, the down launch also adds sigmoid(gate) * shared;
                                 with `prenorm` the router launch also runs the residual add + RMSNorm before it)
-  route(logits, top_k, norm)    one program per row: float32 softmax over the experts, the top k by
-                                repeated argmax (descending, as torch.topk), the renormalisation; one launch
-                                for what takes torch four or five.
+  route(logits, top_k, norm)    one program per row: float32 softmax over the experts, the top k (`_top_k`:
+                                every expert's rank in one comparison of all pairs; descending, ties to the
+                                lower index, as torch.topk orders distinct values), the renormalisation; one
+                                launch for what takes torch four or five.
+With programmatic dependent launch (`pdl`, the rules in its docstring; on by default on sm_90+) the block's
+three launches are chained: each lets the next launch early (gdc_launch_dependents) right after its own
+gdc_wait. The router (after the o projection, which writes x) loads its first gate rows before its wait
+(with the mean square over several K steps it waits first); gate-up reads nothing before its wait; down loads
+its expert ids before its wait (the router's, finished: gate-up triggers only after its wait) and gate-up's
+rows after it. So the launch latency and these loads overlap the launch before; down also lets the kernel
+after it (the next layer's input RMSNorm) launch early.
 The decode launch shapes (`SmallTiles`, triton_moe_tiles.py) are timed on the device at start-up by
 `moe_tune` (candidates around `TUNED`, an H200 sweep of `benchmarks/moe_bench.py`, or `small_tiles`'
 rule: column tiles narrow enough for ~4 programs per SM, since a decode MoE layer is a weight read,
@@ -40,11 +48,10 @@ order of sums only.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from omnistage.layers import triton_decode, triton_gemv
+from omnistage.layers import pdl, triton_decode, triton_gemv
+from omnistage.layers.pdl import gdc_launch_dependents, gdc_wait
 from omnistage.layers.triton_moe_tiles import SmallTiles, small_tiles
 
 try:
@@ -52,16 +59,6 @@ try:
     import triton.language as tl
 except ImportError:                                  # CPU-only installs
     triton = None
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:                                  # a Triton without programmatic dependent launch
-    gdc_wait = gdc_launch_dependents = None
-
-# OMNISTAGE_MOE_PDL=1 (opt-in, CUDA): programmatic dependent launch between the block's three launches. The
-# router lets gate-up's programs launch at once and gate-up lets down's; each waits (griddepcontrol.wait)
-# only before reading what the launch before it writes (gate-up: the expert ids; down: gate-up's rows), so
-# launch latency and down's id loads overlap the launch before.
-PDL = os.environ.get("OMNISTAGE_MOE_PDL", "0") == "1" and gdc_wait is not None
 
 
 if triton is not None:
@@ -138,9 +135,10 @@ if triton is not None:
         slots = tl.arange(0, BLOCK_S)
         s_ok = slots < top_k
         pair = (token * top_k + slots).to(tl.int64)
-        expert = tl.load(ids_ptr + pair, mask=s_ok, other=0).to(tl.int64)   # the router's: complete (see PDL)
-        if PDL:                                 # gate-up's rows complete
+        expert = tl.load(ids_ptr + pair, mask=s_ok, other=0).to(tl.int64)   # the router's: complete (see the docstring)
+        if PDL:                                 # gate-up's rows complete; the next kernel may launch
             gdc_wait()
+            gdc_launch_dependents()
         h_rows = h_ptr + pair * stride_h
         w_rows = w_ptr + expert * stride_we
         ks = tl.arange(0, BLOCK_K)
@@ -191,19 +189,22 @@ if triton is not None:
     @triton.jit
     def _top_k(z, es, ok, TOP_K: tl.constexpr, NORM: tl.constexpr, BLOCK_S: tl.constexpr):
         """One row's router logits z float32 [BLOCK_E] (at experts `es`, `ok`: real ones) -> (weights float32
-        [BLOCK_S], expert ids int32 [BLOCK_S]), slots past TOP_K zero: float32 softmax, the top k by repeated
-        argmax (descending, as torch.topk), the renormalisation when NORM."""
+        [BLOCK_S], expert ids int32 [BLOCK_S]), slots past TOP_K zero: float32 softmax, the top k, the
+        renormalisation when NORM. Expert i's rank is #(p_j > p_i) + #(p_j == p_i, j < i), all of them from one
+        [BLOCK_E, BLOCK_E] comparison (no chain of TOP_K argmax reductions); the experts ranked below TOP_K go to
+        slot rank: descending, ties to the lower index, what repeated argmax(tie_break_left) picked. Each slot's
+        id and weight are the one ranked expert's (a sum of it and zeros: exact). Both tiles put the experts
+        compared against (j) and the experts gathered along axis 0: sm_90 compiles keep that axis in each
+        thread's registers (4 warps: 936 SASS instructions, 25 shuffles; the transpose needed 1680 and 281)."""
         z = tl.where(ok, z, -float("inf"))
         e = tl.exp(z - tl.max(z, axis=0))
-        p = tl.where(ok, e / tl.sum(e, axis=0), -1.0)   # below every probability: never picked while any is left
+        p = tl.where(ok, e / tl.sum(e, axis=0), -1.0)   # below every probability: ranked after every real expert
+        ahead = (p[:, None] > p[None, :]) | ((p[:, None] == p[None, :]) & (es[:, None] < es[None, :]))   # [j, i]
+        rank = tl.sum(ahead.to(tl.int32), axis=0)
         slots = tl.arange(0, BLOCK_S)
-        weights = tl.zeros((BLOCK_S,), dtype=tl.float32)
-        ids = tl.zeros((BLOCK_S,), dtype=tl.int32)
-        for slot in tl.static_range(TOP_K):
-            best = tl.argmax(p, axis=0, tie_break_left=True)
-            weights = tl.where(slots == slot, tl.max(p, axis=0), weights)
-            ids = tl.where(slots == slot, best.to(tl.int32), ids)
-            p = tl.where(es == best, -2.0, p)
+        hit = (rank[:, None] == slots[None, :]) & (slots < TOP_K)[None, :]      # [BLOCK_E, BLOCK_S]
+        weights = tl.sum(tl.where(hit, p[:, None], 0.0), axis=0)
+        ids = tl.sum(tl.where(hit, es[:, None], 0), axis=0)
         if NORM:
             weights = weights / tl.sum(weights, axis=0)
         return weights, ids
@@ -236,8 +237,9 @@ if triton is not None:
         # the token's last ticket reads the whole row back, routes it and resets the ticket to 0.
         # NORMED: x is RMSNorm(x + residual) * nw first (each program recomputes the row's mean square;
         # the first column of programs stores h = x + residual and the normed row, rows [T, H] contiguous)
-        if PDL:                                 # gate-up's programs may launch (they wait for this grid)
-            gdc_launch_dependents()
+        if PDL and NORMED and not SINGLE:       # the mean square below reads the rows first
+            gdc_wait()                          # (the kernel before, the o projection, writes x)
+            gdc_launch_dependents()             # gate-up may launch (it waits for this grid)
         token = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         r_ok = rows < num_experts
@@ -258,6 +260,10 @@ if triton is not None:
             k_ok = (k0 + ks) < hidden
             w = tl.load(g_ptr + rows[:, None] * stride_g + (k0 + ks)[None, :], mask=r_ok[:, None] & k_ok[None, :],
                         other=0.0)              # first: in flight while the row is normed
+            if PDL and (SINGLE or not NORMED):
+                if k0 == 0:                     # the first gate rows (weights) before the wait, x after it
+                    gdc_wait()
+                    gdc_launch_dependents()
             if NORMED:                          # rounded as fused.rms_norm_ref: h, h * rstd, then times the weight
                 hv = _residual_sum(x_row, r_row, k0 + ks, k_ok, dt)
                 if SINGLE:
@@ -289,11 +295,6 @@ if triton is not None:
         x = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
         r = tl.load(r_row + ks, mask=k_ok, other=0.0).to(tl.float32)
         return (x + r).to(dt).to(tl.float32)
-
-
-def _pdl(t: torch.Tensor) -> dict:
-    """The launch options of a kernel that waits for the launch before it (see PDL); none when it is off."""
-    return dict(PDL=True, launch_pdl=True) if PDL and t.is_cuda else {}
 
 
 SMALL_PAIRS = 64                                # T*K at most for `fused_moe_small` (decode sizes)
@@ -360,7 +361,7 @@ def small_route(x: torch.Tensor, gate: torch.Tensor, top_k: int, norm_topk_prob:
         h, float(eps), x.stride(0), residual.stride(0), gate.stride(0), NORMED=prenorm is not None,
         SINGLE=block_k >= h, TOP_K=top_k, NORM=bool(norm_topk_prob), BLOCK_R=tiles.route_r, BLOCK_K=block_k,
         BLOCK_E=triton.next_power_of_2(e), BLOCK_S=triton.next_power_of_2(top_k), num_warps=tiles.route_warps,
-        PDL=PDL and x.is_cuda)
+        **pdl.launch(x))
     return (weights, ids) if prenorm is None else (weights, ids, normed, hsum)
 
 
@@ -380,7 +381,7 @@ def small_gate_up(x: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor, ti
     _pair_gate_up_kernel[grid](
         x, w13, mid, topk_ids.reshape(-1).contiguous(), part, tickets, h, inter, x.stride(0), w13.stride(0),
         w13.stride(1), mid.stride(0), TOP_K=k, SPLIT=tiles.up_split, BLOCK_N=tiles.up_n, BLOCK_K=tiles.up_k,
-        UNROLL=tiles.up_unroll, num_warps=tiles.up_warps, **_pdl(x))
+        UNROLL=tiles.up_unroll, num_warps=tiles.up_warps, **pdl.launch(x))
     return mid
 
 
@@ -404,5 +405,5 @@ def small_down(mid: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, 
         mid, w2, out, topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1).contiguous(), rows, gate, part,
         tickets, k, inter, h, mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0), rows.stride(0),
         gate.stride(0), SHARED=shared is not None, SPLIT=tiles.down_split, BLOCK_S=slots, BLOCK_N=tiles.down_n,
-        BLOCK_K=tiles.down_k, UNROLL=tiles.down_unroll, num_warps=tiles.down_warps, **_pdl(mid))
+        BLOCK_K=tiles.down_k, UNROLL=tiles.down_unroll, num_warps=tiles.down_warps, **pdl.launch(mid))
     return out

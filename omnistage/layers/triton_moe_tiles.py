@@ -32,7 +32,8 @@ class SmallTiles:
     down_split: int = 1        # down: slices of I (split-K, as up_split)
     route_r: int = 2           # router: experts (rows of the gate weight) per program
     route_k: int = 1024        # router: elements of H per loop step
-    route_warps: int = 4       # router: num_warps (1: the last program's top-k reductions are warp shuffles only)
+    route_warps: int = 4       # router: num_warps (the last program's top-k compares [E, E] pairs: more warps,
+                               # fewer pairs each; fewer warps, fewer cross-warp steps in its reductions)
 
 
 # (T, top_k, hidden, moe_intermediate) -> the fastest tiles of `benchmarks/moe_bench.py` on an H200
@@ -92,7 +93,10 @@ ROUTE_CANDIDATES = [dict(), dict(route_warps=1), dict(route_r=1, route_k=2048),
                     dict(route_r=4, route_k=512), dict(route_r=8, route_k=256),
                     # a few gate rows per program over all of H (the norm from the same loads, once per
                     # program): half / a quarter of the programs behind the ticket
-                    dict(route_r=2, route_k=2048, route_warps=2), dict(route_r=4, route_k=2048, route_warps=4)]
+                    dict(route_r=2, route_k=2048, route_warps=2), dict(route_r=4, route_k=2048, route_warps=4),
+                    # the top-k's rank comparison ([128, 128] pairs for the thinker) split over more threads
+                    dict(route_r=1, route_k=2048, route_warps=4), dict(route_r=1, route_k=2048, route_warps=8),
+                    dict(route_r=2, route_k=1024, route_warps=8)]
 
 
 def candidates(base: SmallTiles, which: str) -> list[SmallTiles]:

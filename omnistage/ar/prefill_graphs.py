@@ -96,6 +96,7 @@ class PrefillGraphs:
         self.pool = pool
         self.capture_seconds = 0.0
         self.capture_bytes = 0
+        self.replays = 0                        # steps served (the benchmarks and checks read it)
         if device.type == "cuda" if capture is None else capture:
             self._capture()
 
@@ -118,6 +119,7 @@ class PrefillGraphs:
     def replay(self, meta: AttentionMetadata, x: torch.Tensor) -> GraphOutput:
         """x: the step's input rows [bucket, H] (embeddings of the padded ids plus conditioning)."""
         t = meta.graph_tokens
+        self.replays += 1
         self.x[:t].copy_(x)
         graph = self.graphs.get(t)
         if graph is None:                       # not captured (CPU tests): the same forward, run now

@@ -56,8 +56,11 @@ class Checked:
         got = self._run(sched, prev)
         if got["bucket"]:
             assert eager["bucket"] == 0
-            for key in ("hidden", "reported", "logits"):
-                torch.testing.assert_close(got[key], eager[key], rtol=1e-5, atol=1e-5, msg=key)
+            for key in ("hidden", "reported", "logits"):   # fp32 to rounding: matmuls of other row counts
+                assert got[key].shape == eager[key].shape, key
+                if eager[key].numel():                      # no logits in a chunked prefill's first part
+                    err, peak = (got[key] - eager[key]).abs().max().item(), eager[key].abs().max().item()
+                    assert err <= 1e-5 * peak, (key, err, peak)
             assert torch.equal(got["greedy"], eager["greedy"])
             inputs = got["inputs"]
             self.kinds.append((len(inputs.prefills), any(ctx > q for _, q, ctx in inputs.prefills),

@@ -122,8 +122,8 @@ def check_kinds(kinds) -> None:
 def llm_engine(path: str, **kw) -> AREngine:
     from omnistage.models.loader import load_causal_lm
 
-    return AREngine(path, EngineConfig(device="cpu", dtype="float32", block_size=8, max_num_seqs=4,
-                                       max_num_batched_tokens=MAX_TOKENS, **kw), loader=load_causal_lm)
+    kw = dict(device="cpu", dtype="float32", block_size=8, max_num_seqs=4, max_num_batched_tokens=MAX_TOKENS) | kw
+    return AREngine(path, EngineConfig(**kw), loader=load_causal_lm)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -154,8 +154,38 @@ def test_qwen3_omni_thinker_moe_padded_prefill_equals_eager(tmp_path):
     rounds.append([ARPrompt(prompt_token_ids=rounds[0][0], return_hidden_states=True)])
     got = [run(eng, prompts) for prompts in rounds]
     check_kinds(checked.kinds)
+    # deepstack rows are added inside the forward: such a prompt's steps run eager
+    graphed = len(checked.kinds)
+    hidden = eng.hf_config.hidden_size
+    deep = ARPrompt(prompt_token_ids=rounds[0][0], layer_embeds=0.02 * torch.randn(2, len(rounds[0][0]), hidden))
+    rounds.append([deep])
+    got.append(run(eng, [deep]))
+    assert len(checked.kinds) == graphed
     plain = AREngine(path, EngineConfig(**cfg), loader=load_thinker)
     assert got == [run(plain, prompts) for prompts in rounds]
+
+
+def test_fits_takes_prefill_only_steps_within_the_buckets(tiny_models):
+    from omnistage.ar.step_inputs import StepInputs
+
+    eng = llm_engine(tiny_models["llama"], max_num_seqs=8)
+    graphs = eng.runner.make_prefill_graphs(MAX_TOKENS, 3, eng.max_model_len, capture=False)
+
+    def step(chunks: list[int], decodes: int = 0, mrope: bool = False) -> StepInputs:
+        n = decodes + sum(chunks)
+        rows, at = [], decodes
+        for q in chunks:
+            rows.append((at, q, q))
+            at += q
+        pos = [list(range(n))] * 3 if mrope else list(range(n))
+        return StepInputs([1] * n, pos, [0] * n, decodes, ["s"] * (decodes + len(chunks)),
+                          [[0, 1, 2, 3]] * (decodes + len(chunks)), [1] * decodes, rows, 8, [])
+
+    assert graphs.max_chunks == 3 and graphs.fits(step([5])) and graphs.fits(step([10, 10, 12]))
+    assert not graphs.fits(step([5], decodes=1))            # decode rows: eager (or a decode graph)
+    assert not graphs.fits(step([33]))                      # past the largest bucket
+    assert not graphs.fits(step([2, 2, 2, 2]))              # more chunks than captured
+    assert not graphs.fits(step([5], mrope=True))           # [3, T] positions need a multimodal-rope model
 
 
 def test_qwen2_5_omni_thinker_mrope_padded_prefill_equals_eager(tmp_path):

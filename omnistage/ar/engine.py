@@ -170,8 +170,9 @@ class AREngine:
         """Bytes for KV: this stage's own share of the GPU (`gpu_memory_utilization`; stages sharing a
         GPU get planned shares, pipeline/memory.py) minus what it holds at the peak of a largest step
         (weights + activations, measured), its CUDA context (estimated), the decode graphs' logits
-        buffers (computed) and the prefill graphs' outputs and pool (`prefill_graphs.estimate_bytes`); at most what the device has free once the step's activations are
-        released, less their room again, those buffers and a margin."""
+        buffers (computed) and the prefill graphs' outputs and pool (`prefill_graphs.estimate_bytes`); at
+        most what the device has free once the step's activations are released, less their room again,
+        those buffers and a margin."""
         cfg = self.config
         torch.cuda.empty_cache()
         # the peak restarts at what is allocated now: `_mem_base` + this engine's weights

@@ -135,7 +135,8 @@ class PrefillGraphs:
         return r[:t], pos.view(3, t) if p == 3 else pos, r[(1 + p) * t:(2 + p) * t], r[(2 + p) * t:]
 
     def _load(self, t: int, ids, positions, slots, prefills, tables, logit_rows):
-        n, p, c = len(ids), self.rope_rows, self.max_chunks
+        """`load` of bucket t from `StepInputs`' lists (none at capture: every row padded)."""
+        n, p = len(ids), self.rope_rows
         rows = self._host(self.rows[t].numel(), np.int64)
         rows[0][:] = 0
         rows[0][:n] = ids
@@ -152,7 +153,8 @@ class PrefillGraphs:
             spans.append((n, t - n, 0))
             tabs.append([])
         plan = self.plans[t]
-        buf = self._host(self.plan_bufs[t].numel(), np.int32)
+        # host room for what this step writes: the info and its own tables (not the buffer's full width)
+        buf = self._host(triton_prefill.static_size(plan.num_chunks, plan.num_tiles, sum(map(len, tabs))), np.int32)
         used = triton_prefill.fill_static(buf[0], plan.num_chunks, plan.num_tiles, self.block_m, spans, tabs)
         dev_rows, dev_plan = self.rows[t], self.plan_bufs[t]
         dev_rows.copy_(rows[1], non_blocking=True)

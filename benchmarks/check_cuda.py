@@ -160,40 +160,45 @@ def check_prefill_graphs() -> bool:
     """Greedy ids with prefill CUDA graphs (ar/prefill_graphs.py) equal those without and the CPU's (tiny fp32
     Llama / Qwen3 and the tiny Qwen3-Omni thinker: Triton MoE inside the graphs): prompts of 3..200 tokens one
     by one (one chunk, buckets 16..256), three together (three chunks), a long one chunked (cached context)."""
-    from omnistage import Omni, SamplingParams
+    from omnistage.ar.engine import AREngine
+    from omnistage.config import EngineConfig
+    from omnistage.models.loader import load_causal_lm
+    from omnistage.models.qwen3_omni.thinker import load_thinker
+    from omnistage.params import SamplingParams
     from omnistage.testing.llm import make_tiny_lm
     from omnistage.testing.qwen3_omni import make_tiny_qwen3_omni
 
     ok = True
     g = torch.Generator().manual_seed(3)
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    paths = {arch: make_tiny_lm(os.path.join(tempfile.mkdtemp(), arch), arch) for arch in ("llama", "qwen3")}
-    paths["qwen3_omni thinker"] = make_tiny_qwen3_omni(os.path.join(tempfile.mkdtemp(), "q3"))
-    for name, path in paths.items():
+    models = {arch: (make_tiny_lm(os.path.join(tempfile.mkdtemp(), arch), arch), load_causal_lm)
+              for arch in ("llama", "qwen3")}
+    models["qwen3_omni thinker"] = (make_tiny_qwen3_omni(os.path.join(tempfile.mkdtemp(), "q3")), load_thinker)
+    for name, (path, loader) in models.items():
         groups = [[torch.randint(3, 200, (n,), generator=g).tolist()] for n in (3, 16, 17, 100, 200)]
         groups.append([torch.randint(3, 200, (n,), generator=g).tolist() for n in (5, 40, 70)])
         groups.append([torch.randint(3, 200, (300,), generator=g).tolist()])   # 256 rows, then 44 after them
         res, replays = [], 0
         for device, prefill in (("cpu", False), ("cuda", False), ("cuda", True)):
-            with Omni(path, device=device, dtype="float32", prefill_cuda_graphs=prefill, max_num_seqs=16,
-                      max_num_batched_tokens=256) as omni:
-                res.append([[o.outputs[0].token_ids for o in omni.generate([{"prompt_token_ids": p} for p in ps], sp,
-                                                                           use_tqdm=False)] for ps in groups])
-                if prefill:
-                    replays = _prefill_replays(omni)
+            eng = AREngine(path, EngineConfig(device=device, dtype="float32", prefill_cuda_graphs=prefill,
+                                              max_num_seqs=16, max_num_batched_tokens=256), loader=loader)
+            got = []
+            for ps in groups:
+                for i, p in enumerate(ps):
+                    eng.add_request(f"{len(got)}-{i}", {"prompt_token_ids": p}, sp)
+                done = {}
+                while eng.has_unfinished():
+                    done.update({o.request_id: o.output.outputs[0].token_ids for o in eng.step() if o.finished})
+                got.append([done[f"{len(got)}-{i}"] for i in range(len(ps))])
+            res.append(got)
+            if prefill:
+                replays = eng.runner.prefill_graphs.replays
+            del eng
+            torch.cuda.empty_cache()
         same = res[0] == res[1] == res[2] and replays >= len(groups)
         print(f"{name}: greedy with prefill graphs ({replays} replays) == without == cpu: {same}")
         ok &= same
     return ok
-
-
-def _prefill_replays(omni) -> int:
-    """Prefill-graph replays of an offline `Omni`'s AR stage engine (-1 when it has none in this process)."""
-    for stage in omni.orchestrator.stages.values():
-        graphs = getattr(getattr(stage, "runner", None), "prefill_graphs", None)
-        if graphs is not None:
-            return graphs.replays
-    return -1
 
 
 def check_code2wav_graphs() -> float:

@@ -27,10 +27,10 @@ import torch
 from omnistage.ar import warmup
 from omnistage.ar.conditioning import Conditioning
 from omnistage.ar.cuda_graphs import capture_sizes
-from omnistage.ar.prefill_graphs import MAX_CHUNKS as PREFILL_CHUNKS
-from omnistage.ar.prefill_graphs import estimate_bytes
 from omnistage.ar.detokenizer import IncrementalDetokenizer
 from omnistage.ar.kv_cache import BlockManager
+from omnistage.ar.prefill_graphs import MAX_CHUNKS as PREFILL_CHUNKS
+from omnistage.ar.prefill_graphs import estimate_bytes
 from omnistage.ar.runner import Launched, ModelRunner, RunnerOutput, kv_block_bytes, profile_step
 from omnistage.ar.scheduler import Scheduler, SchedulerOutput
 from omnistage.ar.sequence import PLACEHOLDER, SeqStatus, Sequence

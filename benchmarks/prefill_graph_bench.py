@@ -95,7 +95,8 @@ def measure(engine, repeats: int) -> dict:
     return {"ttft": ttft, "greedy": greedy, "kv_blocks": engine.block_manager.num_blocks,
             "prefill_graphs": None if graphs is None else {
                 "buckets": graphs.buckets, "max_chunks": graphs.max_chunks,
-                "capture_s": graphs.capture_seconds, "capture_MiB": graphs.capture_bytes / 2**20}}
+                "capture_s": graphs.capture_seconds, "capture_MiB": graphs.capture_bytes / 2**20,
+                "replays": graphs.replays}}
 
 
 def main() -> None:

@@ -79,7 +79,7 @@ class PrefillGraphs:
         self.chunk_slots = max_chunks + 1       # the real chunks, then the padded rows' own
         embed = model.embed_tokens.weight
         self.block_m = triton_prefill.block_m(embed.dtype)
-        self.rope_rows = 3 if getattr(model.rotary, "section_rows", None) is not None else 1
+        self.rope_rows = 3 if getattr(getattr(model, "rotary", None), "section_rows", None) is not None else 1
         self.x = torch.zeros(self.buckets[-1], embed.shape[1], dtype=embed.dtype, device=device)
         self.rows: dict[int, torch.Tensor] = {}        # bucket -> int64 [ids | positions | slots | logit rows]
         self.plans: dict[int, triton_prefill.PrefillPlan] = {}

@@ -21,7 +21,8 @@ is a finite prefill row; no real row attends to them. Every op in the captured f
 the bucket only (grids, the MoE's tile height and sort buffers, which kernels run) and none syncs
 with the host (the MoE align runs on the device; moe_tune times only outside capture).
 
-`PrefillGraphs(capture=False)` keeps the same buffers and replays by running the same `_step`
+Captured only where the Triton prefill path serves the model (`serves`: CUDA, fused kernels on, a head
+size the prefill kernel takes); the PyTorch path is not graph-safe. `PrefillGraphs(capture=False)` keeps the same buffers and replays by running the same `_step`
 eagerly over them: the CPU tests check it against the unpadded eager step. Outputs are the graph's
 buffers, valid until the next replay of any graph (decode graphs share the pool).
 """
@@ -39,7 +40,7 @@ from omnistage.ar.cuda_graphs import GraphOutput
 from omnistage.ar.sampler import greedy_ids
 from omnistage.ar.staging import ring_for
 from omnistage.ar.step_inputs import StepInputs
-from omnistage.layers import triton_prefill
+from omnistage.layers import fused, triton_prefill
 from omnistage.layers.attention import AttentionMetadata, PrefillChunk
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,15 @@ def token_buckets(max_tokens: int) -> list[int]:
         sizes.append(b)
         b *= 2
     return sizes + [max_tokens]
+
+
+def serves(model, device: torch.device) -> bool:
+    """Whether `model`'s prefill forward can be captured on `device`: CUDA with the fused kernels on and a
+    head size the Triton prefill attention takes. (The PyTorch path is not graph-safe: its attention loops
+    over the chunks' host lengths, its MoE reads expert counts on the host.)"""
+    attn = model.attention_layers[0]
+    q = torch.empty(1, attn.num_heads, attn.head_dim, dtype=model.embed_tokens.weight.dtype, device=device)
+    return fused.use_triton(q) and triton_prefill.available(q)
 
 
 def estimate_bytes(max_tokens: int, max_chunks: int, hidden: int, vocab: int, elem: int,

@@ -115,12 +115,15 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_batch: int, max_model_len: int, prefill_tokens: int = 0) -> None:
         """Decode graphs for batches up to `max_batch`; with `prefill_tokens`, prefill graphs first (up to
-        that many rows, ar/prefill_graphs.py), whose pool the decode graphs then share."""
+        that many rows, ar/prefill_graphs.py; where the Triton prefill path serves the model: `serves`),
+        whose pool the decode graphs then share."""
         from omnistage.ar.cuda_graphs import CudaGraphs
+
+        from omnistage.ar import prefill_graphs
 
         max_blocks = -(-max_model_len // self.block_size)
         pool = None
-        if prefill_tokens:
+        if prefill_tokens and prefill_graphs.serves(self.model, self.device):
             self.prefill_graphs = self.make_prefill_graphs(prefill_tokens, max_batch, max_model_len)
             pool = self.prefill_graphs.pool
         self.graphs = CudaGraphs(self.model, self.device, self.block_size, self.scratch_slot,

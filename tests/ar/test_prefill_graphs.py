@@ -166,9 +166,11 @@ def test_qwen3_omni_thinker_moe_padded_prefill_equals_eager(tmp_path):
 
 
 def test_fits_takes_prefill_only_steps_within_the_buckets(tiny_models):
+    from omnistage.ar.prefill_graphs import serves
     from omnistage.ar.step_inputs import StepInputs
 
     eng = llm_engine(tiny_models["llama"], max_num_seqs=8)
+    assert not serves(eng.model, eng.device)               # the PyTorch path (CPU) is never captured
     graphs = eng.runner.make_prefill_graphs(MAX_TOKENS, 3, eng.max_model_len, capture=False)
 
     def step(chunks: list[int], decodes: int = 0, mrope: bool = False) -> StepInputs:

@@ -77,6 +77,11 @@ def estimate_bytes(max_tokens: int, max_chunks: int, hidden: int, vocab: int, el
 
 
 class PrefillGraphs:
+    """One graph per token bucket over this model and KV cache (`scratch_slot`: where padded rows write);
+    `max_blocks`: a sequence's most KV blocks (a chunk's block-table length at most). `capture` None:
+    capture on CUDA; False: replay by running the forward eagerly (the CPU tests). `pool`: a graph pool to
+    capture into."""
+
     def __init__(self, model, device: torch.device, block_size: int, scratch_slot: int, max_tokens: int,
                  max_chunks: int, max_blocks: int, capture: Optional[bool] = None, pool=None):
         self.model = model
@@ -107,7 +112,7 @@ class PrefillGraphs:
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         self.replays = 0                        # steps served (the benchmarks and checks read it)
-        if device.type == "cuda" if capture is None else capture:
+        if (device.type == "cuda") if capture is None else capture:
             self._capture()
 
     # ---- which steps ---------------------------------------------------------------------------

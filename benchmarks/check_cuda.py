@@ -8,6 +8,7 @@
   kernels, CUDA graphs) and the unfused path with graphs, each against the eager PyTorch reference
   path (no Triton at all); first divergence per prompt.
 - Greedy ids with CUDA graphs on equal those with graphs off and those on the CPU (tiny fp32 model).
+- Greedy ids with prefill CUDA graphs equal those without and the CPU's (tiny Llama, Qwen3, Qwen3-Omni thinker).
 - code2wav's chunked decode replayed from CUDA graphs equals the eager decode (tiny Qwen2.5-Omni,
   fp32, 3 batched requests of different lengths, padded to a captured batch size).
 - `pipeline.wire` between two processes: CUDA tensors (IPC for large ones, staged through host memory
@@ -155,6 +156,51 @@ def check_greedy() -> bool:
     return ok
 
 
+def check_prefill_graphs() -> bool:
+    """Greedy ids with prefill CUDA graphs (ar/prefill_graphs.py) equal those without and the CPU's (tiny fp32
+    Llama / Qwen3 and the tiny Qwen3-Omni thinker: Triton MoE inside the graphs): prompts of 3..200 tokens one
+    by one (one chunk, buckets 16..256), three together (three chunks), a long one chunked (cached context)."""
+    from omnistage.ar.engine import AREngine
+    from omnistage.config import EngineConfig
+    from omnistage.models.loader import load_causal_lm
+    from omnistage.models.qwen3_omni.thinker import load_thinker
+    from omnistage.params import SamplingParams
+    from omnistage.testing.llm import make_tiny_lm
+    from omnistage.testing.qwen3_omni import make_tiny_qwen3_omni
+
+    ok = True
+    g = torch.Generator().manual_seed(3)
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    models = {arch: (make_tiny_lm(os.path.join(tempfile.mkdtemp(), arch), arch), load_causal_lm)
+              for arch in ("llama", "qwen3")}
+    models["qwen3_omni thinker"] = (make_tiny_qwen3_omni(os.path.join(tempfile.mkdtemp(), "q3")), load_thinker)
+    for name, (path, loader) in models.items():
+        groups = [[torch.randint(3, 200, (n,), generator=g).tolist()] for n in (3, 16, 17, 100, 200)]
+        groups.append([torch.randint(3, 200, (n,), generator=g).tolist() for n in (5, 40, 70)])
+        groups.append([torch.randint(3, 200, (300,), generator=g).tolist()])   # 256 rows, then 44 after them
+        res, replays = [], 0
+        for device, prefill in (("cpu", False), ("cuda", False), ("cuda", True)):
+            eng = AREngine(path, EngineConfig(device=device, dtype="float32", prefill_cuda_graphs=prefill,
+                                              max_num_seqs=16, max_num_batched_tokens=256), loader=loader)
+            got = []
+            for ps in groups:
+                for i, p in enumerate(ps):
+                    eng.add_request(f"{len(got)}-{i}", {"prompt_token_ids": p}, sp)
+                done = {}
+                while eng.has_unfinished():
+                    done.update({o.request_id: o.output.outputs[0].token_ids for o in eng.step() if o.finished})
+                got.append([done[f"{len(got)}-{i}"] for i in range(len(ps))])
+            res.append(got)
+            if prefill:
+                replays = eng.runner.prefill_graphs.replays
+            del eng
+            torch.cuda.empty_cache()
+        same = res[0] == res[1] == res[2] and replays >= len(groups)
+        print(f"{name}: greedy with prefill graphs ({replays} replays) == without == cpu: {same}")
+        ok &= same
+    return ok
+
+
 def check_code2wav_graphs() -> float:
     from omnistage.codec.engine import CodecEngine
     from omnistage.models.qwen2_5_omni.code2wav import Code2Wav, Code2WavParams
@@ -251,10 +297,10 @@ if __name__ == "__main__":
     print(f"7B-shape bf16 greedy, 4 prompts x 128 new tokens, first divergence from the eager reference: "
           f"{check_7b_greedy()}")
     if ar_only:
-        sys.exit(0 if check_greedy() and kernels_ok and err < 2e-2 else 1)
+        sys.exit(0 if check_greedy() and check_prefill_graphs() and kernels_ok and err < 2e-2 else 1)
     if args:                                 # a 7B-shape omni folder (omni_bench.py): the TF32 change
         print(f"code2wav TF32 vs fp32 (7B-shape token2wav, 6 s): max abs diff / peak {check_code2wav_tf32(args[0]):.2e}")
     c2w = check_code2wav_graphs()
     print(f"code2wav: CUDA-graph chunked decode vs eager: max abs diff {c2w:.2e}")
-    ok = check_wire() and check_greedy() and kernels_ok and err < 2e-2 and c2w < 1e-3
+    ok = check_wire() and check_greedy() and check_prefill_graphs() and kernels_ok and err < 2e-2 and c2w < 1e-3
     sys.exit(0 if ok else 1)

@@ -71,6 +71,9 @@ class EngineConfig:
     seed: int = 0                               # seed of the generator used by unseeded requests
     cpu_threads: Optional[int] = None           # torch intra-op threads on CPU; None = cores - 1 (>= 1)
     cuda_graphs: bool = True                    # capture decode steps on CUDA
+    prefill_cuda_graphs: bool = True            # AR, with cuda_graphs: also capture short prefill-only steps (token
+    # buckets 16, 32, ... up to max_prefill_graph_tokens, at most 8 chunks; ar/prefill_graphs.py); False: they run eager
+    max_prefill_graph_tokens: int = 512         # rows of the largest prefill graph (at most max_num_batched_tokens)
     load_format: str = "auto"                   # LOAD_FORMATS: "auto" reads the folder's safetensors; "dummy" draws
     # random weights of the checkpoint's shapes on the device (no weight file read; models/dummy.py): benchmarks
     default_max_tokens: Optional[int] = None    # AR: answer cap of a request that gives no max_tokens (the model's
@@ -128,6 +131,13 @@ class EngineConfig:
             raise ValueError(f"default_max_tokens must be >= 1 or None, got {self.default_max_tokens}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
+        if not isinstance(self.prefill_cuda_graphs, bool):
+            raise ValueError(f"prefill_cuda_graphs must be true or false, got {self.prefill_cuda_graphs!r}")
+        if (isinstance(self.max_prefill_graph_tokens, bool) or not isinstance(self.max_prefill_graph_tokens, int)
+                or self.max_prefill_graph_tokens < 1):
+            raise ValueError(f"max_prefill_graph_tokens must be an integer >= 1 (the rows of the largest prefill "
+                             f"CUDA graph; prefill_cuda_graphs=False turns them off), got "
+                             f"{self.max_prefill_graph_tokens!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self._check_cache_options()
@@ -214,6 +224,12 @@ class EngineConfig:
     def max_len(self, model_max_len: int) -> int:
         """Prompt + output tokens a sequence may have: `max_model_len`, at most the model's limit."""
         return min(self.max_model_len or model_max_len, model_max_len)
+
+    def prefill_graph_tokens(self) -> int:
+        """Rows of the largest prefill CUDA graph an AR stage captures (0: none; CUDA, one rank only)."""
+        if not (self.cuda_graphs and self.prefill_cuda_graphs) or self.tensor_parallel_size > 1:
+            return 0
+        return min(self.max_prefill_graph_tokens, self.max_num_batched_tokens)
 
     def kv_blocks_wanted(self, model_max_len: int) -> int:
         """KV blocks an AR engine could ever use: `max_num_seqs` sequences of the longest length, + 1."""

@@ -26,11 +26,14 @@ from omnistage.layers.attention import AttentionMetadata
 
 @dataclass
 class GraphOutput:
-    """A captured decode step's outputs for its padded batch (static buffers of the graph)."""
+    """A captured step's outputs for its padded rows (static buffers of the graph)."""
 
     model: Any                                  # the model's forward output: hidden [b, H], or (it, reported rows)
     logits: torch.Tensor                        # [b, V] float32: the lm_head over every row
     greedy: torch.Tensor                        # [b] long: each row's argmax (rows that need nothing else use it)
+    # True: `logits` and `greedy` hold only the step's logit rows, in order (a prefill graph,
+    # ar/prefill_graphs.py); False: every row's, indexed by row
+    picked: bool = False
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -43,7 +46,8 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 class CudaGraphs:
     def __init__(self, model, device: torch.device, block_size: int, scratch_slot: int, max_batch: int,
-                 max_blocks: int):
+                 max_blocks: int, pool=None):
+        """`pool`: a graph memory pool to capture into (the prefill graphs', ar/prefill_graphs.py)."""
         self.model = model
         self.block_size = block_size
         self.scratch_slot = scratch_slot
@@ -59,7 +63,6 @@ class CudaGraphs:
         self.x = torch.zeros(n, embed.shape[1], dtype=embed.dtype, device=device)   # the graphs' input rows
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, GraphOutput] = {}
-        pool = None
         for b in reversed(self.sizes):                         # largest first so smaller ones share its pool
             meta = self._meta(b)
             with torch.inference_mode():

@@ -29,6 +29,8 @@ from omnistage.ar.conditioning import Conditioning
 from omnistage.ar.cuda_graphs import capture_sizes
 from omnistage.ar.detokenizer import IncrementalDetokenizer
 from omnistage.ar.kv_cache import BlockManager
+from omnistage.ar.prefill_graphs import MAX_CHUNKS as PREFILL_CHUNKS
+from omnistage.ar.prefill_graphs import estimate_bytes
 from omnistage.ar.runner import Launched, ModelRunner, RunnerOutput, kv_block_bytes, profile_step
 from omnistage.ar.scheduler import Scheduler, SchedulerOutput
 from omnistage.ar.sequence import PLACEHOLDER, SeqStatus, Sequence
@@ -111,7 +113,7 @@ class AREngine:
         self.max_model_len = min(max_len, num_blocks * config.block_size)
         self._eos = np.array(sorted(self.eos_ids), dtype=np.int64)    # for one `np.isin` per step
         if self.device.type == "cuda" and config.cuda_graphs and tp == 1:   # TP steps run eager
-            self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len)
+            self.runner.capture_cuda_graphs(config.max_num_seqs, self.max_model_len, config.prefill_graph_tokens())
         if self.device.type == "cuda" and warmup.ENABLED:   # first-use kernel compiles and graphs, now
             self._warm_up()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -167,9 +169,10 @@ class AREngine:
     def _profile_cuda_budget(self) -> int:
         """Bytes for KV: this stage's own share of the GPU (`gpu_memory_utilization`; stages sharing a
         GPU get planned shares, pipeline/memory.py) minus what it holds at the peak of a largest step
-        (weights + activations, measured), its CUDA context (estimated) and the decode graphs' logits
-        buffers (computed); at most what the device has free once the step's activations are
-        released, less their room again, those buffers and a margin."""
+        (weights + activations, measured), its CUDA context (estimated), the decode graphs' logits
+        buffers (computed) and the prefill graphs' outputs and pool (`prefill_graphs.estimate_bytes`); at
+        most what the device has free once the step's activations are released, less their room again,
+        those buffers and a margin."""
         cfg = self.config
         torch.cuda.empty_cache()
         # the peak restarts at what is allocated now: `_mem_base` + this engine's weights
@@ -186,8 +189,14 @@ class AREngine:
         activations = peak - torch.cuda.memory_allocated(self.device)   # room a largest step needs again
         free, total = torch.cuda.mem_get_info(self.device)
         # the decode graphs' pool keeps the lm_head's logits of the largest batch (bf16 / fp16 and float32)
-        graphs = (cfg.max_num_seqs * self.hf_config.vocab_size * (4 + torch.empty((), dtype=self.dtype).element_size())
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        graphs = (cfg.max_num_seqs * self.hf_config.vocab_size * (4 + elem)
                   if cfg.cuda_graphs and cfg.tensor_parallel_size == 1 else 0)
+        prefill = cfg.prefill_graph_tokens()
+        if prefill:                             # the prefill graphs' outputs and their pool's activations
+            graphs += estimate_bytes(prefill, min(PREFILL_CHUNKS, cfg.max_num_seqs),
+                                     self.model.embed_tokens.weight.shape[1], self.hf_config.vocab_size, elem,
+                                     activations / n)
         budget = int(total * cfg.gpu_memory_utilization - (peak - self._mem_base) - CUDA_CONTEXT_BYTES - graphs)
         free_for_kv = free - activations - graphs - FREE_MARGIN_BYTES
         if budget > free_for_kv:

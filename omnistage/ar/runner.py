@@ -104,6 +104,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.seq_generators: dict[str, torch.Generator] = {}   # seq_id -> generator of a seeded sequence
         self.graphs = None                                     # CudaGraphs once captured
+        self.prefill_graphs = None                             # PrefillGraphs once captured
         self.ranks = None                       # ar/tensor_parallel.RankGroup: the other TP ranks (None: one rank)
         self.counts: Optional[TokenCounts] = None   # penalized sequences' token counts, made on first use
         self.decode_rows: Optional[DecodeRows] = None   # conditioned decode rows' table, made on first use
@@ -112,11 +113,28 @@ class ModelRunner:
         self.host_buffers: list[Optional[torch.Tensor]] = [None, None, None]
         self.host_turn = 0
 
-    def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
+    def capture_cuda_graphs(self, max_batch: int, max_model_len: int, prefill_tokens: int = 0) -> None:
+        """Decode graphs for batches up to `max_batch`; with `prefill_tokens`, prefill graphs first (up to
+        that many rows, ar/prefill_graphs.py; where the Triton prefill path serves the model: `serves`),
+        whose pool the decode graphs then share."""
         from omnistage.ar.cuda_graphs import CudaGraphs
 
+        from omnistage.ar import prefill_graphs
+
+        max_blocks = -(-max_model_len // self.block_size)
+        pool = None
+        if prefill_tokens and prefill_graphs.serves(self.model, self.device):
+            self.prefill_graphs = self.make_prefill_graphs(prefill_tokens, max_batch, max_model_len)
+            pool = self.prefill_graphs.pool
         self.graphs = CudaGraphs(self.model, self.device, self.block_size, self.scratch_slot,
-                                 max_batch, -(-max_model_len // self.block_size))
+                                 max_batch, max_blocks, pool=pool)
+
+    def make_prefill_graphs(self, max_tokens: int, max_seqs: int, max_model_len: int, capture=None):
+        """`PrefillGraphs` over this runner's model and KV cache (`capture` False: replayed eagerly, CPU tests)."""
+        from omnistage.ar.prefill_graphs import MAX_CHUNKS, PrefillGraphs
+
+        return PrefillGraphs(self.model, self.device, self.block_size, self.scratch_slot, max_tokens,
+                             min(MAX_CHUNKS, max_seqs), -(-max_model_len // self.block_size), capture=capture)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One extra block past `num_blocks` is scratch: padded rows of graph replays write there.
@@ -149,6 +167,9 @@ class ModelRunner:
         if not prefills and self.graphs is not None and self.graphs.fits(len(decodes)):
             ids_dev, pos_dev, meta = self.graphs.load(inputs.ids, inputs.positions, inputs.slots,
                                                       inputs.block_tables, inputs.decode_ctx_lens)
+        elif (self.prefill_graphs is not None and self.ranks is None and self.prefill_graphs.fits(inputs)
+              and not _layered(order)):         # deepstack rows are added inside the forward: eager
+            ids_dev, pos_dev, meta = self.prefill_graphs.load(inputs)
         else:
             ids_dev, pos_dev, meta = inputs.tensors(self.device)
         self._fill(ids_dev, inputs.fill, prev)
@@ -171,6 +192,9 @@ class ModelRunner:
         `layer_adds` [L, T, H]: rows added after decoder layers 0..L-1 (prefills only)."""
         if self.graphs is not None and meta.graph_batch:
             graph = self.graphs.replay(meta, x)
+            return graph.model, graph
+        if meta.graph_tokens:
+            graph = self.prefill_graphs.replay(meta, x)
             return graph.model, graph
         if layer_adds is not None:
             return self.model(ids, pos, meta, inputs_embeds=x, layer_adds=layer_adds), None
@@ -207,8 +231,7 @@ class ModelRunner:
     @staticmethod
     def _layer_adds(order: list[ScheduledSeq], x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """[L, T, H] per-layer rows of this step's prompt rows that have `layer_embeds`, else None."""
-        layered = [s for s in order if s.seq.cond is not None and s.seq.cond.layer_embeds is not None
-                   and s.start < s.seq.cond.prompt_len]
+        layered = _layered(order)
         if not layered:
             return None
         depth = max(len(s.seq.cond.layer_embeds) for s in layered)
@@ -254,7 +277,7 @@ class ModelRunner:
                                  "(deepstack rows) yet")
             self.ranks.send_step(inputs, ids)
         x = None
-        if meta.graph_batch or inputs.embeds:
+        if meta.graph_batch or meta.graph_tokens or inputs.embeds:
             x = self.model.embed_tokens(ids)
             self._condition(x, order)
             if self.ranks is not None:
@@ -285,16 +308,19 @@ class ModelRunner:
             row += s.num_new_tokens
         if not sampling:
             return Launched([], result=RunnerOutput({}, {}), hidden=reports)
-        picked = logit_rows(hidden, rows)
+        framed = getattr(self.model, "frame_head", None) is not None
+        # the sampled rows' last hidden states (the eager lm_head's input, a frame head's)
+        picked = logit_rows(hidden, rows) if graph is None or framed else None
+        # the sampled rows' places in the graph's logits and ids
+        graph_rows = list(range(len(rows))) if graph is not None and graph.picked else rows
         codes, num_logprobs = None, -1
-        if (bitmask is None and getattr(self.model, "frame_head", None) is None
-                and all(map(plain_greedy, params, banned))):
+        if bitmask is None and not framed and all(map(plain_greedy, params, banned)):
             # every row takes the argmax of its raw logits: the graph's own (nothing more runs), or one
             # over the eager logits
-            out = SamplerOutput(logit_rows(graph.greedy, rows) if graph is not None
+            out = SamplerOutput(logit_rows(graph.greedy, graph_rows) if graph is not None
                                 else greedy_ids(self.model.compute_logits(picked)))
         else:
-            logits = self.model.compute_logits(picked) if graph is None else logit_rows(graph.logits, rows)
+            logits = self.model.compute_logits(picked) if graph is None else logit_rows(graph.logits, graph_rows)
             slots = None
             if penalized:
                 if self.counts is None:
@@ -395,6 +421,12 @@ class ModelRunner:
                 top = [(int(host[i, 2 + j]), float(host[i, 2 + num_logprobs + j])) for j in range(k)]
                 res.logprobs[q.seq_id] = (float(host[i, 1]), top)
         return res
+
+
+def _layered(order: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    """The step's rows with deepstack `layer_embeds` still in their prompt."""
+    return [s for s in order if s.seq.cond is not None and s.seq.cond.layer_embeds is not None
+            and s.start < s.seq.cond.prompt_len]
 
 
 def split_outputs(out) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,7 +38,9 @@ class AttentionMetadata:
     decode_ctx_lens: torch.Tensor | None = None      # [D] long: context length including the new token
     prefills: list[PrefillChunk] = field(default_factory=list)
     graph_batch: int = 0                        # > 0: replay the CUDA graph captured for this batch size
+    graph_tokens: int = 0                       # > 0: replay the prefill graph of this token bucket
     # `prefills` as the prefill kernel's tensors: made by the forward's first attention layer, reused by the rest
+    # (a prefill graph hands its static plan: ar/prefill_graphs.py)
     prefill_plan: Optional[triton_prefill.PrefillPlan] = field(default=None, repr=False)
 
     def plan_prefills(self, block_m: int, device: torch.device) -> triton_prefill.PrefillPlan:

@@ -2,7 +2,8 @@
 
 `kernel_errors(device)` -> {check name: [max abs error, largest |reference| value]}, on random inputs: the fused
 elementwise kernels (`triton_fused`), the varlen prefill attention (`triton_prefill`, three
-chunks with and without cached context after two decode rows, GQA), the paged decode attention
+chunks with and without cached context after two decode rows, GQA; its own plan and a CUDA graph's
+static one with empty chunks and padding tiles), the paged decode attention
 (`triton_attention`, a batch and a lone row, also fed raw qkv rows: norms, rotary and KV write in the
 kernel) and the 8-bit attention (`quant_attention`, 16-bit
 dtypes). benchmarks/check_cuda.py runs
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -190,10 +192,20 @@ def _prefill_error(h, kvh, d, bs, dtype, device, rnd, g) -> list[float]:
         ref = attend(q, k, v, cache, meta, d ** -0.5)
     finally:
         fused.ENABLED = saved
-    out = torch.full_like(q, float("nan"))                       # every prefill row must be written
-    plan = meta.plan_prefills(triton_prefill.block_m(dtype), q.device)
-    triton_prefill.prefill_attention(q, k, v, cache, plan, d ** -0.5, out)
-    return _err(out[ndec:], ref[ndec:])
+    bm = triton_prefill.block_m(dtype)
+    # the same chunks through a CUDA graph's static plan: two empty chunk slots, padding tiles
+    slots_c, tiles = len(prefills) + 2, triton_prefill.max_tiles(t, len(prefills) + 2, bm) + 3
+    tables = [p.block_table.tolist() for p in prefills]
+    host = np.zeros(triton_prefill.static_size(slots_c, tiles, sum(map(len, tables))), dtype=np.int32)
+    triton_prefill.fill_static(host, slots_c, tiles, bm, [(p.q_start, p.q_len, p.ctx_len - p.q_len) for p in prefills],
+                               tables)
+    errs = []
+    for plan in (meta.plan_prefills(bm, q.device),
+                 triton_prefill.static_plan(torch.from_numpy(host).to(device), slots_c, tiles, bm)):
+        out = torch.full_like(q, float("nan"))                   # every prefill row must be written
+        triton_prefill.prefill_attention(q, k, v, cache, plan, d ** -0.5, out)
+        errs.append(_err(out[ndec:], ref[ndec:]))
+    return _worst(*errs)
 
 
 def limit(name: str) -> float:

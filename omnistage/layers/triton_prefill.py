@@ -9,12 +9,20 @@ flash-attention loop with an online softmax (exp2, float32 accumulators) over th
 context first -- read through the sequence's block table, no mask but the context length -- and then
 over the chunk's own keys from the fresh k, v rows, causal. GQA: query head h reads KV head
 h // (H // KVH). Must equal the SDPA reference loop in attention.py.
+
+A prefill CUDA graph (ar/prefill_graphs.py) needs a plan of fixed size: `static_plan` views one int32
+buffer as the info and the concatenated block tables (sized for a bucket's most chunks and tiles),
+`fill_static` writes a step's chunks into its host copy; the chunk and tile counts are the maxima, the
+chunks past the real ones empty and the tiles past the real ones at a row past their chunk, so their
+programs return at once.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 try:
@@ -46,6 +54,8 @@ if triton is not None:
         m0 = tl.load(info_ptr + 4 * num_chunks + num_tiles + tile)
         q_start = tl.load(info_ptr + c)
         q_len = tl.load(info_ptr + num_chunks + c)
+        if m0 >= q_len:                             # a padding tile of a graph's static plan (`fill_static`)
+            return
         cached = tl.load(info_ptr + 2 * num_chunks + c)
         bt_start = tl.load(info_ptr + 3 * num_chunks + c)
         rm = m0 + tl.arange(0, BLOCK_M)
@@ -99,7 +109,8 @@ class PrefillPlan:
     """Kernel-ready description of a step's prefill chunks (built once per forward, on the device)."""
     info: torch.Tensor            # int32 [4C + 2NT]: q_start, q_len, cached len, block-table start per chunk;
     #                               then the chunk and first row of each query tile
-    block_tables: torch.Tensor    # long [sum of the chunks' table lengths], the tables one after another
+    block_tables: torch.Tensor    # long (int32 in a static plan) [sum of the chunks' table lengths], the tables
+    #                               one after another
     num_chunks: int               # C
     num_tiles: int                # NT
     block_m: int                  # query rows per tile
@@ -131,6 +142,53 @@ def make_plan(prefills, block_m: int, device: torch.device) -> PrefillPlan:
     info = torch.tensor(starts + lens + cached + bt_starts + tile_chunk + tile_row, dtype=torch.int32)
     tables = prefills[0].block_table if len(prefills) == 1 else torch.cat([p.block_table for p in prefills])
     return PrefillPlan(info.to(device, non_blocking=True), tables, len(prefills), len(tile_chunk), block_m)
+
+
+PAD_ROW = 1 << 30                                    # first row of a padding tile: past every chunk's rows
+
+
+def max_tiles(tokens: int, chunks: int, block_m: int) -> int:
+    """Query tiles that `chunks` chunks of `tokens` rows in all can need (each chunk ends in a partial tile)."""
+    return min(tokens, -(-tokens // block_m) + chunks - 1)
+
+
+def static_size(chunks: int, tiles: int, table_entries: int) -> int:
+    """int32 entries of a static plan's buffer: the info of `chunks` chunks and `tiles` tiles, then the tables."""
+    return 4 * chunks + 2 * tiles + table_entries
+
+
+def static_plan(buf: torch.Tensor, chunks: int, tiles: int, block_m: int) -> PrefillPlan:
+    """A plan over `buf` (int32, `static_size` long, on the device): its info first, the concatenated block
+    tables after; `chunks` / `tiles` fixed (what a graph captures), the contents written by `fill_static`."""
+    head = 4 * chunks + 2 * tiles
+    return PrefillPlan(buf[:head], buf[head:], chunks, tiles, block_m)
+
+
+def fill_static(buf: np.ndarray, chunks: int, tiles: int, block_m: int,
+                spans: list[tuple[int, int, int]], tables: list[list[int]]) -> int:
+    """Writes a step's plan into `buf` (int32 host memory laid out as `static_plan`'s) and returns the
+    entries written (what needs copying). `spans`: (q_start, q_len, cached) per chunk, at most `chunks`;
+    `tables`: each chunk's block ids (at least its context's blocks). Chunks past them get q_len 0;
+    tiles past the real ones point at chunk 0 from row `PAD_ROW`: the kernel's programs return at once."""
+    n = len(spans)
+    info = buf[:4 * chunks + 2 * tiles]
+    info[:4 * chunks] = 0
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
+    if n:
+        info[0:n], info[chunks:chunks + n], info[2 * chunks:2 * chunks + n] = np.array(spans, dtype=np.int32).T
+        info[3 * chunks:3 * chunks + n] = np.cumsum(lens) - lens
+    per = [-(-q // block_m) for _, q, _ in spans]
+    real = sum(per)
+    if real > tiles:
+        raise ValueError(f"{real} query tiles do not fit a static plan of {tiles}")
+    tile_chunk, tile_row = info[4 * chunks:4 * chunks + tiles], info[4 * chunks + tiles:]
+    tile_chunk[:real] = np.repeat(np.arange(n, dtype=np.int32), per)
+    tile_row[:real] = np.concatenate([np.arange(k, dtype=np.int32) * block_m for k in per]) if n else []
+    tile_chunk[real:], tile_row[real:] = 0, PAD_ROW
+    head, total = 4 * chunks + 2 * tiles, int(lens.sum())
+    if total:
+        buf[head:head + total] = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=total)
+    return head + total
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, plan: PrefillPlan,

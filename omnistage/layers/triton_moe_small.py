@@ -48,6 +48,8 @@ order of sums only.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from omnistage.layers import pdl, triton_decode, triton_gemv
@@ -125,7 +127,8 @@ if triton is not None:
     def _token_down_kernel(h_ptr, w_ptr, out_ptr, weight_ptr, ids_ptr, shared_ptr, gate_ptr, part_ptr, count_ptr,
                            top_k, inter, hidden, stride_h, stride_we, stride_wn, stride_out, stride_s, stride_g,
                            SHARED: tl.constexpr, SPLIT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr = False):
+                           BLOCK_K: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr = False,
+                           PREFETCH: tl.constexpr = False):
         # all K slots of the token in one [slots, BLOCK_N, BLOCK_K] tile: K experts' loads in flight at once;
         # SPLIT > 1: this program's slice of I, float32 partials, the last slice (ticket) finishes
         token = tl.program_id(0)
@@ -136,16 +139,26 @@ if triton is not None:
         s_ok = slots < top_k
         pair = (token * top_k + slots).to(tl.int64)
         expert = tl.load(ids_ptr + pair, mask=s_ok, other=0).to(tl.int64)   # the router's: complete (see the docstring)
-        if PDL:                                 # gate-up's rows complete; the next kernel may launch
-            gdc_wait()
-            gdc_launch_dependents()
         h_rows = h_ptr + pair * stride_h
         w_rows = w_ptr + expert * stride_we
         ks = tl.arange(0, BLOCK_K)
         k_per = tl.cdiv(tl.cdiv(inter, SPLIT), BLOCK_K) * BLOCK_K
         k_lo = tl.program_id(2) * k_per
         acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
-        for k0 in tl.range(k_lo, tl.minimum(inter, k_lo + k_per), BLOCK_K, loop_unroll_factor=UNROLL):
+        start = k_lo
+        if PDL:
+            if PREFETCH:                        # the first weight tile needs only the ids: in flight before the wait
+                kk = k_lo + ks
+                k_ok = kk < inter
+                w = tl.load(w_rows[:, None, None] + cols[None, :, None] * stride_wn + kk[None, None, :],
+                            mask=s_ok[:, None, None] & col_ok[None, :, None] & k_ok[None, None, :], other=0.0)
+            gdc_wait()                          # gate-up's rows complete; the next kernel may launch
+            gdc_launch_dependents()
+            if PREFETCH:
+                a = tl.load(h_rows[:, None] + kk[None, :], mask=s_ok[:, None] & k_ok[None, :], other=0.0)
+                acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[:, None, :], axis=2)
+                start = k_lo + BLOCK_K
+        for k0 in tl.range(start, tl.minimum(inter, k_lo + k_per), BLOCK_K, loop_unroll_factor=UNROLL):
             kk = k0 + ks
             k_ok = kk < inter
             a = tl.load(h_rows[:, None] + kk[None, :], mask=s_ok[:, None] & k_ok[None, :], other=0.0)
@@ -301,6 +314,16 @@ SMALL_PAIRS = 64                                # T*K at most for `fused_moe_sma
 ROUTER_ROWS = 64                                # T at most for `small_route` before the sorted kernels (moe.py)
 
 
+# OMNISTAGE_MOE_DOWN_PREFETCH ("1" default, "0" off; with PDL only): the down launch loads its first weight tile
+# before its gdc_wait (the weights depend only on the router's expert ids, complete by then), so that tile's
+# latency overlaps gate-up's tail.
+DOWN_PREFETCH = os.environ.get("OMNISTAGE_MOE_DOWN_PREFETCH", "1") == "1"
+
+
+def _with_prefetch(launch: dict) -> dict:
+    return {**launch, "PREFETCH": True} if launch and DOWN_PREFETCH else launch
+
+
 def route(router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe.route` in one launch (see the module docstring): (weights float32 [T, K], ids int64 [T, K])."""
     t, e = router_logits.shape
@@ -405,5 +428,6 @@ def small_down(mid: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, 
         mid, w2, out, topk_weights.reshape(-1).contiguous(), topk_ids.reshape(-1).contiguous(), rows, gate, part,
         tickets, k, inter, h, mid.stride(0), w2.stride(0), w2.stride(1), out.stride(0), rows.stride(0),
         gate.stride(0), SHARED=shared is not None, SPLIT=tiles.down_split, BLOCK_S=slots, BLOCK_N=tiles.down_n,
-        BLOCK_K=tiles.down_k, UNROLL=tiles.down_unroll, num_warps=tiles.down_warps, **pdl.launch(mid))
+        BLOCK_K=tiles.down_k, UNROLL=tiles.down_unroll, num_warps=tiles.down_warps,
+        **_with_prefetch(pdl.launch(mid)))
     return out

@@ -11,6 +11,18 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than a minute on the 2-core CPU machine")
 
 
+@pytest.fixture
+def single_thread():
+    """torch single-threaded for the test (a module opts in with `pytest.mark.usefixtures`): tiny models issue
+    many small kernels, and two OpenMP threads on a loaded 2-core box only wait on each other."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     """The in-code byte-level BPE tokenizer (a fresh object; training is cached per process)."""

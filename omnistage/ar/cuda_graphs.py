@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from omnistage.ar.sampler import greedy_ids
-from omnistage.ar.staging import ring_for
+from omnistage.ar.staging import staged
 from omnistage.layers.attention import AttentionMetadata
 
 
@@ -96,12 +96,8 @@ class CudaGraphs:
         # pinned: the copies below do not wait for queued steps (the thread's staging ring, ar/staging.py:
         # no pinned allocation per step)
         w = max(map(len, tables))
-        staged = ring_for(self.ids.device).buffer(b * (4 + w), np.int64)
-        if staged is None:
-            host = torch.empty(b * (4 + w), dtype=torch.long, pin_memory=True)
-            staged = host.numpy(), host
-        graph_inputs(staged[0], b, self.scratch_slot, ids, pos, slots, tables, ctx)
-        host = staged[1]
+        buf, host = staged(self.ids.device, b * (4 + w), np.int64)
+        graph_inputs(buf, b, self.scratch_slot, ids, pos, slots, tables, ctx)
         # torch views (not numpy's): the copies must hold the pinned block itself
         rows, table = host[:4 * b].view(4, b), host[4 * b:].view(b, w)
         self.ids[:b].copy_(rows[0], non_blocking=True)

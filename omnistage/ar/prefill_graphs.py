@@ -22,8 +22,8 @@ the bucket only (grids, the MoE's tile height and sort buffers, which kernels ru
 with the host (the MoE align runs on the device; moe_tune times only outside capture).
 
 Captured only where the Triton prefill path serves the model (`serves`: CUDA, fused kernels on, a head
-size the prefill kernel takes); the PyTorch path is not graph-safe. `PrefillGraphs(capture=False)` keeps the same buffers and replays by running the same `_step`
-eagerly over them: the CPU tests check it against the unpadded eager step. Outputs are the graph's
+size the prefill kernel takes); the PyTorch path is not graph-safe. `PrefillGraphs(capture=False)` keeps
+the same buffers and replays by running the same `_step` eagerly over them: the CPU tests check it against the unpadded eager step. Outputs are the graph's
 buffers, valid until the next replay of any graph (decode graphs share the pool).
 """
 
@@ -38,7 +38,7 @@ import torch
 
 from omnistage.ar.cuda_graphs import GraphOutput
 from omnistage.ar.sampler import greedy_ids
-from omnistage.ar.staging import ring_for
+from omnistage.ar.staging import staged
 from omnistage.ar.step_inputs import StepInputs
 from omnistage.layers import fused, triton_prefill
 from omnistage.layers.attention import AttentionMetadata, PrefillChunk
@@ -152,7 +152,7 @@ class PrefillGraphs:
     def _load(self, t: int, ids, positions, slots, prefills, tables, logit_rows):
         """`load` of bucket t from `StepInputs`' lists (none at capture: every row padded)."""
         n, p = len(ids), self.rope_rows
-        rows = self._host(self.rows[t].numel(), np.int64)
+        rows = staged(self.device, self.rows[t].numel(), np.int64)
         rows[0][:] = 0
         rows[0][:n] = ids
         pos = rows[0][t:(1 + p) * t].reshape(p, t)
@@ -169,7 +169,8 @@ class PrefillGraphs:
             tabs.append([])
         plan = self.plans[t]
         # host room for what this step writes: the info and its own tables (not the buffer's full width)
-        buf = self._host(triton_prefill.static_size(plan.num_chunks, plan.num_tiles, sum(map(len, tabs))), np.int32)
+        size = triton_prefill.static_size(plan.num_chunks, plan.num_tiles, sum(map(len, tabs)))
+        buf = staged(self.device, size, np.int32)
         used = triton_prefill.fill_static(buf[0], plan.num_chunks, plan.num_tiles, self.block_m, spans, tabs)
         dev_rows, dev_plan = self.rows[t], self.plan_bufs[t]
         dev_rows.copy_(rows[1], non_blocking=True)
@@ -182,18 +183,6 @@ class PrefillGraphs:
         ids_dev, pos_dev, slots_dev, _ = self._views(t)
         meta = AttentionMetadata(slot_mapping=slots_dev, prefills=chunks, graph_tokens=t, prefill_plan=plan)
         return ids_dev, pos_dev, meta
-
-    def _host(self, count: int, np_dtype) -> tuple[np.ndarray, torch.Tensor]:
-        """`count` elements of host memory to fill and copy from: the thread's pinned ring on CUDA (no
-        copy waits for queued steps), plain memory on CPU."""
-        if self.device.type == "cuda":
-            staged = ring_for(self.device).buffer(count, np_dtype)
-            if staged is not None:
-                return staged
-            host = torch.empty(count, dtype=torch.from_numpy(np.zeros(0, np_dtype)).dtype, pin_memory=True)
-            return host.numpy(), host
-        arr = np.empty(count, dtype=np_dtype)
-        return arr, torch.from_numpy(arr)
 
     # ---- what a graph holds --------------------------------------------------------------------
     def _step(self, t: int, meta: AttentionMetadata) -> GraphOutput:

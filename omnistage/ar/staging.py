@@ -117,6 +117,20 @@ def ring_for(device: torch.device) -> PinnedRing:
     return ring
 
 
+def staged(device: torch.device, count: int, np_dtype) -> tuple[np.ndarray, torch.Tensor]:
+    """`count` elements of host memory to fill (numpy view) and copy from (torch view): the thread's ring on
+    CUDA (no copy waits for queued steps; a pinned allocation when too big for a segment), plain memory on
+    a CPU device."""
+    if device.type != "cuda":
+        arr = np.empty(count, dtype=np_dtype)
+        return arr, torch.from_numpy(arr)
+    got = ring_for(device).buffer(count, np_dtype)
+    if got is not None:
+        return got
+    host = torch.empty(count, dtype=torch.from_numpy(np.zeros(0, np_dtype)).dtype, pin_memory=True)
+    return host.numpy(), host
+
+
 def upload(values, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """`values` (a list, nested lists of one shape, or a numpy array) as a tensor on `device`."""
     if device.type != "cuda":

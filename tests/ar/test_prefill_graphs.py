@@ -27,12 +27,7 @@ from omnistage.stage import ARPrompt
 MAX_TOKENS = 32                                 # the largest bucket: buckets 16, 32
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 class Checked:

@@ -24,13 +24,7 @@ from omnistage.params import SamplingParams  # noqa: E402
 NEW = 10                                        # tokens per answer
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """The tiny model issues many small kernels; two OpenMP threads on a loaded 2-core box wait on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

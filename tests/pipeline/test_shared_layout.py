@@ -11,7 +11,6 @@ import os
 
 import numpy as np
 import pytest
-import torch
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -23,12 +22,7 @@ INLINE = {"stage_layout": "inline", "stages": {"talker": TALKER_LEN}}
 MESSAGES = ([{"role": "user", "content": "Tell me a story."}], [{"role": "user", "content": "Sing it again."}])
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():                           # many tiny kernels: one torch thread is faster on 2 cores
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Profile Qwen2.5-Omni talker decode steps on CUDA: step time by batch size and sampling settings.
 
-    python benchmarks/profile_talker.py OMNI_DIR          # e.g. omni_bench.py's 7B-shape folder
+    python benchmarks/profile_talker.py OMNI_DIR [--no-code2wav]   # e.g. omni_bench.py's 7B-shape folder
 First, ms per code2wav ODE batch (graphs and TF32 on and off). Then ms per talker step at batch 1 and 8 with greedy sampling and with the talker's own defaults
 (temperature/top-k/top-p/repetition penalty/banned ids, per-request seeds), then the top CPU ops of
 the sampled batch-8 steps.
@@ -49,12 +49,16 @@ def main() -> None:
                 eng.step()
             torch.cuda.synchronize()
             print(f"{name}, batch {n}: {(time.perf_counter() - t) / 50 * 1000:.2f} ms per step")
-            if name != "greedy" and n == 8:
+            if name != "greedy":
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     for _ in range(10):
                         eng.step()
                     torch.cuda.synchronize()
-                print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+                table = prof.key_averages()
+                print(f"{name}, batch {n}: top CUDA kernels over 10 steps")
+                print(table.table(sort_by="self_cuda_time_total", row_limit=25))
+                if n == 8:
+                    print(table.table(sort_by="cpu_time_total", row_limit=25))
             for i in range(n):
                 eng.abort(f"r{i}")
             eng.step()
@@ -91,5 +95,13 @@ def code2wav(path: str) -> None:
 
 
 if __name__ == "__main__":
-    code2wav(sys.argv[1])
+    import glob
+    import os
+
+    if not glob.glob(os.path.join(sys.argv[1], "*.safetensors")):   # a config-only folder: random weights
+        from omnistage.models import dummy
+
+        dummy.use_dummy_weights(sys.argv[1])
+    if "--no-code2wav" not in sys.argv:
+        code2wav(sys.argv[1])
     main()

@@ -292,6 +292,9 @@ def main() -> None:
             json.dump(res, f, indent=1)
     print(json.dumps(res, indent=1))
     print_table(res)
+    print_step_ms(res)
+    if args.fp8:
+        print_fp8_table(res)
 
 
 def print_step_ms(res: dict) -> None:

@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD python benchmarks/decode_layer_bench.py            # (ii) + (iii): the layer, fused vs unfused
         [--models 1.5B,7B | q3] [--weights bf16,fp8]
     PYTHONPATH=$PWD python benchmarks/decode_layer_bench.py --sweep    # (i): tile sweep, prints `TILES = {...}`
-        [--models 1.5B | 7B | q3] [--layers qkv,o,gate_up,down] [--weights bf16,fp8] [--rows 1,2,4,8] [--budget 55]
+        [--models 1.5B | 7B | q3 | talker] [--layers qkv,o,gate_up,down] [--weights bf16,fp8] [--rows 1,2,4,8] [--budget 55]
         [--space small | narrow | wide]
     (each tile is a compile the first time, about a second: the default `small` space (<= 8 candidates per layer and M)
     sweeps one layer x one weight kind x M = 1, 2, 4, 8 in ~60 s, e.g. `--layers qkv --weights bf16`; `wide`
@@ -47,7 +47,10 @@ MODELS = {"1.5B": dict(hidden_size=1536, intermediate_size=8960, num_attention_h
           # Qwen3-Omni-30B-A3B's thinker: its attention half (the MoE half is triton_moe_small's); the dense
           # intermediate only sizes the stand-in MLP of the attention-half table
           "q3": dict(hidden_size=2048, intermediate_size=256, num_attention_heads=32, num_key_value_heads=4,
-                     head_dim=128)}
+                     head_dim=128),
+          # Qwen2.5-Omni-7B's talker (hidden 896, head_dim 128 with 12 / 4 heads)
+          "talker": dict(hidden_size=896, intermediate_size=18944, num_attention_heads=12, num_key_value_heads=4,
+                         head_dim=128)}
 ROWS = (1, 2, 4, 8)
 CONTEXT, BLOCK = 256, 16
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from omnistage.ar.decode_rows import DecodeRows
@@ -36,6 +37,7 @@ from omnistage.ar.sequence import PLACEHOLDER, Sequence
 from omnistage.ar.step_inputs import StepInputs, step_inputs, step_order
 from omnistage.ar.token_counts import TokenCounts
 from omnistage.layers.attention import AttentionMetadata, PrefillChunk
+from omnistage.layers.triton_sampling import row_keys
 from omnistage.stage import HiddenStates
 
 
@@ -102,7 +104,8 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_caches: list[torch.Tensor] = []
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.seq_generators: dict[str, torch.Generator] = {}   # seq_id -> generator of a seeded sequence
+        self.seq_generators: dict[str, torch.Generator] = {}   # seq_id -> a seeded sequence's generator
+        self.key_rng = np.random.default_rng(seed)             # unseeded rows' sampling noise keys
         self.graphs = None                                     # CudaGraphs once captured
         self.prefill_graphs = None                             # PrefillGraphs once captured
         self.ranks = None                       # ar/tensor_parallel.RankGroup: the other TP ranks (None: one rank)
@@ -244,6 +247,19 @@ class ModelRunner:
             row += s.num_new_tokens
         return adds
 
+    def _noise_keys(self, seqs: list[Sequence]) -> np.ndarray:
+        """int64 [S] sampling noise keys (`triton_sampling.row_keys`): a seeded sequence's from its seed and
+        its tokens sampled so far (the same draw whatever the batch, queued or not); an unseeded one's
+        from the runner's own generator."""
+        seeds = [q.seed for q in seqs]
+        if all(x is None for x in seeds):
+            return self.key_rng.integers(0, 2 ** 32, len(seqs), dtype=np.int64)
+        keys = row_keys([0 if x is None else x & (2 ** 64 - 1) for x in seeds], [q.num_output_tokens for q in seqs])
+        for i, x in enumerate(seeds):
+            if x is None:
+                keys[i] = self.key_rng.integers(0, 2 ** 32)
+        return keys
+
     def _generator_for(self, seq: Sequence) -> Optional[torch.Generator]:
         if seq.seed is None:
             return None
@@ -328,7 +344,11 @@ class ModelRunner:
                 slots = self.counts.prepare(sampling, flags, pending)
             batch = SamplingBatch(
                 params=params,
-                generators=[self._generator_for(q) for q in sampling],
+                generators=([self._generator_for(q) for q in sampling] if framed or self.device.type != "cuda"
+                            else []),
+                # on CUDA the main draw's noise is counter-based (one launch for seeded rows too)
+                keys=(self._noise_keys(sampling) if self.device.type == "cuda" and not all(p.greedy for p in params)
+                      else None),
                 banned=banned,
                 token_bitmask=None if bitmask is None else bitmask.to(self.device, non_blocking=True),
                 token_counts=None if slots is None else self.counts.view(slots))

@@ -8,10 +8,19 @@ of the model's raw distribution (chosen token + top-k). All work stays on the de
 moves the result to the host once per step.
 
 Random choice uses the exponential race (argmax of p / E with E ~ Exp(1)), which samples from p
-exactly. A seeded sequence draws its E from its own generator, so its tokens do not depend on
-what else is in the batch. Per-row parameters go to the device from pinned memory and every branch
-is decided on the host, so sampling never waits for the device (the engine may have queued the
-next step already).
+exactly; a seeded sequence's tokens do not depend on what else is in the batch. E comes one of two
+ways. With `SamplingBatch.keys` (the AR runner on CUDA) it is counter-based
+(`layers/triton_sampling.exp_noise`): a pure function of the row's key and the token id, the key made
+on the host from a seeded sequence's seed and its count of sampled tokens (`row_keys`), or drawn at
+random for an unseeded row, so every row draws in one launch and only where it is read. Without keys
+(the CPU) a seeded row draws V values from its own `torch.Generator` in order (as `torch.multinomial`
+does on the CPU: seeded runs equal reference packages that sample that way, e.g. qwen-tts) and the
+unseeded rows draw together. When every sampled row has 0 < top_k <= `MOST_CANDIDATES`, the rows
+take `torch.topk` of the batch's largest k and race among those candidates (`race_candidates`: one
+launch on CUDA) instead of sorting the whole vocabulary; the draw is the full row's (every other
+token has probability 0). Other batches sort (top-p over all tokens) and race over the full row. Per-row parameters go to the device
+from pinned memory and every branch is decided on the host, so sampling never waits for the device
+(the engine may have queued the next step already).
 """
 
 from __future__ import annotations
@@ -23,13 +32,16 @@ import numpy as np
 import torch
 
 from omnistage.ar.staging import upload
+from omnistage.layers.triton_sampling import MOST_CANDIDATES, exp_noise, race_candidates
 from omnistage.params import SamplingParams
 
 
 @dataclass
 class SamplingBatch:
     params: list[SamplingParams]                # one per sampling row
-    generators: list[Optional[torch.Generator]]  # per-row generator for seeded rows, else None
+    # per-row generator of a seeded row without `keys` (and a frame head's: the Qwen3-TTS code predictor),
+    # else None; may be empty (no row seeded)
+    generators: list[Optional[torch.Generator]] = field(default_factory=list)
     banned: list[list[int]] = field(default_factory=list)  # per row: ids masked this step (min_tokens)
     # int32 [S, ceil(V / 32)] on the logits' device: bit j of word i set = token 32 i + j allowed; None = no grammar
     token_bitmask: Optional[torch.Tensor] = None
@@ -37,6 +49,9 @@ class SamplingBatch:
     # device (ar/token_counts.py, `TokenCounts.view`), which penalties read; needed when a row has
     # penalties, else None
     token_counts: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    # int64 [S] counter-based noise keys (`triton_sampling.row_keys`: a seeded row's from its seed and draw
+    # count); None: noise from `generators` (seeded rows) and the sampler's default generator
+    keys: Optional[np.ndarray] = None
 
     @property
     def all_greedy(self) -> bool:
@@ -149,41 +164,98 @@ def _filter(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, b: SamplingBatch, default_generator: Optional[torch.Generator] = None,
            num_logprobs: int = -1) -> SamplerOutput:
-    """num_logprobs: the largest `logprobs` asked for in the batch, -1 when nobody asked."""
+    """num_logprobs: the largest `logprobs` asked for in the batch, -1 when nobody asked.
+    `default_generator`: where unkeyed rows' random keys come from (None: torch's default)."""
     out = SamplerOutput(token_ids=torch.empty(0))
     if num_logprobs >= 0:
         raw = logits.log_softmax(-1)
         if num_logprobs > 0:
             out.top_logprobs, out.top_ids = raw.topk(num_logprobs, dim=-1)
     if any(b.banned):
-        rows = [i for i, ids in enumerate(b.banned) for _ in ids]
-        cols = [t for ids in b.banned for t in ids]
-        logits = logits.index_put((to_device(rows, logits.device), to_device(cols, logits.device)),
-                                  logits.new_full((), float("-inf")))
+        where = to_device(_banned_index(b.banned), logits.device)
+        logits = logits.index_put((where[0], where[1]), logits.new_full((), float("-inf")))
     if any(p.logit_bias for p in b.params):
         logits = _apply_logit_bias(logits, b)
     if any(p.needs_penalties for p in b.params):
         logits = _apply_penalties(logits, b)
     if b.token_bitmask is not None:
         logits = apply_token_bitmask(logits, b.token_bitmask)
-    greedy = greedy_ids(logits)
     if b.all_greedy:
-        out.token_ids = greedy
+        out.token_ids = greedy_ids(logits)
     else:
-        probs = _filter(logits, b).softmax(-1)
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, g in enumerate(b.generators) if g is None]
-        if len(unseeded) == len(b.generators):
-            noise.exponential_(generator=default_generator)
-        elif unseeded:
-            draws = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
-            noise[to_device(unseeded, probs.device)] = draws.exponential_(generator=default_generator)
-        for i, g in enumerate(b.generators):
-            if g is not None:
-                noise[i].exponential_(generator=g)
-        sampled = (probs / noise).argmax(-1)
-        greedy_rows = to_device([p.greedy for p in b.params], logits.device)
-        out.token_ids = torch.where(greedy_rows, greedy, sampled)
+        out.token_ids = _draw(logits, b, default_generator)
     if num_logprobs >= 0:
         out.chosen_logprobs = raw.gather(-1, out.token_ids[:, None])[:, 0]
     return out
+
+
+def candidates(params: list[SamplingParams], vocab: int) -> int:
+    """How many top tokens per row the batch's sampled rows race among (`race_candidates`): the largest
+    top_k when every sampled row has 0 < top_k <= MOST_CANDIDATES; 0 when some row needs the full row."""
+    ks = [p.top_k for p in params if not p.greedy]
+    if not ks or min(ks) <= 0 or max(ks) > MOST_CANDIDATES:
+        return 0
+    return min(max(ks), vocab)
+
+
+def _draw(logits: torch.Tensor, b: SamplingBatch, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """[S] sampled ids of a batch with at least one sampled row (greedy rows take their argmax)."""
+    dev = logits.device
+    s, vocab = logits.shape
+    keys = noise = None
+    if b.keys is not None:                      # counter-based noise, made where it is read
+        keys = to_device(b.keys, dev, torch.long)
+    else:                                       # the generators' Exp(1) streams, V draws per row
+        noise = _generator_noise(s, vocab, b.generators, dev, generator)
+    width = candidates(b.params, vocab)
+    if width:
+        # rows: temperature, top-k (greedy rows: 1, their argmax), top-p, min-p in one copy
+        values = np.array([[1.0 if p.greedy else p.temperature for p in b.params],
+                           [1 if p.greedy else p.top_k for p in b.params],
+                           [p.top_p for p in b.params], [p.min_p for p in b.params]], dtype=np.float32)
+        rows = to_device(values, dev)
+        vals, ids = (logits / rows[0][:, None]).topk(width, dim=-1)
+        return race_candidates(vals, ids, rows[1], rows[2], rows[3], keys,
+                               None if noise is None else noise.gather(1, ids))
+    probs = _filter(logits, b).softmax(-1)
+    sampled = (probs / (exp_noise(keys, vocab) if noise is None else noise)).argmax(-1)
+    if not any(p.greedy for p in b.params):
+        return sampled
+    greedy_rows = to_device([p.greedy for p in b.params], dev)
+    return torch.where(greedy_rows, greedy_ids(logits), sampled)
+
+
+def _generator_noise(s: int, vocab: int, generators: list, dev: torch.device,
+                     default: Optional[torch.Generator]) -> torch.Tensor:
+    """[S, V] Exp(1) draws: a seeded row's from its own generator (V in order: `torch.multinomial`'s race
+    on the CPU draws the same, so seeded CPU runs equal reference packages that sample that way), the
+    other rows' in one draw from `default`."""
+    noise = torch.empty(s, vocab, device=dev)
+    unseeded = [i for i in range(s) if i >= len(generators) or generators[i] is None]
+    if len(unseeded) == s:
+        return noise.exponential_(generator=default)
+    if unseeded:
+        draws = torch.empty(len(unseeded), vocab, device=dev)
+        noise[to_device(unseeded, dev)] = draws.exponential_(generator=default)
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    return noise
+
+
+_BANNED: dict[int, tuple[list, np.ndarray]] = {}     # id(list) -> (the list, its ids as int64)
+
+
+def _banned_index(banned: list[list[int]]) -> np.ndarray:
+    """int64 [2, N]: (row, id) of every banned id; a row's list (often the same `bad_token_ids` list
+    every step) is converted once."""
+    arrays = []
+    for ids in banned:
+        hit = _BANNED.get(id(ids))
+        if hit is None or hit[0] is not ids or len(hit[1]) != len(ids):
+            if len(_BANNED) > 4096:
+                _BANNED.clear()
+            hit = _BANNED[id(ids)] = (ids, np.asarray(ids, dtype=np.int64))
+        arrays.append(hit[1])
+    lens = [len(a) for a in arrays]
+    return np.stack([np.repeat(np.arange(len(arrays), dtype=np.int64), lens), np.concatenate(arrays)])

@@ -13,9 +13,28 @@ exp(x - max) / noise over them (the softmax's normaliser does not move an argmax
 survive as in the reference except where two logits tie exactly at the cut (there the reference
 keeps the lower id and this keeps both), and the sums are in another order, so a draw whose
 top-p mass lands within rounding of the cut may differ.
+
+The AR sampler's noise and candidate race (`ar/sampler.py`) live here too:
+  * `exp_noise` / `exp_noise_ref`: counter-based Exp(1) draws. A row's draw for token t is a pure
+    function of the row's 32-bit key (from its seed and how many tokens it has sampled: `row_keys`, on
+    the host) and t: u = (hash(key, t) >> 8 + 0.5) / 2^24, E = -log(u). So seeded rows of a batch draw
+    in one launch (no generator per row), a row's tokens do not depend on the batch, and the draw for a
+    few candidate tokens equals the full row's at those tokens. The hash is two rounds of a 32-bit
+    integer mixer (xorshift-multiply, constants 0x7feb352d / 0x846ca68b) over (t + 0x9e3779b9) and the
+    key, computed in int64 with 16-bit halves of each constant so no product overflows (the same
+    arithmetic in PyTorch, numpy and Triton, bit for bit).
+  * `race_candidates` / `race_candidates_ref`: a draw among each row's top-K candidates (values sorted
+    descending, already divided by the temperature, and their ids; `torch.topk`'s output): the row's k,
+    top-p and min-p masks over them, then the exponential race argmax(p / E) with E from `exp_noise` at
+    the candidates' ids. Equal to the race over the full row when every token outside the candidates has
+    probability 0 after top-k (K >= the row's k). One program per row (CUDA), `race_candidates_ref` on
+    the CPU.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Optional
 
 import torch
 
@@ -26,6 +45,71 @@ except ImportError:                                  # CPU-only installs
     triton = None
 
 MOST_VOCAB = 4096                                    # widest row one program holds
+MOST_CANDIDATES = 256                                # widest candidate row `race_candidates` takes (top-k)
+MASK32 = 0xFFFFFFFF
+MIX_A, MIX_B = 0x7FEB352D, 0x846CA68B                # the mixer's multipliers
+TOKEN_SALT = 0x9E3779B9                              # added to a token id before it is mixed
+
+
+def _mul32_ref(x, c: int):
+    """(x * c) mod 2^32 for x in [0, 2^32) (int64 tensor or numpy array), no product above 2^48."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
+
+
+def mix32_ref(x):
+    """The 32-bit mixer on int64 values in [0, 2^32) (torch or numpy)."""
+    x = x ^ (x >> 16)
+    x = _mul32_ref(x, MIX_A)
+    x = x ^ (x >> 15)
+    x = _mul32_ref(x, MIX_B)
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds, draws):
+    """int64 numpy [S] noise keys in [0, 2^32) from 64-bit seeds (any ints >= 0) and draw counters [S]
+    (a sequence's tokens sampled so far): the host side of `exp_noise`."""
+    import numpy as np
+
+    seeds = np.asarray(seeds, dtype=np.uint64)
+    lo = (seeds & np.uint64(MASK32)).astype(np.int64)
+    hi = (seeds >> np.uint64(32)).astype(np.int64)
+    draws = np.asarray(draws, dtype=np.int64) & MASK32
+    return mix32_ref(draws ^ mix32_ref(hi ^ mix32_ref(lo)))
+
+
+def exp_noise_ref(keys: torch.Tensor, ids: torch.Tensor, hashed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """float32 [S, N] Exp(1) draws of rows keyed `keys` (int64 [S]) at token ids `ids` (int64 [S, N] or
+    [N]): the PyTorch reference of the kernels' noise. `hashed`: the ids' first mix, when the caller
+    keeps it (`_token_hashes`)."""
+    if hashed is None:
+        hashed = mix32_ref((ids.long() + TOKEN_SALT) & MASK32)
+    h = mix32_ref(hashed ^ keys.long()[:, None])
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216)
+    return -torch.log(u)
+
+
+@functools.lru_cache(maxsize=8)
+def _token_hashes(vocab: int, device: torch.device) -> torch.Tensor:
+    """The first mix of every token id (it does not depend on the row): the full-row reference path's."""
+    return mix32_ref((torch.arange(vocab, device=device) + TOKEN_SALT) & MASK32)
+
+
+def race_candidates_ref(vals: torch.Tensor, ids: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                        min_p: torch.Tensor, keys: Optional[torch.Tensor], noise: Optional[torch.Tensor] = None
+                        ) -> torch.Tensor:
+    """[S] long: each row's draw among its candidates (see the module docstring); vals float32 [S, K]
+    sorted descending, ids [S, K], top_k [S] (-1 / 0 / >= K: all K), top_p [S], min_p [S], and either
+    keys [S] (`exp_noise` at the ids) or the candidates' Exp(1) noise [S, K]."""
+    s, width = vals.shape
+    cols = torch.arange(width, device=vals.device)
+    k = torch.where((top_k > 0) & (top_k < width), top_k, width)
+    in_k = cols[None, :] < k[:, None]
+    v = vals.masked_fill(~in_k, float("-inf"))
+    e = torch.where(in_k, torch.exp(v - v[:, :1]), 0.0)
+    before = (e.cumsum(-1) - e) / e.sum(-1, keepdim=True)
+    kept = in_k & (((before < top_p[:, None]) & (e >= min_p[:, None])) | (cols[None, :] == 0))
+    score = torch.where(kept, e / (exp_noise_ref(keys, ids) if noise is None else noise), -1.0)
+    return ids.gather(1, score.argmax(-1, keepdim=True))[:, 0].long()
 
 
 if triton is not None:
@@ -52,6 +136,54 @@ if triton is not None:
         tl.store(out_ptr + row, tl.argmax(score, axis=0).to(tl.int64))
 
 
+    @triton.jit
+    def _mul32(x, C: tl.constexpr):
+        return (x * (C & 0xFFFF) + (((x * (C >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+    @triton.jit
+    def _mix32(x):
+        x = x ^ (x >> 16)
+        x = _mul32(x, 0x7FEB352D)
+        x = x ^ (x >> 15)
+        x = _mul32(x, 0x846CA68B)
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _exp_noise(key, ids):
+        h = _mix32(_mix32((ids.to(tl.int64) + 0x9E3779B9) & 0xFFFFFFFF) ^ key)
+        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216)
+        return -tl.log(u)
+
+    @triton.jit
+    def _noise_kernel(key_ptr, out_ptr, stride_o, vocab, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        key = tl.load(key_ptr + row)
+        tl.store(out_ptr + row * stride_o + cols, _exp_noise(key, cols), mask=cols < vocab)
+
+    @triton.jit
+    def _race_kernel(vals_ptr, ids_ptr, k_ptr, p_ptr, minp_ptr, key_ptr, noise_ptr, out_ptr, stride_v, stride_i,
+                     stride_n, width, BLOCK: tl.constexpr, KEYED: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        k = tl.load(k_ptr + row)
+        k = tl.where((k > 0) & (k < width), k, width)
+        in_k = cols < k
+        v = tl.load(vals_ptr + row * stride_v + cols, mask=in_k, other=float("-inf"))
+        best = tl.max(v, axis=0)
+        e = tl.where(in_k, tl.exp(v - best), 0.0)
+        before = (tl.cumsum(e, axis=0) - e) / tl.sum(e, axis=0)
+        kept = in_k & (((before < tl.load(p_ptr + row)) & (e >= tl.load(minp_ptr + row))) | (cols == 0))
+        ids = tl.load(ids_ptr + row * stride_i + cols, mask=in_k, other=0).to(tl.int64)
+        if KEYED:
+            noise = _exp_noise(tl.load(key_ptr + row), ids)
+        else:
+            noise = tl.load(noise_ptr + row * stride_n + cols, mask=in_k, other=1.0)
+        score = tl.where(kept, e / noise, -1.0)
+        win = tl.argmax(score, axis=0)
+        tl.store(out_ptr + row, tl.sum(tl.where(cols == win, ids, 0), axis=0))
+
+
 def fits(logits: torch.Tensor) -> bool:
     """Whether `pick_top_k_top_p` takes rows like `logits`' (Triton installed, V <= MOST_VOCAB)."""
     return triton is not None and logits.shape[-1] <= MOST_VOCAB
@@ -70,4 +202,50 @@ def pick_top_k_top_p(logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Tens
     _pick_kernel[(s,)](x, temp.float().contiguous(), top_k.to(torch.int32).contiguous(),
                        top_p.float().contiguous(), n, out, x.stride(0), n.stride(0), v,
                        BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    return out
+
+
+def exp_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32 [S, vocab] Exp(1) draws of rows keyed `keys` (int64 [S], on the device) at every token:
+    one launch on CUDA, `exp_noise_ref` elsewhere."""
+    if triton is None or not keys.is_cuda:
+        return exp_noise_ref(keys, None, _token_hashes(vocab, keys.device))
+    return launch_noise(keys, vocab)
+
+
+def launch_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`exp_noise`'s kernel on any tensors Triton runs on (the interpreter's CPU tensors in tests)."""
+    out = torch.empty(keys.shape[0], vocab, device=keys.device)
+    if keys.shape[0]:
+        block = 1024
+        _noise_kernel[(keys.shape[0], triton.cdiv(vocab, block))](keys.long().contiguous(), out, out.stride(0),
+                                                                  vocab, BLOCK=block, num_warps=4)
+    return out
+
+
+def race_candidates(vals: torch.Tensor, ids: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor, keys: Optional[torch.Tensor], noise: Optional[torch.Tensor] = None
+                    ) -> torch.Tensor:
+    """`race_candidates_ref` in one launch on CUDA (K <= MOST_CANDIDATES); the reference elsewhere."""
+    if triton is None or not vals.is_cuda or vals.shape[1] > MOST_CANDIDATES:
+        return race_candidates_ref(vals, ids, top_k, top_p, min_p, keys, noise)
+    return launch_race(vals, ids, top_k, top_p, min_p, keys, noise)
+
+
+def launch_race(vals: torch.Tensor, ids: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor, keys: Optional[torch.Tensor], noise: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+    """`race_candidates`' kernel on any tensors Triton runs on (the interpreter's CPU tensors in tests)."""
+    s, width = vals.shape
+    out = torch.empty(s, dtype=torch.long, device=vals.device)
+    if s == 0:
+        return out
+    v = vals.float().contiguous()
+    i = ids.contiguous()
+    n = v if noise is None else noise.float().contiguous()          # (unread when keyed)
+    k = keys.long().contiguous() if keys is not None else i          # (unread when not keyed)
+    _race_kernel[(s,)](v, i, top_k.to(torch.int32).contiguous(), top_p.float().contiguous(),
+                       min_p.float().contiguous(), k, n, out, v.stride(0), i.stride(0), n.stride(0),
+                       width, BLOCK=max(triton.next_power_of_2(width), 16), KEYED=noise is None,
+                       num_warps=1 if width <= 64 else 2)
     return out

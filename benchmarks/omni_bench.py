@@ -27,6 +27,9 @@ code2wav's compute is left out, so the true floor is higher). Prints a markdown 
     python benchmarks/omni_bench.py [--work /tmp/omnibench] [--out results.json] [--layouts shared,process]
     python benchmarks/omni_bench.py --tiny           # tiny checkpoint, CPU, seconds (a test runs it; = --smoke)
 
+`--code2wav-growth off` measures Qwen2.5-Omni's code2wav without its chunk ramp (every chunk after the
+first has chunk_codes; an integer sets `chunk_growth`); `--code2wav-first N` sets its `first_chunk_codes`.
+
 `--model qwen3-omni` runs the same measurement on Qwen3-Omni-30B-A3B's shape (`qwen3_omni_bench.py`:
 a folder of config + tokenizer only under --work, served with `load_format="dummy"` -- random weights
 drawn on the GPU, no checkpoint written -- and the request settings; levels 1, 8, 32; frames at 12.5
@@ -310,6 +313,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--thinker-tokens", type=int, default=None, help="text tokens per answer (default 64; smoke 8)")
     ap.add_argument("--talker-codes", type=int, default=None, help="codec ids per answer, 50/s (default 500; smoke 30)")
     ap.add_argument("--code2wav-chunk", type=int, default=None, help="codes per code2wav chunk (default: the pipeline's)")
+    ap.add_argument("--code2wav-first", type=int, default=None,
+                    help="Qwen2.5-Omni code2wav's first_chunk_codes (the load rule starts there; default: the pipeline's)")
+    ap.add_argument("--code2wav-growth", default=None,
+                    help="Qwen2.5-Omni code2wav's chunk_growth: an integer, or off (no ramp; default: the stage's)")
     ap.add_argument("--code2wav-batch", type=int, default=None,
                     help="most requests per code2wav decode (max_batch_requests; default: the pipeline's)")
     ap.add_argument("--code2wav-runner", choices=("inline", "shared", "process"), default=None,
@@ -365,9 +372,17 @@ def main(argv: Optional[list[str]] = None) -> dict:
     tokens, codes = args.thinker_tokens or tokens, args.talker_codes or codes
     code2wav: dict[str, Any] = {}
     options = {("chunk_frames" if args.model == "qwen3-omni" else "chunk_codes"): args.code2wav_chunk,
-               "max_batch_requests": args.code2wav_batch, "dit_dtype": args.code2wav_dit_dtype}
-    if any(options.values()):
-        code2wav["options"] = {k: v for k, v in options.items() if v}
+               "max_batch_requests": args.code2wav_batch, "dit_dtype": args.code2wav_dit_dtype,
+               "first_chunk_codes": args.code2wav_first}
+    options = {k: v for k, v in options.items() if v}
+    if args.code2wav_first and args.model == "qwen3-omni":
+        ap.error("--code2wav-first is a Qwen2.5-Omni code2wav option (Qwen3-Omni's: first_chunk_frames)")
+    if args.code2wav_growth is not None:        # off: null, every chunk after the first has chunk_codes
+        if args.model == "qwen3-omni" or not (args.code2wav_growth == "off" or args.code2wav_growth.isdigit()):
+            ap.error(f"--code2wav-growth (Qwen2.5-Omni only) must be an integer or off, got {args.code2wav_growth!r}")
+        options["chunk_growth"] = None if args.code2wav_growth == "off" else int(args.code2wav_growth)
+    if options:
+        code2wav["options"] = options
     if args.code2wav_runner:
         code2wav["runner"] = args.code2wav_runner
     if args.no_code2wav_graphs:

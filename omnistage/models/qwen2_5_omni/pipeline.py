@@ -51,8 +51,11 @@ RENDERER_WEIGHTS = ("thinker.audio_tower.", "thinker.visual.", "thinker.model.em
 # each chunk costs about the same (36 DiT evaluations, launch-bound), so larger chunks decode faster
 # than real time: chunk 48 -> RTF 1.7, 96 -> 0.98, 192 -> 0.86 (with code2wav in its own process).
 # 32 requests per ODE batch: at 32 streams every ready chunk decodes in one batch (graphs for 1..32 rows).
-CODE2WAV_OPTIONS = {"first_chunk_codes": 12, "chunk_codes": 96, "past_blocks": 2, "future_blocks": 1,
-                    "max_batch_requests": 32}
+# chunk_growth 2: after the first chunk each is twice the one before, up to chunk_codes (12, 24, 48, 96, ...):
+# a jump from the first chunk straight to 96 codes left every stream dry once at 8 streams (H200: 8 underruns,
+# 2.74 s dry), the talker's 96 codes and their decode taking longer than the first chunk plays.
+CODE2WAV_OPTIONS = {"first_chunk_codes": 12, "chunk_codes": 96, "chunk_growth": 2, "past_blocks": 2,
+                    "future_blocks": 1, "max_batch_requests": 32}
 # code2wav's device memory besides its weights: its ODE graphs' static inputs (~1.5 GiB for 1..32 rows)
 # and their shared pool (a 32-row ODE's activations), and BigVGAN's graphs' pool (a 32-row chunk's
 # activations: ~80 MB per row of 256 mel frames at the 7B shape); an estimate for the memory plan

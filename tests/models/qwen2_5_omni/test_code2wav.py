@@ -76,7 +76,7 @@ def test_chunked_mode_stays_close_to_whole_decode(omni_dir, reference, past, fut
                                   future_blocks=future))
     wav, mel, outputs = run(engine, [("a", codes(60), Code2WavParams(voice="Ethan", seed=SEED))])["a"]
     ref_wav, ref_mel, _ = reference
-    assert outputs == 3                         # chunks of 12, 24 and 24 codes
+    assert outputs == 3                         # chunks of 12, 24 and 24 codes (the ramp: 24 at once)
     assert wav.shape == ref_wav.shape
     assert (mel - ref_mel).abs().max() < mel_tol
     assert np.abs(wav - ref_wav).max() < wav_tol
@@ -182,7 +182,11 @@ def test_tf32_is_set_for_the_block_only():
     ({"fused_vocoder": 1}, "fused_vocoder must be true, false or null"),
     ({"vocoder_dtype": "float16"}, "vocoder_dtype must be one of"),
     ({"max_batch_requests": 0}, r"max_batch_requests must be an integer in \[1, 64\]"),
-    ({"tf32": "yes"}, "tf32 must be true or false")])
+    ({"tf32": "yes"}, "tf32 must be true or false"),
+    ({"chunk_growth": 1}, r"chunk_growth must be an integer in \[2, 16\] or null"),
+    ({"chunk_growth": 17}, r"chunk_growth must be an integer in \[2, 16\] or null"),
+    ({"chunk_growth": 2.0}, "chunk_growth must be an integer"),
+    ({"chunk_growth": True}, "chunk_growth must be an integer")])
 def test_bad_stage_options_name_the_option(omni_dir, options, message):
     with pytest.raises(ValueError, match=message):
         Code2Wav(omni_dir, **options)

@@ -9,11 +9,15 @@ Optional verbs, looked up with `getattr`:
   * `add_input(request_id, piece)`: more input for a request added with an unfinished streamed
     input (a `Streamable` whose `finished` is False). Only stages with it can sit at the receiving
     end of a streaming edge.
+  * `add_inputs(items)`: `add_input` for each (request_id, piece) of `items`, returning per item None
+    or why it was refused (the orchestrator hands over a step's pieces for one stage this way when
+    the stage has it; a shared stage then orders them after the adapters' device work once).
   * `check_params(params)`: raise `ValueError` for params this stage cannot serve (unknown voice),
     so that a request is refused before any upstream stage spends work on it.
   * `params_type`: the params class of the stage, built from a stage's default params in the spec.
 
-`add_each` adds a batch of requests to an engine one by one, each refusal its request's own.
+`add_each` adds a batch of requests to an engine one by one, each refusal its request's own;
+`add_inputs_each` hands an engine a batch of streamed pieces the same way.
 
 The AR stage's messages are here too: `ARPrompt` (what starts a request; `ARPrompt.of` converts the
 plain string, token-id list or dict a user passes), `ExtraRows` (a streamed piece of rows added to
@@ -22,6 +26,7 @@ its generated positions, through `add_input`) and `HiddenStates` (what it report
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, runtime_checkable
 
@@ -169,6 +174,33 @@ class StageEngine(Protocol):
     def has_unfinished(self) -> bool: ...
 
     def stats(self) -> dict[str, float]: ...
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {}       # dataclass type -> its field names
+
+
+def message_fields(obj: Any) -> tuple[str, ...]:
+    """The field names of a dataclass instance (looked up once per type: `dataclasses.fields` on every
+    edge piece was slow); () for anything else."""
+    names = _FIELDS.get(type(obj))
+    if names is None:
+        dc = dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+        names = _FIELDS[type(obj)] = tuple(f.name for f in dataclasses.fields(obj)) if dc else ()
+    return names
+
+
+def add_inputs_each(engine: Any, items: list[tuple[str, Any]]) -> list[Optional[Exception]]:
+    """`engine.add_input(request_id, piece)` for each (request_id, piece) of `items`, in order; per
+    item None or why the engine refused that piece (the others are taken all the same)."""
+    errors: list[Optional[Exception]] = []
+    for request_id, piece in items:
+        try:
+            engine.add_input(request_id, piece)
+        except Exception as e:
+            errors.append(e)
+        else:
+            errors.append(None)
+    return errors
 
 
 def add_each(engine: Any, requests: list) -> list[Optional[Exception]]:

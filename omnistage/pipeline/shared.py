@@ -14,7 +14,9 @@ engine's), with device work ordered:
   inputs they handed over); after a step the default stream waits for the stage's stream only when
   the stage feeds another stage (its hidden states), so no stage waits for a sink stage's bulk work;
 * `add_request` / `add_input` run on the stage's stream too (the engine's copies of its inputs are
-  its stream's), and tensors handed to a stage (inputs, streamed rows) and reported by it (hidden
+  its stream's), after the default stream's queued work only when they hand over CUDA tensors
+  (codec ids do not wait); `add_inputs` takes all of a step's pieces for the stage under one such
+  wait. Tensors handed to a stage (inputs, streamed rows) and reported by it (hidden
   states) are marked in use by the other stream (`record_stream`), so the caching allocator never
   reuses their memory while queued work still reads it.
 
@@ -25,10 +27,13 @@ requests the stage holds (the orchestrator's `_step_stage`, as for inline stages
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Any, Optional
 
 import torch
+
+from omnistage.stage import add_inputs_each, message_fields
+
+_SCALARS = (int, float, bool, str, type(None))
 
 
 def _tensors(obj: Any, depth: int = 0):
@@ -43,12 +48,11 @@ def _tensors(obj: Any, depth: int = 0):
         items = obj.values()
     elif isinstance(obj, (list, tuple)):
         items = obj
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        items = (getattr(obj, f.name) for f in dataclasses.fields(obj))
     else:
-        return
+        items = (getattr(obj, name) for name in message_fields(obj))
     for item in items:
-        yield from _tensors(item, depth + 1)
+        if not isinstance(item, _SCALARS):      # (codec ids: a list of ints)
+            yield from _tensors(item, depth + 1)
 
 
 class SharedStage:
@@ -65,21 +69,24 @@ class SharedStage:
         return getattr(self.__dict__["engine"], name)
 
     @contextlib.contextmanager
-    def _on_stream(self, *handed_in: Any):
+    def _on_stream(self, *handed_in: Any, wait: bool = True):
         """Runs the block on the stage's stream, after the default stream's queued work; the tensors of
-        `handed_in` (made on the default stream) stay allocated until the stage's work on them is done."""
+        `handed_in` (made on the default stream) stay allocated until the stage's work on them is done.
+        `wait` False: only when `handed_in` holds CUDA tensors (host-only inputs, such as codec ids,
+        depend on no queued work; the stage's next step waits for the default stream all the same)."""
         if self.stream is None:
             yield
             return
-        self.stream.wait_stream(self.default)
-        for obj in handed_in:
-            for t in _tensors(obj):
-                t.record_stream(self.stream)
+        tensors = [t for obj in handed_in for t in _tensors(obj)]
+        if wait or tensors:
+            self.stream.wait_stream(self.default)
+        for t in tensors:
+            t.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
             yield
 
     def add_request(self, request_id: str, inputs: Any, params: Any = None, arrival_time: Optional[float] = None):
-        with self._on_stream(inputs):           # the engine's copies of the inputs are made on its stream
+        with self._on_stream(inputs, wait=False):   # the engine's copies of the inputs are made on its stream
             return self.engine.add_request(request_id, inputs, params, arrival_time)
 
     def step(self) -> list:
@@ -94,14 +101,21 @@ class SharedStage:
 
 
 def _add_input(self: SharedStage, request_id: str, piece: Any) -> None:
-    with self._on_stream(piece):
+    with self._on_stream(piece, wait=False):
         self.engine.add_input(request_id, piece)
 
 
+def _add_inputs(self: SharedStage, items: list[tuple[str, Any]]) -> list[Optional[Exception]]:
+    """Every (request_id, piece) of a step's pieces under one stream wait (none for host-only pieces)."""
+    with self._on_stream(*(piece for _, piece in items), wait=False):
+        return add_inputs_each(self.engine, items)
+
+
 def shared_stage(engine: Any, device: torch.device, priority: int, feeds_others: bool) -> SharedStage:
-    """`engine` (on `device`) as a shared stage; `add_input` exists only when the engine has it (the
-    orchestrator checks `hasattr` for streaming edges)."""
+    """`engine` (on `device`) as a shared stage; `add_input` / `add_inputs` exist only when the engine
+    has `add_input` (the orchestrator checks `hasattr` for streaming edges)."""
     stage = SharedStage(engine, device, priority, feeds_others)
     if hasattr(engine, "add_input"):
         stage.add_input = _add_input.__get__(stage)
+        stage.add_inputs = _add_inputs.__get__(stage)
     return stage

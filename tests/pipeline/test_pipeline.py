@@ -190,6 +190,47 @@ def test_orchestrator_text_only_requests_skip_tts_and_abort_reaches_every_stage(
         orch.add_request("b", {"prompt": "x", "modalities": ["image"]})
 
 
+class _BatchRecorder(_Recorder):
+    """A `_Recorder` that takes a step's streamed pieces in one call (`add_inputs`) and refuses those
+    of request "bad"."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []                         # request ids of each add_inputs call
+
+    def add_inputs(self, items):
+        self.calls.append([rid for rid, _ in items])
+        errors = []
+        for rid, piece in items:
+            if rid == "bad":
+                errors.append(ValueError("this piece is refused"))
+                continue
+            self.add_input(rid, piece)
+            errors.append(None)
+        return errors
+
+
+def test_orchestrator_hands_a_steps_pieces_over_in_one_call_and_a_refused_one_fails_alone():
+    script = _Script(["One. Two", "One. Two. Three", "One. Two. Three. Four"])
+    rec = _BatchRecorder()
+    spec = _cascade_spec()
+    spec.edges[0] = EdgeSpec("llm", "tts", "text_to_tts", chunk_size=1)
+    orch = Orchestrator(spec, stages={"llm": script, "tts": rec})
+    for rid in ("good", "bad"):
+        orch.add_request(rid, {"prompt": "x", "modalities": ["text", "audio"]})
+    finals = {}
+    while orch.has_unfinished():
+        finals.update((o.request_id, o) for o in orch.step() if o.finished)
+    # first pieces start the requests (add_request); the next step's pieces of both come in one call
+    assert rec.calls == [["good", "bad"], ["good"]]
+    assert [p for p in rec.pieces if p[0] == "good"] == [("good", ["One."], False), ("good", ["Two."], False),
+                                                         ("good", ["Three.", "Four"], True)]
+    [(rid, error)] = orch.pop_errors()
+    assert rid == "bad" and isinstance(error, ValueError) and "refused" in str(error)
+    assert list(finals) == ["good"] and "bad" in script.aborted and "bad" in rec.aborted
+    assert orch.stats()["edge:llm->tts:pieces"] == 5
+
+
 # ---- a real cascade: tiny LM -> Piper -----------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_cascade(tiny_models):

@@ -16,7 +16,9 @@ thinker output g_0 .. g_{n-1} (as transformers' `Qwen2_5OmniForConditionalGenera
 The talker stage adds its folded codec table (`embed[c] = codec_embed[c] W^T`, `stages.py`) to the
 streamed rows, which makes each decode input `W (codec_embed(c) + T(g_j)) + b` as in transformers.
 The thinker's rows of one step arrive per output; the prompt rows wait in the request's edge
-memory until T(g_0) exists (the thinker step after its prefill).
+memory until T(g_0) exists (the thinker step after its prefill). Each step's streamed rows are
+projected in one call and kept as one block (`TalkerInput.ends`), which the orchestrator hands the
+talker as it is: the adapter's host work per thinker step is a few torch ops, whatever the length.
 Read aloud (request field `read_aloud_from` = R, `models/read_aloud.py`): the thinker's prompt ends with the
 text to speak, so P = R and g_0 .. g_{n-1} are the prompt's positions R .. end - 1 (all computed by
 the prefill); rows past the prompt (the one token it samples) are not read, and the stream ends with
@@ -28,6 +30,7 @@ without the stop code that ended it, as a streamed `CodecInput`.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import os
 from dataclasses import dataclass, field
@@ -58,26 +61,28 @@ class TalkerConditioning:
     codec_pad_id: int
     codec_bos_id: int
     default_voice: str
-    _moved: dict = field(default_factory=dict, repr=False)   # (device, dtype) -> projected constants
+    _moved: dict = field(default_factory=dict, repr=False)   # device -> the constants there (projected rows)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """W x + b for thinker-width rows x [k, thinker hidden] (in float32, returned in x's dtype)."""
-        w, b = self._on(x.device)["w"], self._on(x.device)["b"]
-        return torch.addmm(b, x.float(), w.T).to(x.dtype)
+        on = self._on(x.device)
+        if x.dtype == torch.float32:            # one op per call: this runs per request and thinker step
+            return torch.addmm(on["b"], x, on["wt"])
+        return torch.addmm(on["b"], x.float(), on["wt"]).to(x.dtype)
 
     def _on(self, device: torch.device) -> dict[str, Any]:
-        key = str(device)
-        if key not in self._moved:
+        moved = self._moved.get(device)
+        if moved is None:
             w, b = self.weight.to(device), self.bias.to(device)
 
             def proj(v: torch.Tensor) -> torch.Tensor:
                 return torch.addmm(b, v.to(device)[None], w.T)[0]
 
-            self._moved[key] = {
-                "w": w, "b": b, "codec_bos": self.codec_bos.to(device),
+            moved = self._moved[device] = {
+                "w": w, "wt": w.T, "b": b, "codec_bos": self.codec_bos.to(device),
                 "eos_row": proj(self.tts_eos), "pad_row": proj(self.tts_pad),
                 "voice_rows": {v: proj(e + self.codec_pad) for v, e in self.voices.items()}}
-        return self._moved[key]
+        return moved
 
     def voice_row(self, voice: str, device: torch.device) -> torch.Tensor:
         rows = self._on(device)["voice_rows"]
@@ -140,27 +145,48 @@ class TalkerInput:
     `slice` returns what `AREngine` takes: the first piece (unit 0 alone, `head_units`) is the
     talker's `ARPrompt` (`prompt_token_ids`, `prompt_embeds`, optional `mrope_positions` /
     `mrope_delta`, `stream_extra`), later pieces `ExtraRows` for `add_input` with `rows` [k, talker
-    hidden], the last one `finished` with the `pad` row.
+    hidden], the last one `finished` with the `pad` row. The rows come one per entry of `rows`, or
+    (with `ends`) in blocks as the adapter projected them: a piece that is one block is handed over
+    as it is, with no copy (a decode step's rows of one request are one block).
     """
 
     head_units = 1                              # the prompt starts the talker; rows follow via add_input
 
     prompt: ARPrompt                            # the talker's request inputs
-    rows: list[torch.Tensor]                    # streamed rows so far, each [talker hidden]
+    rows: list[torch.Tensor]                    # streamed rows so far, each [talker hidden]; with `ends`: [k, H] blocks
     finished: bool                              # the stream is complete (thinker done)
     pad: torch.Tensor                           # the row used past the end of a finished stream
+    ends: Optional[list[int]] = None            # with blocks: per block, the rows up to its end (the adapter's list)
+    count: Optional[int] = None                 # with blocks: streamed rows so far (ends[-1], 0 when none)
 
     def __len__(self) -> int:
-        return 1 + len(self.rows)
+        return 1 + (len(self.rows) if self.ends is None else self.count)
 
     def slice(self, start: int, end: int, finished: bool) -> ARPrompt | ExtraRows:
         if start == 0:
             if end > 1 or finished:
                 raise ValueError("the talker's prompt piece must come alone (head_units = 1)")
             return self.prompt
-        rows = self.rows[start - 1: end - 1]
-        return ExtraRows(torch.stack(rows) if rows else self.pad.new_zeros(0, self.pad.shape[-1]),
-                         finished=finished, pad=self.pad if finished else None)
+        if self.ends is not None:
+            rows = self._block_rows(start - 1, end - 1)
+        else:
+            picked = self.rows[start - 1: end - 1]
+            rows = torch.stack(picked) if picked else None
+        if rows is None:
+            rows = self.pad.new_zeros(0, self.pad.shape[-1])
+        return ExtraRows(rows, finished=finished, pad=self.pad if finished else None)
+
+    def _block_rows(self, i: int, j: int) -> Optional[torch.Tensor]:
+        """Streamed rows i..j-1 from the blocks: a block itself when they are one whole block."""
+        if i >= j:
+            return None
+        c = bisect.bisect_right(self.ends, i)   # the block that holds row i
+        begin, parts = (self.ends[c - 1] if c else 0), []
+        while begin < j:
+            block, stop = self.rows[c], self.ends[c]
+            parts.append(block if i <= begin and stop <= j else block[max(i - begin, 0):min(j, stop) - begin])
+            begin, c = stop, c + 1
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class ThinkerToTalker:
@@ -180,9 +206,11 @@ class ThinkerToTalker:
         if out.hidden is not None:
             text = self._text_rows(out, mem, out.hidden, n_prompt if read_from is not None else None)
             if "prompt" in mem:                 # rows of g_1, g_2, ...: streamed
-                mem["rows"].extend(self.cond.project(text).unbind(0))
-            elif text.shape[0]:
-                mem["text"] = text if "text" not in mem else torch.cat([mem["text"], text])
+                if text.shape[0]:
+                    _add_block(mem, self.cond.project(text))
+            elif text.shape[0]:                 # prompt rows (and T(g_0)): joined once, at the start
+                mem.setdefault("text", []).append(text)
+                mem["text_rows"] = mem.get("text_rows", 0) + text.shape[0]
         elif "text" not in mem and "prompt" not in mem:
             raise ValueError("the talker needs the thinker's hidden states: send a chat prompt "
                              "(Omni.chat, /v1/chat/completions) or set return_hidden_states")
@@ -190,14 +218,16 @@ class ThinkerToTalker:
             if not isinstance(read_from, int) or not 0 < read_from < n_prompt:
                 raise ValueError(f"read_aloud_from must be in [1, {n_prompt - 1}], got {read_from!r}")
             n_prompt = read_from
-        if "prompt" not in mem and "text" in mem and (mem["text"].shape[0] > n_prompt or out.finished):
+        if "prompt" not in mem and "text" in mem and (mem["text_rows"] > n_prompt or out.finished):
             self._start(mem, ctx, n_prompt)     # T(g_0) is here (or the thinker said one token only)
         if "prompt" not in mem:
             return None
         if out.finished and not mem.get("closed"):
-            mem["rows"].append(mem["eos_row"])
+            _add_block(mem, mem["eos_row"][None])
             mem["closed"] = True
-        return TalkerInput(mem["prompt"], list(mem["rows"]), bool(mem.get("closed")), mem["pad_row"])
+        ends = mem["ends"]
+        return TalkerInput(mem["prompt"], mem["blocks"], bool(mem.get("closed")), mem["pad_row"],
+                           ends=ends, count=ends[-1] if ends else 0)
 
     def _text_rows(self, out: StageOutput, mem: dict, report: HiddenStates,
                    limit: Optional[int] = None) -> torch.Tensor:
@@ -207,8 +237,11 @@ class ThinkerToTalker:
         if start > seen:
             raise RuntimeError(f"request {out.request_id}: thinker rows {seen}..{start - 1} never arrived")
         skip = seen - start                     # rows recomputed after a preemption: already taken
-        end = report.hidden.shape[0] if limit is None else max(skip, min(report.hidden.shape[0], limit - start))
-        hidden, embeds = report.hidden[skip:end], report.inputs[skip:end]
+        hidden, embeds = report.hidden, report.inputs
+        n = hidden.shape[0]
+        end = n if limit is None else max(skip, min(n, limit - start))
+        if skip or end < n:                     # (a decode step's rows are taken whole: no views made)
+            hidden, embeds = hidden[skip:end], embeds[skip:end]
         start += skip
         mem["seen"] = start + hidden.shape[0]
         ids = out.output.prompt_token_ids
@@ -220,7 +253,8 @@ class ThinkerToTalker:
         return text
 
     def _start(self, mem: dict, ctx: EdgeContext, n_prompt: int) -> None:
-        cond, text = self.cond, mem.pop("text")
+        cond, parts = self.cond, mem.pop("text")
+        text = parts[0] if len(parts) == 1 else torch.cat(parts)
         voice = ctx.fields.get("voice") or cond.default_voice
         dev, dtype = text.device, text.dtype
         const = cond._on(dev)
@@ -238,14 +272,26 @@ class ThinkerToTalker:
             prompt.mrope_positions = torch.cat([pos, torch.tensor([[top + 1, top + 2]] * 3)], dim=1)
             prompt.mrope_delta = top + 3 - (n_prompt + 2)
         mem["prompt"] = prompt
-        mem["rows"] = list(cond.project(text[n_prompt + 1:]).unbind(0))
+        mem["blocks"], mem["ends"] = [], []
+        if text.shape[0] > n_prompt + 1:
+            _add_block(mem, cond.project(text[n_prompt + 1:]))
         mem["eos_row"], mem["pad_row"] = const["eos_row"].to(dtype), const["pad_row"].to(dtype)
 
 
+def _add_block(mem: dict, rows: torch.Tensor) -> None:
+    """Streamed rows [k, talker hidden] (k >= 1) after those in the request's edge memory, as one block."""
+    mem["blocks"].append(rows)
+    mem["ends"].append((mem["ends"][-1] if mem["ends"] else 0) + rows.shape[0])
+
+
 def talker_to_code2wav(out: StageOutput) -> CodecInput:
-    """Codes so far; once the talker has finished on a stop code (codec pad / eos), without it."""
+    """Codes so far; once the talker has finished on a stop code (codec pad / eos), without it. The
+    output's own list, not a copy (the orchestrator slices the new codes out at once): a copy per
+    talker step made each request's edge work grow with the square of its length."""
     comps = out.output.outputs
-    codes = list(comps[0].token_ids) if comps else []
-    if out.finished and comps and comps[0].finish_reason == "stop" and codes:
+    if not comps:
+        return CodecInput([], finished=out.finished)
+    codes = comps[0].token_ids
+    if out.finished and comps[0].finish_reason == "stop" and codes:
         codes = codes[:-1]
     return CodecInput(codes, finished=out.finished)

@@ -154,7 +154,8 @@ class CodecInput:
         return len(self.codes)
 
     def slice(self, start: int, end: int, finished: bool) -> "CodecInput":
-        return CodecInput(list(self.codes[start:end]), finished)
+        codes = self.codes[start:end]           # a list's slice is a copy already
+        return CodecInput(codes if isinstance(codes, list) else list(codes), finished)
 
 
 def first_chunk_for_load(active: int, first: int, chunk: int) -> int:

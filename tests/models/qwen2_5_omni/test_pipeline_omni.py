@@ -200,6 +200,24 @@ def test_thinker_to_talker_adapter_gathers_rows_and_ends_the_stream(omni_dir):
         adapter(out(3, 4), EdgeContext({}, {}, {}))
 
 
+def test_talker_input_in_blocks_slices_as_its_rows_one_by_one():
+    """The adapter's rows in blocks (as projected per thinker step): every piece equals the stacked
+    rows, and a piece that is one whole block is that block (no copy)."""
+    from omnistage.models.qwen2_5_omni.adapters import TalkerInput
+    from omnistage.stage import ARPrompt
+
+    rows = torch.randn(7, 4, generator=torch.Generator().manual_seed(0))
+    blocks, pad, prompt = [rows[:3], rows[3:4], rows[4:7]], torch.zeros(4), ARPrompt(prompt_token_ids=[1])
+    x = TalkerInput(prompt, blocks, False, pad, ends=[3, 4, 7], count=7)
+    one_by_one = TalkerInput(prompt, list(rows.unbind(0)), False, pad)
+    assert len(x) == len(one_by_one) == 8
+    for a in range(1, 8):
+        for b in range(a, 9):
+            assert torch.equal(x.slice(a, b, b == 8).rows, one_by_one.slice(a, b, b == 8).rows), (a, b)
+    assert x.slice(4, 5, False).rows is blocks[1] and x.slice(5, 8, True).rows is blocks[2]
+    assert x.slice(5, 8, True).pad is pad and x.slice(1, 1, False).rows.shape == (0, 4)
+
+
 @pytest.fixture(scope="module")
 def async_omni(omni_dir):
     from omnistage.entrypoints.async_omni import AsyncOmni

@@ -209,11 +209,13 @@ def _draw(logits: torch.Tensor, b: SamplingBatch, generator: Optional[torch.Gene
         noise = _generator_noise(s, vocab, b.generators, dev, generator)
     width = candidates(b.params, vocab)
     if width:
-        # rows: temperature, top-k (greedy rows: 1, their argmax), top-p, min-p in one copy
-        values = np.array([[1.0 if p.greedy else p.temperature for p in b.params],
-                           [1 if p.greedy else p.top_k for p in b.params],
-                           [p.top_p for p in b.params], [p.min_p for p in b.params]], dtype=np.float32)
-        rows = to_device(values, dev)
+        # rows: temperature, top-k (greedy rows: 1, their argmax), top-p, min-p in one copy, each row of
+        # the block padded to 4 floats (16 bytes: the kernel's pointers stay aligned whatever S is)
+        values = np.zeros((4, -(-s // 4) * 4), dtype=np.float32)
+        values[:, :s] = [[1.0 if p.greedy else p.temperature for p in b.params],
+                         [1 if p.greedy else p.top_k for p in b.params],
+                         [p.top_p for p in b.params], [p.min_p for p in b.params]]
+        rows = to_device(values, dev)[:, :s]
         vals, ids = (logits / rows[0][:, None]).topk(width, dim=-1)
         return race_candidates(vals, ids, rows[1], rows[2], rows[3], keys,
                                None if noise is None else noise.gather(1, ids))

@@ -20,7 +20,9 @@ the engine logs:
   * the model's `frame_head` (a multi-codebook talker's code predictor), called as the runner calls
     it after sampling (`ModelRunner._frames`), for one sampled and one greedy request's rows at every
     decode batch size the engine captured: its per-batch-size CUDA graphs are captured here instead
-    of on a step of the first requests at that batch size.
+    of on a step of the first requests at that batch size;
+  * on CUDA, the sampler's Triton kernels (`triton_sampling.warm_race`: the candidate race at each
+    of its compile-time widths, and the full-row noise); their variants do not depend on the batch.
 
 Steps after it find their kernels compiled and graphs captured. The KV cache rows the prefills
 write (slot 0) belong to no request, the decodes write the scratch slot (as padded graph rows do);
@@ -38,6 +40,7 @@ import torch
 
 from omnistage.ar.runner import profile_step, split_outputs
 from omnistage.ar.sampler import SamplingBatch
+from omnistage.layers import triton_sampling
 from omnistage.layers.attention import AttentionMetadata, attend
 from omnistage.params import SamplingParams
 
@@ -118,5 +121,7 @@ def warm_up(runner, max_tokens: int, max_seqs: int, decode_sizes: list[int], max
         weight = runner.model.embed_tokens.weight
         run_frame_head(head, weight.shape[1], weight.dtype, runner.device, sizes)
     if runner.device.type == "cuda":
+        if triton_sampling.triton is not None:
+            triton_sampling.warm_race(runner.device)   # the sampler's candidate race, each BLOCK
         torch.cuda.synchronize(runner.device)
     return WarmUp(lengths, decodes, sizes, time.perf_counter() - start)

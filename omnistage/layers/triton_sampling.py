@@ -154,19 +154,21 @@ if triton is not None:
         u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216)
         return -tl.log(u)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_o", "vocab"])
     def _noise_kernel(key_ptr, out_ptr, stride_o, vocab, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         key = tl.load(key_ptr + row)
         tl.store(out_ptr + row * stride_o + cols, _exp_noise(key, cols), mask=cols < vocab)
 
-    @triton.jit
+    # one compiled variant per (BLOCK, KEYED): the ints are not specialised, and `launch_race` passes
+    # only tensors it allocated (aligned) or the caller's aligned rows (see `launch_race`)
+    @triton.jit(do_not_specialize=["stride_v", "stride_i", "stride_n", "width"])
     def _race_kernel(vals_ptr, ids_ptr, k_ptr, p_ptr, minp_ptr, key_ptr, noise_ptr, out_ptr, stride_v, stride_i,
                      stride_n, width, BLOCK: tl.constexpr, KEYED: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
-        k = tl.load(k_ptr + row)
+        k = tl.load(k_ptr + row).to(tl.int32)         # top-k as float32 (exact up to 2^24)
         k = tl.where((k > 0) & (k < width), k, width)
         in_k = cols < k
         v = tl.load(vals_ptr + row * stride_v + cols, mask=in_k, other=float("-inf"))
@@ -240,12 +242,37 @@ def launch_race(vals: torch.Tensor, ids: torch.Tensor, top_k: torch.Tensor, top_
     out = torch.empty(s, dtype=torch.long, device=vals.device)
     if s == 0:
         return out
-    v = vals.float().contiguous()
-    i = ids.contiguous()
-    n = v if noise is None else noise.float().contiguous()          # (unread when keyed)
-    k = keys.long().contiguous() if keys is not None else i          # (unread when not keyed)
-    _race_kernel[(s,)](v, i, top_k.to(torch.int32).contiguous(), top_p.float().contiguous(),
-                       min_p.float().contiguous(), k, n, out, v.stride(0), i.stride(0), n.stride(0),
-                       width, BLOCK=max(triton.next_power_of_2(width), 16), KEYED=noise is None,
+    v = _aligned(vals.float())
+    i = _aligned(ids)
+    n = v if noise is None else _aligned(noise.float())              # (unread when keyed)
+    k = _aligned(keys.long()) if keys is not None else i             # (unread when not keyed)
+    _race_kernel[(s,)](v, i, _aligned(top_k.float()), _aligned(top_p.float()), _aligned(min_p.float()), k, n, out,
+                       v.stride(0), i.stride(0), n.stride(0), width, BLOCK=race_block(width), KEYED=noise is None,
                        num_warps=1 if width <= 64 else 2)
     return out
+
+
+def race_block(width: int) -> int:
+    """The race kernel's BLOCK (its one compile-time size) for `width` candidates."""
+    return max(triton.next_power_of_2(width), 16)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` contiguous at a 16-byte aligned address (Triton compiles a variant per pointer alignment: a
+    row of a packed upload sits at an offset that depends on the batch size)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def warm_race(device: torch.device) -> None:
+    """Compiles the race kernel (counter-based noise) for every BLOCK a top-k up to MOST_CANDIDATES gives,
+    and the noise kernel (the AR engine's start-up warm-up), so no request waits for a compile (H200:
+    a first sampled talker step at a new batch size waited ~0.2 s for one)."""
+    width = 1
+    while width <= MOST_CANDIDATES:
+        vals = torch.zeros(1, width, device=device)
+        ids = torch.zeros(1, width, dtype=torch.long, device=device)
+        ones = torch.ones(1, device=device)
+        launch_race(vals, ids, ones, ones, ones * 0, torch.zeros(1, dtype=torch.long, device=device))
+        width = race_block(width) * 2
+    launch_noise(torch.zeros(1, dtype=torch.long, device=device), 16)   # the full-row path's noise

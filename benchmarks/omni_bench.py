@@ -28,7 +28,8 @@ code2wav's compute is left out, so the true floor is higher). Prints a markdown 
     python benchmarks/omni_bench.py --tiny           # tiny checkpoint, CPU, seconds (a test runs it; = --smoke)
 
 `--code2wav-growth off` measures Qwen2.5-Omni's code2wav without its chunk ramp (every chunk after the
-first has chunk_codes; an integer sets `chunk_growth`); `--code2wav-first N` sets its `first_chunk_codes`.
+first has chunk_codes; an integer sets `chunk_growth`); `--code2wav-first N` sets its `first_chunk_codes`;
+`--code2wav-first-load schedule` sizes first chunks from the load of each step (requests arriving together count).
 
 `--model qwen3-omni` runs the same measurement on Qwen3-Omni-30B-A3B's shape (`qwen3_omni_bench.py`:
 a folder of config + tokenizer only under --work, served with `load_format="dummy"` -- random weights
@@ -317,6 +318,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     help="Qwen2.5-Omni code2wav's first_chunk_codes (the load rule starts there; default: the pipeline's)")
     ap.add_argument("--code2wav-growth", default=None,
                     help="Qwen2.5-Omni code2wav's chunk_growth: an integer, or off (no ramp; default: the stage's)")
+    ap.add_argument("--code2wav-first-load", choices=("arrival", "schedule"), default=None,
+                    help="Qwen2.5-Omni code2wav's first_chunk_load: size first chunks by the load at arrival or at "
+                         "each step until decoded (default: the stage's)")
     ap.add_argument("--code2wav-batch", type=int, default=None,
                     help="most requests per code2wav decode (max_batch_requests; default: the pipeline's)")
     ap.add_argument("--code2wav-runner", choices=("inline", "shared", "process"), default=None,
@@ -373,8 +377,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     code2wav: dict[str, Any] = {}
     options = {("chunk_frames" if args.model == "qwen3-omni" else "chunk_codes"): args.code2wav_chunk,
                "max_batch_requests": args.code2wav_batch, "dit_dtype": args.code2wav_dit_dtype,
-               "first_chunk_codes": args.code2wav_first}
+               "first_chunk_codes": args.code2wav_first, "first_chunk_load": args.code2wav_first_load}
     options = {k: v for k, v in options.items() if v}
+    if args.code2wav_first_load and args.model == "qwen3-omni":
+        ap.error("--code2wav-first-load is a Qwen2.5-Omni code2wav option")
     if args.code2wav_first and args.model == "qwen3-omni":
         ap.error("--code2wav-first is a Qwen2.5-Omni code2wav option (Qwen3-Omni's: first_chunk_frames)")
     if args.code2wav_growth is not None:        # off: null, every chunk after the first has chunk_codes

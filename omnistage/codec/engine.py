@@ -52,7 +52,7 @@ class CodecModel(Protocol):
     def voices(self) -> list[dict[str, Any]]: ...          # one {"id", "name", "sample_rate", "backend", ...} per voice
 
     # A model that sizes a request's chunks by the stage's load declares `on_load(active)`: the engine
-    # calls it with the number of requests it holds right before each `new_state`.
+    # calls it with the number of requests it holds right before each `new_state` and before each step.
 
     # A TTS model also declares `capabilities()`, a `SpeechCapabilities` (codec/speech.py): the task
     # types, languages and fields it honours, which its `check_params` enforces.
@@ -163,6 +163,9 @@ class CodecEngine:
                 **self.model.stats()}
 
     def step(self) -> list[StageOutput]:
+        on_load = getattr(self.model, "on_load", None)
+        if on_load is not None:                 # the load at each step too (not only at each arrival)
+            on_load(len(self.requests))
         if self._async:                         # file the batch the device finished, then launch the next
             batch, audio = self._collect()
             reports = self.scheduler.update(batch, audio)

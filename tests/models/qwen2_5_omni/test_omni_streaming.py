@@ -157,6 +157,22 @@ def test_first_chunk_follows_the_load_when_the_request_sets_none(omni_dir):
     assert {r.state.first_frames for r in fixed.requests.values()} == {12}
 
 
+def test_first_chunks_sized_at_schedule_count_requests_that_arrive_together(omni_dir):
+    """`first_chunk_load: schedule`: 6 requests added before one step all see a load of 6 (12-code first
+    chunks, where "arrival" gives the first five 6); a request that sets its own size keeps it."""
+    model = Code2Wav(omni_dir, chunk_codes=24, first_chunk_codes=6, first_chunk_load="schedule", cuda_graphs=False)
+    engine = CodecEngine(model)
+    for i in range(6):
+        engine.add_request(f"r{i}", CodecInput(codes(30, seed=i), finished=False), Code2WavParams(seed=i))
+    engine.add_request("own", CodecInput(codes(30), finished=False), Code2WavParams(initial_codec_chunk_frames=3))
+    while any(r.state.done == 0 for r in engine.requests.values()):
+        engine.step()
+    done = {rid: r.state.done // 2 for rid, r in engine.requests.items()}     # codes decoded: the first chunk
+    assert done == {**{f"r{i}": 12 for i in range(6)}, "own": 3}
+    with pytest.raises(ValueError, match="first_chunk_load must be one of arrival, schedule"):
+        Code2Wav(omni_dir, chunk_codes=24, first_chunk_load="later")
+
+
 @pytest.mark.parametrize("value", [0, 1025, True, 2.5])
 def test_bad_first_chunk_names_the_field(value):
     with pytest.raises(ParamError, match="initial_codec_chunk_frames"):

@@ -176,6 +176,7 @@ class StageEngine(Protocol):
     def stats(self) -> dict[str, float]: ...
 
 
+SCALARS = (int, float, bool, str, type(None))   # message fields that hold no arrays (edge pieces' control fields)
 _FIELDS: dict[type, tuple[str, ...]] = {}       # dataclass type -> its field names
 
 
@@ -192,24 +193,21 @@ def message_fields(obj: Any) -> tuple[str, ...]:
 def add_inputs_each(engine: Any, items: list[tuple[str, Any]]) -> list[Optional[Exception]]:
     """`engine.add_input(request_id, piece)` for each (request_id, piece) of `items`, in order; per
     item None or why the engine refused that piece (the others are taken all the same)."""
-    errors: list[Optional[Exception]] = []
-    for request_id, piece in items:
-        try:
-            engine.add_input(request_id, piece)
-        except Exception as e:
-            errors.append(e)
-        else:
-            errors.append(None)
-    return errors
+    return _each(engine.add_input, items)
 
 
 def add_each(engine: Any, requests: list) -> list[Optional[Exception]]:
     """`engine.add_request(*args)` for each args of `requests`, all before its next step; per request
     None (taken) or why the engine refused it (a bad request: the others are taken all the same)."""
+    return _each(engine.add_request, requests)
+
+
+def _each(call, argss: list) -> list[Optional[Exception]]:
+    """`call(*args)` for each args of `argss`, in order; per call None or the exception it raised."""
     errors: list[Optional[Exception]] = []
-    for args in requests:
+    for args in argss:
         try:
-            engine.add_request(*args)
+            call(*args)
         except Exception as e:
             errors.append(e)
         else:

@@ -255,9 +255,8 @@ class ModelRunner:
         if all(x is None for x in seeds):
             return self.key_rng.integers(0, 2 ** 32, len(seqs), dtype=np.int64)
         keys = row_keys([0 if x is None else x & (2 ** 64 - 1) for x in seeds], [q.num_output_tokens for q in seqs])
-        for i, x in enumerate(seeds):
-            if x is None:
-                keys[i] = self.key_rng.integers(0, 2 ** 32)
+        unseeded = np.array([x is None for x in seeds])
+        keys[unseeded] = self.key_rng.integers(0, 2 ** 32, int(unseeded.sum()), dtype=np.int64)
         return keys
 
     def _generator_for(self, seq: Sequence) -> Optional[torch.Generator]:

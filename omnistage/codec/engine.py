@@ -128,9 +128,7 @@ class CodecEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params if params is not None else self.params_type()
         self.model.check_params(params)
-        on_load = getattr(self.model, "on_load", None)
-        if on_load is not None:
-            on_load(len(self.requests))
+        self._report_load()
         state = self.model.new_state(params)
         req = CodecRequest(request_id, state, self.model.batch_key(state),
                            metrics=RequestMetrics(arrival_time=arrival_time or time.time()))
@@ -162,10 +160,14 @@ class CodecEngine:
                 "decode_batches_total": self._decoded[0], "decode_chunks_total": self._decoded[1],
                 **self.model.stats()}
 
-    def step(self) -> list[StageOutput]:
+    def _report_load(self) -> None:
+        """The model's `on_load` (if it has one) with the requests held now: at each arrival and step."""
         on_load = getattr(self.model, "on_load", None)
-        if on_load is not None:                 # the load at each step too (not only at each arrival)
+        if on_load is not None:
             on_load(len(self.requests))
+
+    def step(self) -> list[StageOutput]:
+        self._report_load()                     # the load at each step too (not only at each arrival)
         if self._async:                         # file the batch the device finished, then launch the next
             batch, audio = self._collect()
             reports = self.scheduler.update(batch, audio)

@@ -42,8 +42,8 @@ from omnistage.outputs import AudioTiming, RequestMetrics, RequestOutput
 from omnistage.adapters import EdgeContext
 from omnistage.pipeline.build import build_engine, edge_adapter, params_type
 from omnistage.spec import EdgeSpec, PipelineSpec, StageSpec
-from omnistage.stage import (ARPrompt, RequestFailedError, StageDeadError, StageError, StageOutput, Streamable,
-                             add_each, add_inputs_each, message_fields)
+from omnistage.stage import (SCALARS, ARPrompt, RequestFailedError, StageDeadError, StageError, StageOutput,
+                             Streamable, add_each, add_inputs_each, message_fields)
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +57,9 @@ PARAMS_FIELDS = ("voice", "initial_codec_chunk_frames")
 FAILURE_TYPES = (StageDeadError, ValueError, RequestFailedError)
 
 
-_SCALARS = (int, float, bool, str, type(None))
-
-
 def payload_bytes(obj: Any) -> int:
     """Bytes of the arrays (tensors, numpy) an edge piece carries; control fields count as nothing."""
-    if isinstance(obj, _SCALARS):
+    if isinstance(obj, SCALARS):
         return 0
     if hasattr(obj, "element_size") and hasattr(obj, "numel"):
         return obj.element_size() * obj.numel()
@@ -73,7 +70,7 @@ def payload_bytes(obj: Any) -> int:
     if isinstance(obj, dict):
         return sum(payload_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(payload_bytes(v) for v in obj if not isinstance(v, _SCALARS))
+        return sum(payload_bytes(v) for v in obj if not isinstance(v, SCALARS))
     return sum(payload_bytes(getattr(obj, name)) for name in message_fields(obj))
 
 

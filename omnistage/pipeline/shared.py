@@ -31,9 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from omnistage.stage import add_inputs_each, message_fields
-
-_SCALARS = (int, float, bool, str, type(None))
+from omnistage.stage import SCALARS, add_inputs_each, message_fields
 
 
 def _tensors(obj: Any, depth: int = 0):
@@ -51,7 +49,7 @@ def _tensors(obj: Any, depth: int = 0):
     else:
         items = (getattr(obj, name) for name in message_fields(obj))
     for item in items:
-        if not isinstance(item, _SCALARS):      # (codec ids: a list of ints)
+        if not isinstance(item, SCALARS):      # (codec ids: a list of ints)
             yield from _tensors(item, depth + 1)
 
 

@@ -97,6 +97,7 @@ How a request is decoded (the DiT's ODE is `code2wav_ode.py`; the vocoder is tra
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import secrets
@@ -483,9 +484,7 @@ class Code2Wav:
             return we - ws
 
         ramps = {length(s, e) for first in self._first_sizes() for s, e in self._schedule(first)}
-        counts: dict[int, int] = {}
-        for s, e in self._schedule(self.first_chunk_frames, 64):
-            counts[length(s, e)] = counts.get(length(s, e), 0) + 1
+        counts = collections.Counter(length(s, e) for s, e in self._schedule(self.first_chunk_frames, 64))
         common = sorted((n for n in counts if n not in ramps), key=lambda n: -counts[n])
         return {*ramps, *common[:most]}
 

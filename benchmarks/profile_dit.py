@@ -6,6 +6,7 @@ Sections:
   flux   FLUX.1-dev, 1024^2, one row: the engine's step (merged projections + regional compile + probed
          attention), then the same step profiled.
   batch  FLUX.1-dev, 512^2: one task per step and 8 tasks at different timesteps in one step.
+  fp8    FLUX.1-dev, 1024^2, one row, with quantization="fp8" (the DiT blocks' linear layers).
   wan    Wan2.1-1.3B, 832x480x81 with CFG (2 rows).
 Per profiled step: wall ms, the share of it some CUDA kernel ran (GPU busy), kernel ms by kind (GEMM,
 attention, Triton / inductor, other), the top kernels, and each GEMM shape's ms and TFLOP/s (from the
@@ -123,8 +124,8 @@ def show(label: str, p: dict, floor_ms: float) -> None:
     sys.stdout.flush()
 
 
-def engine_for(family, device, n: int = 1):
-    speed = DiffusionSpeed.from_config(EngineConfig(device=str(device)))
+def engine_for(family, device, n: int = 1, quantization=None):
+    speed = DiffusionSpeed.from_config(EngineConfig(device=str(device), quantization=quantization))
     return DiffusionEngine.from_family(family, max_num_seqs=n, speed=speed)
 
 
@@ -144,8 +145,8 @@ def reset(tasks, index: list) -> None:
         task.step_index = i
 
 
-def run_section(label, family, params, n, floor_row_s, device, s) -> None:
-    engine = engine_for(family, device, n)
+def run_section(label, family, params, n, floor_row_s, device, s, quantization=None) -> None:
+    engine = engine_for(family, device, n, quantization)
     tasks = tasks_for(family, params, n)
     index = [t.step_index for t in tasks]
 
@@ -165,7 +166,7 @@ def run_section(label, family, params, n, floor_row_s, device, s) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="flux,batch,wan")
+    ap.add_argument("--only", default="flux,batch,fp8,wan")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script)")
     args = ap.parse_args(argv)
     from diffusers import AutoencoderKLWan, FluxTransformer2DModel, WanTransformer3DModel
@@ -177,19 +178,21 @@ def main(argv=None) -> None:
     rate = dit_bench.matmul_rate(device, dtype, s["matmul"])
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
           f"matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
-    if only & {"flux", "batch"}:
+    if only & {"flux", "batch", "fp8"}:
         cfg = dict(dit_bench.FLUX, **s.get("flux_cfg", {}))
         flux = dit_bench.build(dit_bench.BenchFlux, FluxTransformer2DModel, cfg, dit_bench.flux_vae_for(s, args.smoke),
                                dit_bench.FLUX_SCHEDULER, s["flux"]["text"], device, dtype)
+        # fp8 last: it swaps the family's linear layers for good
         for size, n, label, wanted in ((s["flux"]["size"], 1, "FLUX 1024^2, 1 row", "flux"),
                                        (s["thr"]["size"], 1, "FLUX 512^2, 1 task", "batch"),
-                                       (s["thr"]["size"], 8, "FLUX 512^2, 8 tasks", "batch")):
+                                       (s["thr"]["size"], 8, "FLUX 512^2, 8 tasks", "batch"),
+                                       (s["flux"]["size"], 1, "FLUX 1024^2, 1 row, fp8", "fp8")):
             if wanted not in only:
                 continue
             tokens = (size // flux.multiple) ** 2
             params = DiffusionParams(height=size, width=size, num_inference_steps=50, guidance_scale=3.5, seed=0)
             run_section(label, flux, params, n, dit_bench.flux_flops(cfg, tokens, s["flux"]["text"]) / rate,
-                        device, s)
+                        device, s, quantization="fp8" if wanted == "fp8" else None)
         del flux
         dit_bench._free(device)
     if "wan" in only:

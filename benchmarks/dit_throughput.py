@@ -57,16 +57,21 @@ def gpu_busy(fn) -> float:
             fn()
             torch.cuda.synchronize()
             wall = time.perf_counter() - start
-        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA")
+        spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
     except Exception as e:                      # the measured row matters more than this extra column
         print(f"gpu_busy failed: {type(e).__name__}: {e}", flush=True)
         return float("nan")
+    return busy_us(spans) / 1e6 / wall
+
+
+def busy_us(spans) -> float:
+    """Microseconds covered by the (start, end) kernel intervals `spans` (overlapping ones merged)."""
     busy, end = 0.0, float("-inf")
-    for a, b in spans:                          # microseconds; merge overlapping kernels
+    for a, b in sorted(spans):
         if b > end:
             busy += b - max(a, end)
             end = b
-    return busy / 1e6 / wall
+    return busy
 
 
 def diffusers_throughput(family, n: int, size: int, steps: int) -> dict:

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dit_bench  # noqa: E402  (the bench families and shapes)
+import dit_throughput  # noqa: E402
 from omnistage.config import EngineConfig  # noqa: E402
 from omnistage.diffusion.engine import DiffusionEngine  # noqa: E402
 from omnistage.diffusion.speed import DiffusionSpeed  # noqa: E402
@@ -79,12 +80,7 @@ def profile_step(fn, device, steps: int = 2) -> dict:
         dit_bench.sync(device)
         wall = (time.perf_counter() - start) / steps
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-    busy, end = 0.0, float("-inf")
-    for a, b in spans:
-        if b > end:
-            busy += b - max(a, end)
-            end = b
+    busy = dit_throughput.busy_us((e.time_range.start, e.time_range.end) for e in kernels)
     by_kind: dict = collections.Counter()
     by_name: dict = collections.Counter()
     count: dict = collections.Counter()

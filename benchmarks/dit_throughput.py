@@ -57,7 +57,9 @@ def gpu_busy(fn) -> float:
             fn()
             torch.cuda.synchronize()
             wall = time.perf_counter() - start
-        spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
+        # "## ... ##" CUDA events are annotations spanning a compiled graph's kernels: not kernels
+        spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type.name == "CUDA" and not e.name.startswith("## ")]
     except Exception as e:                      # the measured row matters more than this extra column
         print(f"gpu_busy failed: {type(e).__name__}: {e}", flush=True)
         return float("nan")

@@ -79,7 +79,8 @@ def profile_step(fn, device, steps: int = 2) -> dict:
             fn()
         dit_bench.sync(device)
         wall = (time.perf_counter() - start) / steps
-    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    # CUDA events named "## ... ##" are annotations spanning a compiled graph's kernels, not kernels
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith("## ")]
     busy = dit_throughput.busy_us((e.time_range.start, e.time_range.end) for e in kernels)
     by_kind: dict = collections.Counter()
     by_name: dict = collections.Counter()

@@ -1,0 +1,151 @@
+"""A / B of DiT step variants on the GPU (random bf16 weights at real shapes; one run, ~3 min).
+
+    PYTHONPATH=<diffusers wheels>:. python benchmarks/dit_variants.py [--only gemm,flux,wan] [--smoke]
+
+gemm  sustained TFLOP/s of the GEMM shapes the profile (profile_dit.py) shows, 50 back-to-back calls each:
+      FLUX single block's merged q|k|v|mlp projection (4608 x 3072 -> 21504) against q|k|v and mlp apart;
+      an MLP up-projection with its tanh GELU as a separate op against cuBLASLt's GELU epilogue
+      (`torch._addmm_activation`), at FLUX and Wan2.1-1.3B shapes, with the two outputs' largest
+      difference; the 8192^3 matmul rate over 10 calls (what dit_bench's floor uses) and over 200.
+flux  FLUX.1-dev 1024^2 one row, our default step compiled with `dynamic` True (today's default), False
+      (static shapes), and None (torch's automatic dynamic: static first, then only the changed dims
+      symbolic), the last after a 512^2 step so that its graph is the recompiled one; per variant the
+      step ms and the profile's kernel ms by kind.
+wan   Wan2.1-1.3B 832x480x81 CFG, dynamic True and False.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import dit_bench  # noqa: E402
+import profile_dit  # noqa: E402
+from omnistage.config import EngineConfig  # noqa: E402
+from omnistage.diffusion.engine import DiffusionEngine  # noqa: E402
+from omnistage.diffusion.speed import DiffusionSpeed  # noqa: E402
+from omnistage.params import DiffusionParams  # noqa: E402
+
+
+def rate(fn, flops: float, device, iters: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    dit_bench.sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    dit_bench.sync(device)
+    return flops * iters / (time.perf_counter() - start) / 1e12
+
+
+def gemm_rows(device, dtype, smoke: bool) -> None:
+    print("\n| GEMM (M x K -> N) | variant | TFLOP/s sustained (50 calls) | max abs diff vs unfused |\n|---|---|---|---|")
+    scale = 16 if smoke else 1
+    m, k = 4608 // scale, 3072 // scale
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    w = torch.randn(21504 // scale, k, device=device, dtype=dtype) * k ** -0.5
+    b = torch.randn(21504 // scale, device=device, dtype=dtype)
+    nq = 9216 // scale
+    flops = 2 * m * k * w.shape[0]
+    print(f"| {m} x {k} -> {w.shape[0]} | merged, one GEMM | {rate(lambda: F.linear(x, w, b), flops, device):.0f} | - |")
+    wq, wm, bq, bm = w[:nq].contiguous(), w[nq:].contiguous(), b[:nq].contiguous(), b[nq:].contiguous()
+    print(f"| {m} x {k} -> {nq} + {w.shape[0] - nq} | two GEMMs | "
+          f"{rate(lambda: (F.linear(x, wq, bq), F.linear(x, wm, bm)), flops, device):.0f} | - |")
+    for label, mm, kk, nn in (("FLUX mlp", 4608, 3072, 12288), ("FLUX double ff", 4096, 3072, 12288),
+                              ("Wan ffn", 65520, 1536, 8960)):
+        mm, kk, nn = mm // scale, kk // scale, nn // scale
+        a = torch.randn(mm, kk, device=device, dtype=dtype)
+        wt = torch.randn(nn, kk, device=device, dtype=dtype) * kk ** -0.5
+        bias = torch.randn(nn, device=device, dtype=dtype)
+        f = 2 * mm * kk * nn
+        unfused = F.gelu(F.linear(a, wt, bias), approximate="tanh")
+        fused = torch._addmm_activation(bias, a, wt.t(), use_gelu=True)
+        diff = (fused.float() - unfused.float()).abs().max().item()
+        print(f"| {label} {mm} x {kk} -> {nn} | linear, then gelu(tanh) | "
+              f"{rate(lambda: F.gelu(F.linear(a, wt, bias), approximate='tanh'), f, device):.0f} | 0 |")
+        print(f"| {label} {mm} x {kk} -> {nn} | GELU epilogue (_addmm_activation) | "
+              f"{rate(lambda: torch._addmm_activation(bias, a, wt.t(), use_gelu=True), f, device):.0f} | {diff:.3g} |")
+        print(f"| {label} {mm} x {kk} -> {nn} | linear alone | {rate(lambda: F.linear(a, wt, bias), f, device):.0f} | - |")
+    n = 8192 // scale
+    a, c = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for iters in (10, 200):
+        print(f"| {n}^3 matmul | {iters} calls | {rate(lambda: a @ c, 2 * n ** 3, device, iters):.0f} | - |")
+    sys.stdout.flush()
+
+
+def step_variant(label, family, params, warm_params, dynamic, device, s) -> None:
+    speed = dataclasses.replace(DiffusionSpeed.from_config(EngineConfig(device=str(device))), compile_dynamic=dynamic)
+    engine = DiffusionEngine.from_family(family, speed=speed)
+    start = time.perf_counter()
+    if warm_params is not None:                 # a first shape: the step below recompiles (automatic dynamic)
+        engine.runner.step(profile_dit.tasks_for(family, warm_params, 1))
+    tasks = profile_dit.tasks_for(family, params, 1)
+    index = [t.step_index for t in tasks]
+
+    def step():
+        profile_dit.reset(tasks, index)
+        engine.runner.step(tasks)
+    step()
+    dit_bench.sync(device)
+    first = time.perf_counter() - start
+    ms = dit_bench.timed(step, device, s["iters"], s["warmup"]) * 1e3
+    p = profile_dit.profile_step(step, device)
+    kinds = ", ".join(f"{k} {v:.1f}" for k, v in p["kind_ms"].items())
+    print(f"| {label} | dynamic={dynamic} | {ms:.2f} | {first:.1f} | {kinds} |", flush=True)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="gemm,flux,wan")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script)")
+    args = ap.parse_args(argv)
+    from diffusers import AutoencoderKLWan, FluxTransformer2DModel, WanTransformer3DModel
+
+    only = set(args.only.split(","))
+    s = dit_bench.SMOKE if args.smoke else dit_bench.FULL
+    config = EngineConfig(device="cpu" if args.smoke else "auto").resolved("diffusion")
+    device, dtype = config.torch_device(), config.torch_dtype()
+    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}",
+          flush=True)
+    with torch.no_grad():
+        if "gemm" in only:
+            gemm_rows(device, dtype, args.smoke)
+    print("\n| step | compile | ms per step | first call s (compile) | kernel ms by kind |\n|---|---|---|---|---|")
+    if "flux" in only:
+        cfg = dict(dit_bench.FLUX, **s.get("flux_cfg", {}))
+        flux = dit_bench.build(dit_bench.BenchFlux, FluxTransformer2DModel, cfg, dit_bench.flux_vae_for(s, args.smoke),
+                               dit_bench.FLUX_SCHEDULER, s["flux"]["text"], device, dtype)
+
+        def fp(size):
+            return DiffusionParams(height=size, width=size, num_inference_steps=50, guidance_scale=3.5, seed=0)
+        big, small = fp(s["flux"]["size"]), fp(s["thr"]["size"])
+        for dynamic, warm in ((True, None), (False, None), (None, small)):
+            step_variant(f"FLUX {s['flux']['size']}^2" + (" after a 512^2 step" if warm else ""), flux, big, warm,
+                         dynamic, device, s)
+        del flux
+        dit_bench._free(device)
+    if "wan" in only:
+        cfg = dict(dit_bench.WAN, **s.get("wan_cfg", {}))
+        vae = AutoencoderKLWan(**(dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1,
+                                       temperal_downsample=[True], scale_factor_temporal=2,
+                                       scale_factor_spatial=2) if args.smoke else {}))
+        w = s["wan"]
+        wan = dit_bench.build(dit_bench.BenchWan, WanTransformer3DModel, cfg, vae, dit_bench.WAN_SCHEDULER, w["text"],
+                              device, dtype)
+        params = DiffusionParams(height=w["height"], width=w["width"], num_frames=w["frames"], num_inference_steps=50,
+                                 guidance_scale=5.0, seed=0)
+        for dynamic in (True, False):
+            step_variant("Wan2.1-1.3B CFG", wan, params, None, dynamic, device, dict(s, iters=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -19,7 +19,7 @@ from omnistage.diffusion import attention
 from omnistage.diffusion.attention import AttentionRouter
 from omnistage.diffusion.engine import DiffusionEngine
 from omnistage.diffusion.speed import DiffusionSpeed
-from omnistage.layers import fp8_linear, merged_linear, quant_attention
+from omnistage.layers import fp8_linear, linear_gelu, merged_linear, quant_attention
 from omnistage.models.registry import diffusion_family
 from omnistage.params import DiffusionParams
 
@@ -31,7 +31,7 @@ CASES = {
     "flux": (dict(guidance_scale=4.5), dict(guidance_scale=4.5), IMAGE,
              DiffusionSpeed(attention={"dit": "FLEX_ATTN", "text_encoder": "MATH_ATTN"}, compile=True,
                             compile_backend="eager", offload="layerwise", merge_projections=True,
-                            step_constants=True)),
+                            step_constants=True, fuse_gelu=True)),
     "qwen-image": (dict(true_cfg_scale=3.0, negative_prompt="blurry"), dict(true_cfg_scale=3.0), IMAGE,
                    DiffusionSpeed(attention={"dit": "FLEX_ATTN", "text_encoder": "MATH_ATTN"}, offload="model",
                                   merge_projections=True)),
@@ -43,7 +43,7 @@ CASES = {
                                merge_projections=True)),
     "wan2.2": (dict(guidance_scale=4.0, negative_prompt="blurry", output_type="np"), dict(guidance_scale=4.0), VIDEO,
                DiffusionSpeed(attention={"dit": "FLEX_ATTN", "text_encoder": "MATH_ATTN"}, offload="layerwise",
-                              merge_projections=True, step_constants=True)),
+                              merge_projections=True, step_constants=True, fuse_gelu=True)),
 }
 
 
@@ -89,6 +89,40 @@ def test_lossless_options_match_diffusers(tiny_dir, kind):
         assert acc.layerwise.loads >= len(acc.layerwise.copies) and acc.layerwise.peak_resident <= 2 * acc.layerwise.rings
     if speed.offload == "model":               # encoders and DiT took turns
         assert acc.model_offload.moves >= 2 and acc.model_offload.on == {"dit"}
+
+
+@pytest.mark.parametrize("kind", ["flux", "wan2.2"])
+def test_linear_gelu_equals_separate_ops_exactly(tiny_dir, kind):
+    """fuse_gelu on the CPU runs the reference form of the one-GEMM op: the same ops as diffusers'
+    modules, so the output is bit-identical; every tanh-GELU feed-forward and FLUX's single-block MLP
+    projection are fused (the latter out of its merged group, which keeps q|k|v), and the compiled
+    path traces the custom op."""
+    base = DiffusionSpeed(merge_projections=True)
+    _, plain = _run(tiny_dir, kind, base, steps=2)
+    speed = DiffusionSpeed(merge_projections=True, fuse_gelu=True, compile=kind == "flux", compile_backend="eager")
+    eng, fused = _run(tiny_dir, kind, speed, steps=2)
+    assert max_pixel_diff(_pixels(fused), _pixels(plain)) == 0
+    mods = [m for d in eng.family.denoisers() for m in d.modules() if isinstance(m, linear_gelu.LinearGELU)]
+    assert eng.accel.fused_gelus == len(mods) > 0
+    if kind == "flux":
+        single = eng.family.transformer.single_transformer_blocks[0]
+        assert isinstance(single.proj_mlp, linear_gelu.LinearGELU) and isinstance(single.act_mlp, torch.nn.Identity)
+        assert isinstance(single.attn.to_q, merged_linear.LinearPart)     # q|k|v still one GEMM
+        assert len(single.attn.to_q.group.bounds) == 3
+        assert eng.accel.compiled_blocks > 0
+
+
+def test_linear_gelu_op():
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 5, 8), torch.randn(12, 8), torch.randn(12)
+    out = linear_gelu.linear_gelu_tanh(x, w, b)
+    assert torch.equal(out, F.gelu(F.linear(x, w, b), approximate="tanh"))
+    assert linear_gelu.linear_gelu_tanh(x.to("meta"), w.to("meta"), None).shape == (2, 5, 12)
+    lin = torch.nn.Linear(8, 12)
+    assert torch.equal(linear_gelu.LinearGELU(lin)(x), F.gelu(lin(x), approximate="tanh"))
+    fp8 = linear_gelu.LinearGELU(fp8_linear.Fp8Linear.from_linear(torch.nn.Linear(8, 12)))   # FP8: layer, then GELU
+    assert fp8(x.reshape(-1, 8).repeat(4, 1)).shape == (40, 12)
+    assert not linear_gelu.epilogue_supports(x.reshape(-1, 8), w, b)        # CPU: the reference
 
 
 _RESIDENT: dict = {}

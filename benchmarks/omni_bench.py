@@ -29,7 +29,7 @@ code2wav's compute is left out, so the true floor is higher). Prints a markdown 
 
 `--code2wav-growth off` measures Qwen2.5-Omni's code2wav without its chunk ramp (every chunk after the
 first has chunk_codes; an integer sets `chunk_growth`); `--code2wav-first N` sets its `first_chunk_codes`;
-`--code2wav-first-load schedule` sizes first chunks from the load of each step (requests arriving together count).
+`--code2wav-first-load arrival` sizes first chunks from the load at arrival (default "schedule": the load of each step until decoded, so requests arriving together count).
 
 `--model qwen3-omni` runs the same measurement on Qwen3-Omni-30B-A3B's shape (`qwen3_omni_bench.py`:
 a folder of config + tokenizer only under --work, served with `load_format="dummy"` -- random weights

@@ -6,12 +6,11 @@ declares what the code reads: its component roles (`component_roles()`: "dit" / 
 "vae"), each DiT's repeated block lists (`repeated_blocks`) and, per block list, the groups of
 linear layers that read the same input (`merged_projections`). `Accelerator(family, speed)` changes
 the family's modules in place, in this order:
-  0a. linear + GELU (`fuse_gelu`, on unless the DiT runs parallel): every linear layer whose output
-     goes straight into a tanh GELU (diffusers' `GELU` modules of the feed-forwards, and the pairs the
-     family declares in `linear_activations`) runs as one GEMM with the GELU in its epilogue on CUDA
-     (layers/linear_gelu.py; the same ops as before elsewhere). A declared pair's linear layer leaves
-     its merged-projection group (the rest of the group still merges). Off with FP8 (an FP8 layer
-     has its own GEMM; the group keeps one activation quantization).
+  0a. linear + GELU (`fuse_gelu`, on unless the DiT runs parallel or in FP8): the linear layer of each
+     diffusers `GELU(approximate="tanh")` module (the feed-forwards' up-projections) runs as one GEMM
+     with the GELU in its epilogue on CUDA (layers/linear_gelu.py; the same ops as before elsewhere).
+     FLUX's single-block MLP projection stays in its merged q|k|v|mlp GEMM: on an H200 the merged
+     GEMM (767 TFLOP/s) beats q|k|v and mlp apart (674) by more than the GELU epilogue gains.
   0. merged projections (`merge_projections`, on unless the DiT runs parallel): each declared group
      becomes one GEMM with a part in place of each member (layers/merged_linear.py; lossless). With
      FP8, a group with a member named in `ignored_layers` stays unmerged, so the ignored layer stays
@@ -106,28 +105,17 @@ def dit_blocks(family, name: str) -> dict[str, list[nn.Module]]:
             if getattr(module, attr, None) is not None}
 
 
-def merge_projections(family, groups: dict[str, list[nn.Module]], ignored: tuple = (),
-                      fused: bool = False) -> int:
+def merge_projections(family, groups: dict[str, list[nn.Module]], ignored: tuple = ()) -> int:
     """Merge the family's `merged_projections` groups in every block of `groups` (a DiT's
     `dit_blocks`), except groups with a member whose full name ("single_transformer_blocks.3.proj_mlp")
-    contains one of `ignored`; with `fused` (linear + GELU on), the linear layers of the family's
-    `linear_activations` pairs leave their groups. Returns the number of groups merged."""
+    contains one of `ignored`; returns the number of groups merged."""
     merged = 0
     for attr, blocks in groups.items():
-        taken = {linear for linear, _ in family.linear_activations.get(attr, ())} if fused else set()
         for i, block in enumerate(blocks):
             for group in family.merged_projections.get(attr, ()):
-                group = tuple(name for name in group if name not in taken)
                 if not any(part in f"{attr}.{i}.{name}" for name in group for part in ignored):
                     merged += merge_linears(block, group)
     return merged
-
-
-def fuse_gelus(family, groups: dict[str, list[nn.Module]]) -> int:
-    """`linear_gelu.fuse_gelu` in every block of `groups` (a DiT's `dit_blocks`), with the family's
-    declared pairs of that block list; returns the number of linear layers fused."""
-    return sum(fuse_gelu(block, family.linear_activations.get(attr, ()))
-               for attr, blocks in groups.items() for block in blocks)
 
 
 class StepConstants:
@@ -190,13 +178,12 @@ class Accelerator:
         groups = {name: dit_blocks(family, name) for name in dits}
         self.fused_gelus = 0                    # linear layers whose tanh GELU runs in their GEMM
         if speed.fuse_gelu:
-            self.fused_gelus = sum(fuse_gelus(family, groups[name]) for name in dits)
+            self.fused_gelus = sum(fuse_gelu(b) for name in dits for blocks in groups[name].values() for b in blocks)
             log.info("linear + GELU: %d linear layers with the GELU in the GEMM", self.fused_gelus)
         self.merged_groups = 0                  # groups of linear layers merged into one GEMM
         if speed.merge_projections:
             ignored = speed.ignored_layers if speed.quantization == "fp8" else ()
-            self.merged_groups = sum(merge_projections(family, groups[name], ignored, speed.fuse_gelu)
-                                     for name in dits)
+            self.merged_groups = sum(merge_projections(family, groups[name], ignored) for name in dits)
             log.info("merged projections: %d groups of linear layers run as one GEMM each", self.merged_groups)
         self.constants: Optional[StepConstants] = None  # step constants (None: off, or nothing declared)
         if speed.step_constants:

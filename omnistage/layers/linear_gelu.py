@@ -1,14 +1,14 @@
 """A linear layer and the tanh GELU after it as one GEMM (any process; CUDA fast path, PyTorch reference).
 
-In: an `nn.Linear` whose output always goes through `gelu(approximate="tanh")`: a diffusers `GELU`
-activation module (the first half of a `FeedForward` with `activation_fn="gelu-approximate"`: FLUX,
-SD3, Qwen-Image, Wan), or a pair a family declares (`linear_activations`, e.g. FLUX's single block
-`proj_mlp` -> `act_mlp`). Out: `LinearGELU`, which returns gelu_tanh(x @ W^T + b).
+In: the `nn.Linear` of a diffusers `GELU(approximate="tanh")` activation module (the first half of a
+`FeedForward` with `activation_fn="gelu-approximate"`: FLUX, SD3, Qwen-Image, Wan). Out: `LinearGELU`
+in the module's place, which returns gelu_tanh(x @ W^T + b).
 
 On CUDA (16-bit activations with a bias) the op is `torch._addmm_activation(..., use_gelu=True)`:
 cuBLASLt applies the GELU in the GEMM's epilogue, on the float32 accumulator, so the [tokens, hidden]
 output is written once and never read back by a separate GELU kernel (Wan2.1's FFN: 1.2 GB per block
-at 832x480x81). Elsewhere the op is `reference` (the linear, then the GELU): the same ops as
+at 832x480x81; benchmarks/dit_variants.py on an H200: Wan's up-projection + GELU 542 -> 624 TFLOP/s,
+FLUX's double-block one 665 -> 709). Elsewhere the op is `reference` (the linear, then the GELU): the same ops as
 diffusers' modules, so CPU outputs are unchanged. The fast path rounds once instead of twice (the
 GEMM's output before the GELU), so it differs from the reference by bf16 rounding
 (benchmarks/dit_variants.py prints the difference). The op is a torch custom op, so compiled blocks
@@ -64,15 +64,9 @@ class LinearGELU(nn.Module):
         return F.gelu(self.proj(x), approximate="tanh")
 
 
-def _is_tanh_gelu(module: nn.Module) -> bool:
-    return isinstance(module, nn.GELU) and module.approximate == "tanh"
-
-
-def fuse_gelu(block: nn.Module, pairs: tuple = ()) -> int:
-    """In one DiT block: every diffusers `GELU(approximate="tanh")` module with a plain linear `proj`
-    becomes a `LinearGELU`, and so does each declared (linear name, activation name) pair whose
-    activation is an `nn.GELU(approximate="tanh")` (the activation becomes `nn.Identity`); returns
-    the count."""
+def fuse_gelu(block: nn.Module) -> int:
+    """In one DiT block, every diffusers `GELU(approximate="tanh")` module with a plain linear `proj`
+    becomes a `LinearGELU`; returns the count."""
     from diffusers.models.activations import GELU
 
     fused = 0
@@ -80,12 +74,5 @@ def fuse_gelu(block: nn.Module, pairs: tuple = ()) -> int:
         if isinstance(module, GELU) and module.approximate == "tanh" and type(module.proj) is nn.Linear:
             parent_name, _, child = name.rpartition(".")
             setattr(block.get_submodule(parent_name) if parent_name else block, child, LinearGELU(module.proj))
-            fused += 1
-    for linear_name, act_name in pairs:
-        linear, act = block.get_submodule(linear_name), block.get_submodule(act_name)
-        if type(linear) is nn.Linear and _is_tanh_gelu(act):
-            for name, new in ((linear_name, LinearGELU(linear)), (act_name, nn.Identity())):
-                parent_name, _, child = name.rpartition(".")
-                setattr(block.get_submodule(parent_name) if parent_name else block, child, new)
             fused += 1
     return fused

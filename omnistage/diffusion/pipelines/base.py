@@ -127,10 +127,6 @@ class DiffusionFamily:
     # repeated block list -> groups of linear layers (names inside one block) that its forward always
     # calls with the same input tensor: each group runs as one GEMM (layers/merged_linear.py)
     merged_projections: dict[str, tuple[tuple[str, ...], ...]] = {}
-    # repeated block list -> (linear layer, activation) name pairs inside one block whose forward
-    # feeds the linear layer's output straight to the activation (an nn.GELU): with `fuse_gelu` the
-    # two run as one GEMM (layers/linear_gelu.py; diffusers' own `GELU` modules are found without this)
-    linear_activations: dict[str, tuple[tuple[str, str], ...]] = {}
     # submodules of a denoiser whose output depends only on `key(task)` of the step's group (rotary
     # tables per resolution): computed once per key (diffusion/speed.py StepConstants)
     step_constant_modules: tuple[str, ...] = ()

@@ -45,9 +45,6 @@ class FluxFamily(ImageFamily):
     step_constant_modules = ("pos_embed",)     # rotary of (text ids, image ids): the key's latent size, T5_MAX
     merged_projections = {"transformer_blocks": JOINT_QKV,
                           "single_transformer_blocks": (("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),)}
-    # the single block's MLP input projection and its tanh GELU (with fuse_gelu: one GEMM, out of the
-    # merged group above, which then merges q|k|v)
-    linear_activations = {"single_transformer_blocks": (("proj_mlp", "act_mlp"),)}
     # text and image tokens are both split (joint attention: the rope table runs over text, then image);
     # CFG-parallel applies to true CFG (negative prompt + true_cfg_scale > 1)
     parallel_plan = DiTParallelPlan(

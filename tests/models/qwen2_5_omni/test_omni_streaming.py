@@ -143,7 +143,7 @@ def test_first_chunk_follows_the_load_when_the_request_sets_none(omni_dir):
     assert [first_chunk_for_load(n, 12, 96) for n in (0, 4, 5, 16, 17, 64, 65, 10**6)] == [12, 12, 24, 24, 48, 48,
                                                                                           96, 96]
     assert first_chunk_for_load(100, 12, 20) == 20 and first_chunk_for_load(0, 30, 24) == 24
-    model = Code2Wav(omni_dir, chunk_codes=24, first_chunk_codes=6)
+    model = Code2Wav(omni_dir, chunk_codes=24, first_chunk_codes=6, first_chunk_load="arrival")
     engine = CodecEngine(model)
     for i in range(6):                          # 0..4 requests already there: 6 codes; 5: 12
         engine.add_request(f"r{i}", CodecInput(codes(30, seed=i), finished=False), Code2WavParams(seed=i))
@@ -160,7 +160,7 @@ def test_first_chunk_follows_the_load_when_the_request_sets_none(omni_dir):
 def test_first_chunks_sized_at_schedule_count_requests_that_arrive_together(omni_dir):
     """`first_chunk_load: schedule`: 6 requests added before one step all see a load of 6 (12-code first
     chunks, where "arrival" gives the first five 6); a request that sets its own size keeps it."""
-    model = Code2Wav(omni_dir, chunk_codes=24, first_chunk_codes=6, first_chunk_load="schedule", cuda_graphs=False)
+    model = Code2Wav(omni_dir, chunk_codes=24, first_chunk_codes=6, cuda_graphs=False)   # default: schedule
     engine = CodecEngine(model)
     for i in range(6):
         engine.add_request(f"r{i}", CodecInput(codes(30, seed=i), finished=False), Code2WavParams(seed=i))

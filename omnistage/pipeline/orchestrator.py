@@ -93,6 +93,8 @@ def _has_content(out: RequestOutput) -> bool:
 
 
 def _build_stage(spec: StageSpec, pipeline: PipelineSpec) -> Any:
+    """The stage's engine, its shared-runner wrapper, a replica set, or a stage process's client (that
+    last one spawned, not yet ready: the caller waits with `wait_started`)."""
     if spec.engine.num_replicas > 1:
         from omnistage.pipeline.replicas import ReplicaSet
 
@@ -100,7 +102,7 @@ def _build_stage(spec: StageSpec, pipeline: PipelineSpec) -> Any:
     if spec.runner == "process":
         from omnistage.pipeline.stage_client import StageClient
 
-        return StageClient(spec)
+        return StageClient(spec, wait=False)
     engine = build_engine(spec)
     if spec.runner == "shared":
         from omnistage.pipeline.build import resolve_stage
@@ -159,8 +161,12 @@ class Orchestrator:
         given = stages or {}
         self.stages = {}
         try:
+            # stage processes load at the same time: each is spawned here, waited for below
             for s in spec.stages:
                 self.stages[s.name] = given[s.name] if s.name in given else _build_stage(s, spec)
+            for name, stage in self.stages.items():
+                if name not in given and hasattr(stage, "wait_started"):
+                    stage.wait_started()
         except BaseException:                   # e.g. one stage failed to start: stop the processes started
             for name, stage in self.stages.items():
                 if name not in given and hasattr(stage, "close"):

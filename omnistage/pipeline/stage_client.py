@@ -72,8 +72,10 @@ STATES = ("ready", "restarting", "failed")      # what `StageClient.state` may s
 
 class StageClient:
     def __init__(self, spec, start_timeout_s: float = 180.0, max_restart_attempts: int = 3,
-                 replica: Optional[int] = None):
-        """`replica`: this client's index among its stage's replicas (None: the stage has one)."""
+                 replica: Optional[int] = None, wait: bool = True):
+        """`replica`: this client's index among its stage's replicas (None: the stage has one).
+        `wait=False` returns once the process is spawned: `wait_started()` then waits for it to be
+        ready (the orchestrator starts every stage process before waiting for any)."""
         from omnistage.pipeline.launch import launcher_for
 
         self.spec = spec
@@ -99,14 +101,30 @@ class StageClient:
         self.proc: Optional[subprocess.Popen] = None
         self._chk: Optional[zmq.Socket] = None  # check_params channel, usable from any thread (under the lock)
         self._check_lock = threading.Lock()
+        self.started = False                    # the first process said it is ready (`wait_started`)
+        self.spawned_at = time.monotonic()      # when the first process was started ...
+        self.ready_at: Optional[float] = None   # ... and when it said it is ready
         try:
             self._spawn()
+        except BaseException:
+            self.close()
+            raise
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Waits until the first stage process is ready and reads what it reports (once); on a failed
+        start the client is closed and the error raised."""
+        if self.started:
+            return
+        try:
             ready = None
             while ready is None:
                 ready = self._poll_start(100)
         except BaseException:
             self.close()
             raise
+        self.started, self.ready_at = True, time.monotonic()
         self._voice_list = ready.voices or []   # read once: other threads may ask for it
         self.params_type = _import(ready.params_type) if ready.params_type else None
         self.max_model_len = ready.max_model_len

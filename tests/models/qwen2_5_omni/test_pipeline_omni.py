@@ -318,7 +318,10 @@ def test_every_stage_in_its_own_process_gives_the_same_text_codes_and_audio(omni
     with Omni(omni_dir, device="cpu", dtype="float32", max_num_batched_tokens=16, deploy_config=deploy) as apart:
         from omnistage.pipeline.stage_client import StageClient
 
-        assert all(isinstance(s, StageClient) for s in apart.orchestrator.stages.values())
+        clients = list(apart.orchestrator.stages.values())
+        assert all(isinstance(s, StageClient) for s in clients)
+        # the three processes load at the same time: each was spawned before any of them was ready
+        assert max(c.spawned_at for c in clients) < min(c.ready_at for c in clients)
         assert apart.tokenizer is not None and apart.orchestrator.max_model_len == omni.orchestrator.max_model_len
         got = apart.generate(prompts, thinker, sampling_params_list=per_stage, use_tqdm=False)
         stats = apart.orchestrator.stats()

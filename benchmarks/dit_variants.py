@@ -16,7 +16,6 @@ wan   Wan2.1-1.3B 832x480x81 CFG, dynamic True and False.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -104,26 +103,13 @@ def step_variant(label, family, params, warm_params, dynamic, device, s) -> None
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="gemm,flux,wan")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script)")
-    args = ap.parse_args(argv)
-    from diffusers import AutoencoderKLWan, FluxTransformer2DModel, WanTransformer3DModel
-
-    only = set(args.only.split(","))
-    s = dit_bench.SMOKE if args.smoke else dit_bench.FULL
-    config = EngineConfig(device="cpu" if args.smoke else "auto").resolved("diffusion")
-    device, dtype = config.torch_device(), config.torch_dtype()
-    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}",
-          flush=True)
+    only, s, device, dtype, smoke = profile_dit.setup(__doc__, "gemm,flux,wan", argv)
     with torch.no_grad():
         if "gemm" in only:
-            gemm_rows(device, dtype, args.smoke)
+            gemm_rows(device, dtype, smoke)
     print("\n| step | compile | ms per step | first call s (compile) | kernel ms by kind |\n|---|---|---|---|---|")
     if "flux" in only:
-        cfg = dict(dit_bench.FLUX, **s.get("flux_cfg", {}))
-        flux = dit_bench.build(dit_bench.BenchFlux, FluxTransformer2DModel, cfg, dit_bench.flux_vae_for(s, args.smoke),
-                               dit_bench.FLUX_SCHEDULER, s["flux"]["text"], device, dtype)
+        _, flux = profile_dit.flux_family(s, smoke, device, dtype)
 
         def fp(size):
             return DiffusionParams(height=size, width=size, num_inference_steps=50, guidance_scale=3.5, seed=0)
@@ -134,15 +120,7 @@ def main(argv=None) -> None:
         del flux
         dit_bench._free(device)
     if "wan" in only:
-        cfg = dict(dit_bench.WAN, **s.get("wan_cfg", {}))
-        vae = AutoencoderKLWan(**(dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1,
-                                       temperal_downsample=[True], scale_factor_temporal=2,
-                                       scale_factor_spatial=2) if args.smoke else {}))
-        w = s["wan"]
-        wan = dit_bench.build(dit_bench.BenchWan, WanTransformer3DModel, cfg, vae, dit_bench.WAN_SCHEDULER, w["text"],
-                              device, dtype)
-        params = DiffusionParams(height=w["height"], width=w["width"], num_frames=w["frames"], num_inference_steps=50,
-                                 guidance_scale=5.0, seed=0)
+        _, wan, params = profile_dit.wan_family(s, smoke, device, dtype)
         for dynamic in (True, False):
             step_variant("Wan2.1-1.3B CFG", wan, params, None, dynamic, device, dict(s, iters=2))
 

@@ -161,24 +161,51 @@ def run_section(label, family, params, n, floor_row_s, device, s, quantization=N
     show(label, profile_step(step, device), rows * floor_row_s * 1e3)
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="flux,batch,fp8,wan")
+def setup(doc: str, sections: str, argv=None):
+    """The scripts' command line (--only SECTIONS, --smoke) and device: (sections, shapes, device, dtype,
+    smoke); prints the device."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default=sections)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script)")
     args = ap.parse_args(argv)
-    from diffusers import AutoencoderKLWan, FluxTransformer2DModel, WanTransformer3DModel
-
-    only = set(args.only.split(","))
     s = dit_bench.SMOKE if args.smoke else dit_bench.FULL
     config = EngineConfig(device="cpu" if args.smoke else "auto").resolved("diffusion")
     device, dtype = config.torch_device(), config.torch_dtype()
+    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}",
+          flush=True)
+    return set(args.only.split(",")), s, device, dtype, args.smoke
+
+
+def flux_family(s: dict, smoke: bool, device, dtype):
+    """(its config, a FLUX.1-dev-shaped bench family with random weights)."""
+    from diffusers import FluxTransformer2DModel
+
+    cfg = dict(dit_bench.FLUX, **s.get("flux_cfg", {}))
+    return cfg, dit_bench.build(dit_bench.BenchFlux, FluxTransformer2DModel, cfg, dit_bench.flux_vae_for(s, smoke),
+                                dit_bench.FLUX_SCHEDULER, s["flux"]["text"], device, dtype)
+
+
+def wan_family(s: dict, smoke: bool, device, dtype):
+    """(its config, a Wan2.1-1.3B-shaped bench family with random weights, the CFG video params)."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+    cfg = dict(dit_bench.WAN, **s.get("wan_cfg", {}))
+    vae = AutoencoderKLWan(**(dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
+                                   scale_factor_temporal=2, scale_factor_spatial=2) if smoke else {}))
+    w = s["wan"]
+    wan = dit_bench.build(dit_bench.BenchWan, WanTransformer3DModel, cfg, vae, dit_bench.WAN_SCHEDULER, w["text"],
+                          device, dtype)
+    params = DiffusionParams(height=w["height"], width=w["width"], num_frames=w["frames"], num_inference_steps=50,
+                             guidance_scale=5.0, seed=0)
+    return cfg, wan, params
+
+
+def main(argv=None) -> None:
+    only, s, device, dtype, smoke = setup(__doc__, "flux,batch,fp8,wan", argv)
     rate = dit_bench.matmul_rate(device, dtype, s["matmul"])
-    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
-          f"matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    print(f"matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     if only & {"flux", "batch", "fp8"}:
-        cfg = dict(dit_bench.FLUX, **s.get("flux_cfg", {}))
-        flux = dit_bench.build(dit_bench.BenchFlux, FluxTransformer2DModel, cfg, dit_bench.flux_vae_for(s, args.smoke),
-                               dit_bench.FLUX_SCHEDULER, s["flux"]["text"], device, dtype)
+        cfg, flux = flux_family(s, smoke, device, dtype)
         # fp8 last: it swaps the family's linear layers for good
         for size, n, label, wanted in ((s["flux"]["size"], 1, "FLUX 1024^2, 1 row", "flux"),
                                        (s["thr"]["size"], 1, "FLUX 512^2, 1 task", "batch"),
@@ -193,16 +220,9 @@ def main(argv=None) -> None:
         del flux
         dit_bench._free(device)
     if "wan" in only:
-        cfg = dict(dit_bench.WAN, **s.get("wan_cfg", {}))
-        vae = AutoencoderKLWan(**(dict(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1,
-                                       temperal_downsample=[True], scale_factor_temporal=2,
-                                       scale_factor_spatial=2) if args.smoke else {}))
+        cfg, wan, params = wan_family(s, smoke, device, dtype)
         w = s["wan"]
-        wan = dit_bench.build(dit_bench.BenchWan, WanTransformer3DModel, cfg, vae, dit_bench.WAN_SCHEDULER, w["text"],
-                              device, dtype)
         lat = ((w["frames"] - 1) // wan.t_scale + 1, w["height"] // wan.s_scale, w["width"] // wan.s_scale)
-        params = DiffusionParams(height=w["height"], width=w["width"], num_frames=w["frames"], num_inference_steps=50,
-                                 guidance_scale=5.0, seed=0)
         run_section("Wan2.1-1.3B 832x480x81, CFG", wan, params, 1,
                     dit_bench.wan_flops(cfg, *lat, w["text"]) / rate, device, dict(s, iters=2))
 

@@ -12,6 +12,10 @@ flux  FLUX.1-dev 1024^2 one row, our default step compiled with `dynamic` True (
       symbolic), the last after a 512^2 step so that its graph is the recompiled one; per variant the
       step ms and the profile's kernel ms by kind.
 wan   Wan2.1-1.3B 832x480x81 CFG, dynamic True and False.
+graph FLUX.1-dev at 512^2 (1 task) and 1024^2: the compiled denoiser call as the runner makes it, against
+      the same call captured once in a CUDA graph and replayed (inputs fixed): what a whole-forward graph
+      per step shape would save where the step is host-bound (profile_dit: 512^2 runs 57 ms for 37 ms of
+      kernels), with the largest difference of the two outputs.
 """
 
 from __future__ import annotations
@@ -102,12 +106,56 @@ def step_variant(label, family, params, warm_params, dynamic, device, s) -> None
     print(f"| {label} | dynamic={dynamic} | {ms:.2f} | {first:.1f} | {kinds} |", flush=True)
 
 
+def graph_rows(family, sizes, device, s) -> None:
+    """The denoiser call of one task eager (compiled blocks) and replayed from a CUDA graph."""
+    speed = DiffusionSpeed.from_config(EngineConfig(device=str(device)))
+    engine = DiffusionEngine.from_family(family, speed=speed)
+    runner = engine.runner
+    print("\n| FLUX denoiser call | compiled, as the runner calls it (ms) | CUDA graph replay (ms) | max abs diff |"
+          "\n|---|---|---|---|")
+    for size in sizes:
+        params = DiffusionParams(height=size, width=size, num_inference_steps=50, guidance_scale=3.5, seed=0)
+        task = profile_dit.tasks_for(family, params, 1)[0]
+        key = family.key(task)
+        x = family.model_input(task)
+        t = family.model_timestep(task).reshape(1).expand(x.shape[0]).to(x.device)
+        conds = [task.cond]
+
+        def call():
+            with runner.phase("denoise"), runner.constants(key):
+                return runner.denoise(key, x, t, conds, [task], [0])
+        eager_ms = dit_bench.timed(call, device, s["iters"], s["warmup"]) * 1e3
+        if device.type != "cuda":
+            print(f"| {size}^2 | {eager_ms:.2f} | - | - |", flush=True)
+            continue
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    call()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = call()
+            want = call()
+            graph.replay()
+            diff = (out.float() - want.float()).abs().max().item()
+            graph_ms = dit_bench.timed(graph.replay, device, s["iters"], s["warmup"]) * 1e3
+            print(f"| {size}^2 | {eager_ms:.2f} | {graph_ms:.2f} | {diff:.3g} |", flush=True)
+            del graph, out
+        except Exception as e:                  # a capture that fails is a finding, not a crash
+            print(f"| {size}^2 | {eager_ms:.2f} | capture failed: {type(e).__name__}: {str(e)[:120]} | - |",
+                  flush=True)
+
+
 def main(argv=None) -> None:
-    only, s, device, dtype, smoke = profile_dit.setup(__doc__, "gemm,flux,wan", argv)
+    only, s, device, dtype, smoke = profile_dit.setup(__doc__, "gemm,flux,wan,graph", argv)
     with torch.no_grad():
         if "gemm" in only:
             gemm_rows(device, dtype, smoke)
-    print("\n| step | compile | ms per step | first call s (compile) | kernel ms by kind |\n|---|---|---|---|---|")
+    if only & {"flux", "wan"}:
+        print("\n| step | compile | ms per step | first call s (compile) | kernel ms by kind |\n|---|---|---|---|---|")
     if "flux" in only:
         _, flux = profile_dit.flux_family(s, smoke, device, dtype)
 
@@ -117,6 +165,12 @@ def main(argv=None) -> None:
         for dynamic, warm in ((True, None), (False, None), (None, small)):
             step_variant(f"FLUX {s['flux']['size']}^2" + (" after a 512^2 step" if warm else ""), flux, big, warm,
                          dynamic, device, s)
+        del flux
+        dit_bench._free(device)
+    if "graph" in only:
+        _, flux = profile_dit.flux_family(s, smoke, device, dtype)
+        with torch.no_grad():
+            graph_rows(flux, (s["thr"]["size"], s["flux"]["size"]), device, s)
         del flux
         dit_bench._free(device)
     if "wan" in only:

@@ -15,7 +15,8 @@ wan   Wan2.1-1.3B 832x480x81 CFG, dynamic True and False.
 graph FLUX.1-dev at 512^2 (1 task) and 1024^2: the compiled denoiser call as the runner makes it, against
       the same call captured once in a CUDA graph and replayed (inputs fixed): what a whole-forward graph
       per step shape would save where the step is host-bound (profile_dit: 512^2 runs 57 ms for 37 ms of
-      kernels), with the largest difference of the two outputs.
+      kernels), with the largest difference of the two outputs; then the runner's step with the blocks
+      compiled in mode "reduce-overhead" (inductor's per-block CUDA graph trees) against "default".
 """
 
 from __future__ import annotations
@@ -147,6 +148,34 @@ def graph_rows(family, sizes, device, s) -> None:
         except Exception as e:                  # a capture that fails is a finding, not a crash
             print(f"| {size}^2 | {eager_ms:.2f} | capture failed: {type(e).__name__}: {str(e)[:120]} | - |",
                   flush=True)
+    if device.type == "cuda":                   # torch's own per-block graphs: cudagraph trees, one per shape
+        reduce_overhead_rows(family, sizes, device, s)
+
+
+def reduce_overhead_rows(family, sizes, device, s) -> None:
+    """The runner's step with the blocks compiled in mode "reduce-overhead" (inductor's CUDA graph trees;
+    not a `diffusion_compile_mode` users can pick yet: measured here first) against the default mode."""
+    print("\n| FLUX step, 1 task | compile mode | ms per step | first call s |\n|---|---|---|---|")
+    for mode in ("default", "reduce-overhead"):
+        speed = dataclasses.replace(DiffusionSpeed.from_config(EngineConfig(device=str(device))), compile_mode=mode)
+        try:
+            engine = DiffusionEngine.from_family(family, speed=speed)
+            for size in sizes:
+                params = DiffusionParams(height=size, width=size, num_inference_steps=50, guidance_scale=3.5, seed=0)
+                tasks = profile_dit.tasks_for(family, params, 1)
+                index = [t.step_index for t in tasks]
+
+                def step():
+                    profile_dit.reset(tasks, index)
+                    engine.runner.step(tasks)
+                start = time.perf_counter()
+                step()
+                dit_bench.sync(device)
+                first = time.perf_counter() - start
+                ms = dit_bench.timed(step, device, s["iters"], s["warmup"] + 2) * 1e3
+                print(f"| {size}^2 | {mode} | {ms:.2f} | {first:.1f} |", flush=True)
+        except Exception as e:
+            print(f"| - | {mode} | failed: {type(e).__name__}: {str(e)[:150]} | - |", flush=True)
 
 
 def main(argv=None) -> None:

@@ -15,8 +15,9 @@ wan   Wan2.1-1.3B 832x480x81 CFG, dynamic True and False.
 graph FLUX.1-dev at 512^2 (1 task) and 1024^2: the compiled denoiser call as the runner makes it, against
       the same call captured once in a CUDA graph and replayed (inputs fixed): what a whole-forward graph
       per step shape would save where the step is host-bound (profile_dit: 512^2 runs 57 ms for 37 ms of
-      kernels), with the largest difference of the two outputs; then the runner's step with the blocks
-      compiled in mode "reduce-overhead" (inductor's per-block CUDA graph trees) against "default".
+      kernels), with the largest difference of the two outputs; then the runner's step with our
+      `step_graphs` and with the blocks compiled in mode "reduce-overhead" (inductor's per-block CUDA
+      graph trees) beside the default.
 """
 
 from __future__ import annotations
@@ -148,34 +149,49 @@ def graph_rows(family, sizes, device, s) -> None:
         except Exception as e:                  # a capture that fails is a finding, not a crash
             print(f"| {size}^2 | {eager_ms:.2f} | capture failed: {type(e).__name__}: {str(e)[:120]} | - |",
                   flush=True)
-    if device.type == "cuda":                   # torch's own per-block graphs: cudagraph trees, one per shape
-        reduce_overhead_rows(family, sizes, device, s)
+    step_rows(family, sizes, device, s)         # the engine's step graphs and torch's per-block graphs
 
 
-def reduce_overhead_rows(family, sizes, device, s) -> None:
-    """The runner's step with the blocks compiled in mode "reduce-overhead" (inductor's CUDA graph trees;
-    not a `diffusion_compile_mode` users can pick yet: measured here first) against the default mode."""
-    print("\n| FLUX step, 1 task | compile mode | ms per step | first call s |\n|---|---|---|---|")
-    for mode in ("default", "reduce-overhead"):
-        speed = dataclasses.replace(DiffusionSpeed.from_config(EngineConfig(device=str(device))), compile_mode=mode)
+def step_rows(family, sizes, device, s) -> None:
+    """The runner's step, 1 task: our default; with `step_graphs` (diffusion/step_graphs.py: the whole
+    denoiser call replayed from one CUDA graph per shape); with the blocks compiled in mode
+    "reduce-overhead" (inductor's CUDA graph trees per block; not a `diffusion_compile_mode` users can
+    pick: measured here first). Per row the largest difference of the latents after one step from the
+    default's (same seed, same start)."""
+    print("\n| FLUX step, 1 task | variant | ms per step | first call s | max abs diff of the stepped latents |"
+          "\n|---|---|---|---|---|")
+    base = DiffusionSpeed.from_config(EngineConfig(device=str(device)))
+    first_out: dict = {}
+    for label, speed in (("default", base), ("step graphs", dataclasses.replace(base, step_graphs=True)),
+                         ("reduce-overhead", dataclasses.replace(base, compile_mode="reduce-overhead"))):
         try:
             engine = DiffusionEngine.from_family(family, speed=speed)
             for size in sizes:
                 params = DiffusionParams(height=size, width=size, num_inference_steps=50, guidance_scale=3.5, seed=0)
+                torch.manual_seed(0)                # the bench's random prompt embeddings: the same per variant
                 tasks = profile_dit.tasks_for(family, params, 1)
-                index = [t.step_index for t in tasks]
+                index, start_latents = [t.step_index for t in tasks], tasks[0].latents.clone()
 
                 def step():
                     profile_dit.reset(tasks, index)
+                    tasks[0].latents = start_latents.clone()
                     engine.runner.step(tasks)
                 start = time.perf_counter()
                 step()
                 dit_bench.sync(device)
                 first = time.perf_counter() - start
                 ms = dit_bench.timed(step, device, s["iters"], s["warmup"] + 2) * 1e3
-                print(f"| {size}^2 | {mode} | {ms:.2f} | {first:.1f} |", flush=True)
+                step()
+                out = tasks[0].latents.float()
+                ref = first_out.setdefault((size, sizes.index(size)), out)
+                print(f"| {size}^2 | {label} | {ms:.2f} | {first:.1f} | {(out - ref).abs().max().item():.3g} |",
+                      flush=True)
+            graphs = engine.accel.graphs
+            if graphs is not None:
+                print(f"step graphs: {graphs.captures} captured, {graphs.replays} replays, failed {graphs.failed}",
+                      flush=True)
         except Exception as e:
-            print(f"| - | {mode} | failed: {type(e).__name__}: {str(e)[:150]} | - |", flush=True)
+            print(f"| - | {label} | failed: {type(e).__name__}: {str(e)[:150]} | - | - |", flush=True)
 
 
 def main(argv=None) -> None:

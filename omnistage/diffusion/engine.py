@@ -129,9 +129,11 @@ class DiffusionEngine:
         self.limits = self.family.limits()            # sizes, steps, frames a request may ask for; defaults
         self.speed_info = self.accel.info()           # what the speed features chose at load (attention probe, ...)
         self.scheduler = DiffusionScheduler(max_num_seqs, max_num_batched_tokens)
+        graphs = self.accel.graphs if self.cache is None and self.ranks is None else None
         self.runner = DiffusionRunner(self.family, self.cache, self.accel.phase,
                                       denoise=self.ranks.denoise if self.ranks is not None else None,
-                                      constants=self.accel.constants.use if self.accel.constants else None)
+                                      constants=self.accel.constants.use if self.accel.constants else None,
+                                      graphs=graphs)
         self.tasks: dict[str, DiffusionTask] = {}
         self._metrics: dict[str, RequestMetrics] = {}
         self._pending: list[StageOutput] = []       # outputs produced between steps (aborts)

@@ -20,12 +20,14 @@ from omnistage.diffusion.pipelines.base import DiffusionFamily
 from omnistage.diffusion.scheduler import DiffusionRunnerOutput
 from omnistage.diffusion.solvers import solver_step
 from omnistage.diffusion.step_cache import StepCache
+from omnistage.diffusion.step_graphs import StepGraphs
 from omnistage.diffusion.task import DiffusionTask
 
 
 class DiffusionRunner:
     def __init__(self, family: DiffusionFamily, cache: Optional[StepCache] = None, phase: Optional[Callable] = None,
-                 denoise: Optional[Callable] = None, constants: Optional[Callable] = None):
+                 denoise: Optional[Callable] = None, constants: Optional[Callable] = None,
+                 graphs: Optional[StepGraphs] = None):
         """`cache`: the step cache consulted inside the denoiser's blocks, or None. `phase(name)`: the
         context the denoiser call runs in (diffusion/speed.py `Accelerator.phase`: its attention
         backend, offload moves); None runs it as is. `denoise(key, x, t, conds, row_tasks, branches)`:
@@ -33,13 +35,16 @@ class DiffusionRunner:
         1 = negative); None: the family's own `denoise` in this process (a parallel DiT passes
         `DiTRanks.denoise`, diffusion/ranks.py). `constants(key)`: the context that lets the DiT's
         step-constant modules answer from their cache for the group's compatibility key
-        (`StepConstants.use`, diffusion/speed.py); None: none."""
+        (`StepConstants.use`, diffusion/speed.py); None: none. `graphs`: a `StepGraphs` that replays the
+        family's `denoise_inputs` from CUDA graphs (diffusion/step_graphs.py; the engine passes it only
+        with no step cache and no parallel ranks); None: the call runs as is."""
         self.family = family
         self.denoise = denoise or (lambda key, x, t, conds, row_tasks, branches:
                                    family.denoise(key, x, t, conds, row_tasks))
         self.cache = cache
         self.phase = phase or (lambda name: contextlib.nullcontext())
         self.constants = constants or (lambda key: contextlib.nullcontext())
+        self.graphs = graphs
         self.last_batch_rows = 0                # rows of the most recent forward
         self.last_batch_tasks = 0               # tasks in the most recent forward
         self.max_batch_rows = 0                 # largest forward seen (rows)
@@ -103,9 +108,15 @@ class DiffusionRunner:
         key = fam.key(tasks[0])
         x = torch.cat(xs)
         cached = self.cache.forward(tasks) if self.cache is not None else contextlib.nullcontext()
-        with self.phase("denoise"), cached, self.constants(key):
-            # non_blocking: a host -> device copy that does not wait for the queued GPU work (no host sync)
-            out = self.denoise(key, x, torch.cat(ts).to(x.device, non_blocking=True), conds, row_tasks, branches)
+        # non_blocking: a host -> device copy that does not wait for the queued GPU work (no host sync)
+        t = torch.cat(ts).to(x.device, non_blocking=True)
+        if self.graphs is not None:             # no step constants inside a graph (step_graphs.py)
+            with self.phase("denoise"):
+                out = self.graphs.run(key, fam.graph_inputs(x, t, conds, row_tasks),
+                                      lambda inputs: fam.denoise_inputs(key, inputs))
+        else:
+            with self.phase("denoise"), cached, self.constants(key):
+                out = self.denoise(key, x, t, conds, row_tasks, branches)
         velocities, row = [], 0
         for task in tasks:
             n = task.num_images

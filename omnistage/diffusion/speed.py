@@ -31,6 +31,9 @@ the family's modules in place, in this order:
   4. attention: each role's backend (diffusion/attention.py); "auto" for the DiT with
      `probe_attention` (CUDA) is the fastest lossless backend timed at load on the family's
      `attention_probe_shape()` (kept in `attention_probe`).
+  5. step graphs (`step_graphs`, CUDA, off by default until measured): a `StepGraphs` for a family
+     that declares `graph_inputs` / `denoise_inputs`, unless offload is on (weights move); the engine
+     uses it only without a step cache and without parallel ranks.
 Out: `accelerator.phase(name)` for name in PHASE_ROLES: the context the engine runs each phase in
 (that role's weights on the device, its attention backend; diffusion/attention.py). Fused
 elementwise work (AdaLN modulation + norm, gated residuals, rotary) comes from the compile of the
@@ -52,6 +55,7 @@ from torch import nn
 from omnistage.config import EngineConfig, attention_backends
 from omnistage.diffusion.attention import AttentionRouter, ProbeResult, probe
 from omnistage.diffusion.offload import LayerwiseOffload, ModelOffload
+from omnistage.diffusion.step_graphs import StepGraphs
 from omnistage.layers.fp8_linear import quantize_fp8
 from omnistage.layers.linear_gelu import fuse_gelu
 from omnistage.layers.merged_linear import merge_linears
@@ -76,6 +80,7 @@ class DiffusionSpeed:
     offload: Optional[str] = None               # None | "model" | "layerwise"
     merge_projections: bool = False             # one GEMM per group of the family's `merged_projections`
     fuse_gelu: bool = False                     # linear -> tanh GELU as one GEMM (layers/linear_gelu.py)
+    step_graphs: bool = False                   # CUDA: denoiser calls replayed from graphs (step_graphs.py)
     step_constants: bool = False                # the family's `step_constant_modules` once per group key
 
     @classmethod
@@ -233,6 +238,10 @@ class Accelerator:
         log.info("diffusion attention: %s%s", {role: r.name for role, r in self.routers.items()},
                  " (dit: measured at load)" if self.attention_probe is not None else "")
         self.first_denoise_s: Optional[float] = None    # seconds of the first DiT forward (compiles, if on)
+        self.graphs: Optional[StepGraphs] = None        # whole denoiser calls as CUDA graphs (None: off)
+        if (speed.step_graphs and self.device.type == "cuda" and speed.offload is None
+                and hasattr(family, "graph_inputs")):
+            self.graphs = StepGraphs(self.device)
 
     def info(self) -> dict:
         """What the speed features did, for the stage's info (`DiffusionEngine.speed_info`)."""
@@ -242,6 +251,7 @@ class Accelerator:
                 "compile": {"mode": self.speed.compile_mode, "dynamic": self.speed.compile_dynamic,
                             "backend": self.speed.compile_backend} if self.compiled_blocks else None,
                 "merged_groups": self.merged_groups, "fused_gelus": self.fused_gelus, "fp8_layers": self.fp8_layers,
+                "step_graphs": self.graphs is not None,
                 "offload": self.speed.offload, "first_denoise_s": self.first_denoise_s}
 
     @contextlib.contextmanager

@@ -110,6 +110,28 @@ def test_linear_gelu_equals_separate_ops_exactly(tiny_dir, kind):
         assert eng.accel.compiled_blocks > 0
 
 
+def test_step_graph_inputs_are_tensors_and_the_flag_is_cuda_only(tiny_dir):
+    """FLUX declares its denoiser call as a function of tensors (what a CUDA graph replays,
+    diffusion/step_graphs.py): `graph_inputs` holds only tensors and `denoise` is `denoise_inputs` of
+    them; on the CPU `step_graphs` builds no graphs and the output stays the plain one."""
+    base = DiffusionSpeed(merge_projections=True)
+    _, plain = _run(tiny_dir, "flux", base, steps=2)
+    eng, out = _run(tiny_dir, "flux", DiffusionSpeed(merge_projections=True, step_graphs=True), steps=2)
+    assert eng.accel.graphs is None and eng.runner.graphs is None and eng.speed_info["step_graphs"] is False
+    assert max_pixel_diff(_pixels(out), _pixels(plain)) == 0
+    fam = eng.family
+    task = fam.new_task("g", {"prompt": "a cube"}, DiffusionParams(seed=1, num_inference_steps=2, **IMAGE,
+                                                                   guidance_scale=4.5))
+    fam.encode([task])
+    fam.prepare(task)
+    x, t = fam.model_input(task), fam.model_timestep(task).reshape(1)
+    inputs = fam.graph_inputs(x, t, [task.cond], [task])
+    assert all(isinstance(v, torch.Tensor) for v in inputs.values()) and {"x", "t", "text", "pooled"} <= set(inputs)
+    with torch.no_grad():
+        assert torch.equal(fam.denoise_inputs(fam.key(task), inputs), fam.denoise(fam.key(task), x, t, [task.cond],
+                                                                                  [task]))
+
+
 def test_linear_gelu_op():
     torch.manual_seed(0)
     x, w, b = torch.randn(2, 5, 8), torch.randn(12, 8), torch.randn(12)

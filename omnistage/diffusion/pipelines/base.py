@@ -233,7 +233,10 @@ class DiffusionFamily:
 
     def denoise(self, key: Hashable, x: torch.Tensor, t: torch.Tensor, conds: list[Conditioning],
                 row_tasks: list[DiffusionTask]) -> torch.Tensor:
-        """ONE denoiser call: row block i (num_images rows) uses conds[i] and belongs to row_tasks[i]."""
+        """ONE denoiser call: row block i (num_images rows) uses conds[i] and belongs to row_tasks[i].
+        A family whose call can be replayed from a CUDA graph (diffusion/step_graphs.py) also has
+        `graph_inputs(x, t, conds, row_tasks) -> dict of tensors` and `denoise_inputs(key, inputs)`,
+        and its `denoise` is the second applied to the first."""
         raise NotImplementedError
 
     def guide(self, task: DiffusionTask, cond_out: torch.Tensor, uncond_out: Optional[torch.Tensor]) -> torch.Tensor:

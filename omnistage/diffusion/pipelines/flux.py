@@ -86,16 +86,25 @@ class FluxFamily(ImageFamily):
         task.static["img_ids"] = latent_ids(h // 2, w // 2, self.device, task.cond.embeds.dtype)
 
     def denoise(self, key, x, t, conds, row_tasks) -> torch.Tensor:
+        return self.denoise_inputs(key, self.graph_inputs(x, t, conds, row_tasks))
+
+    def graph_inputs(self, x, t, conds, row_tasks) -> dict:
+        """Every tensor the denoiser call reads (diffusion/step_graphs.py): per row, the latents, timestep,
+        T5 and CLIP embeddings and (guidance-distilled) guidance scale; the image position ids."""
         text = torch.stack([c.embeds for c, task in zip(conds, row_tasks) for _ in range(task.num_images)])
         pooled = torch.stack([c.pooled for c, task in zip(conds, row_tasks) for _ in range(task.num_images)])
-        guidance = None
+        inputs = {"x": x, "t": t, "text": text, "pooled": pooled, "img_ids": row_tasks[0].static["img_ids"]}
         if self.guidance_embeds:
             g = [task.params.guidance_scale for task in row_tasks for _ in range(task.num_images)]
-            guidance = torch.tensor(g, dtype=torch.float32).to(self.device, non_blocking=True)   # no host sync
-        txt_ids = torch.zeros(text.shape[1], 3, device=self.device, dtype=text.dtype)
-        return self.transformer(hidden_states=x, timestep=t, guidance=guidance, pooled_projections=pooled,
-                                encoder_hidden_states=text, txt_ids=txt_ids, img_ids=row_tasks[0].static["img_ids"],
-                                return_dict=False)[0]
+            inputs["guidance"] = torch.tensor(g, dtype=torch.float32).to(self.device, non_blocking=True)   # no sync
+        return inputs
+
+    def denoise_inputs(self, key, inputs: dict) -> torch.Tensor:
+        text = inputs["text"]
+        txt_ids = torch.zeros(text.shape[1], 3, device=text.device, dtype=text.dtype)
+        return self.transformer(hidden_states=inputs["x"], timestep=inputs["t"], guidance=inputs.get("guidance"),
+                                pooled_projections=inputs["pooled"], encoder_hidden_states=text, txt_ids=txt_ids,
+                                img_ids=inputs["img_ids"], return_dict=False)[0]
 
     def decode(self, task: DiffusionTask) -> list:
         h, w = task.static["latent_hw"]

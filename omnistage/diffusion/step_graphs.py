@@ -80,7 +80,8 @@ class StepGraphs:
                 for _ in range(2):              # compiles / autotunes / allocates before the capture
                     call(g.inputs)
             torch.cuda.current_stream(self.device).wait_stream(side)
-            with torch.cuda.graph(g.graph, pool=self.pool):
+            # thread_local: other threads' CUDA calls (another stage's, the server's) do not break the capture
+            with torch.cuda.graph(g.graph, pool=self.pool, capture_error_mode="thread_local"):
                 g.output = call(g.inputs)
         except Exception as e:                  # e.g. an op that syncs with the host
             self.failed.add(skey)

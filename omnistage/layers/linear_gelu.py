@@ -59,7 +59,8 @@ class LinearGELU(nn.Module):
         self.proj = proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if type(self.proj) is nn.Linear:
+        grad = torch.is_grad_enabled() and (x.requires_grad or self.proj.weight.requires_grad)
+        if type(self.proj) is nn.Linear and not grad:       # the op has no backward: inference only
             return linear_gelu_tanh(x, self.proj.weight, self.proj.bias)
         return F.gelu(self.proj(x), approximate="tanh")
 

@@ -138,8 +138,12 @@ def test_linear_gelu_op():
     out = linear_gelu.linear_gelu_tanh(x, w, b)
     assert torch.equal(out, F.gelu(F.linear(x, w, b), approximate="tanh"))
     assert linear_gelu.linear_gelu_tanh(x.to("meta"), w.to("meta"), None).shape == (2, 5, 12)
-    lin = torch.nn.Linear(8, 12)
-    assert torch.equal(linear_gelu.LinearGELU(lin)(x), F.gelu(lin(x), approximate="tanh"))
+    lin = torch.nn.Linear(8, 12)                # trainable weights, grad on: the differentiable ops
+    y = linear_gelu.LinearGELU(lin)(x)
+    assert torch.equal(y, F.gelu(lin(x), approximate="tanh")) and y.requires_grad
+    with torch.no_grad():                       # inference: the one-GEMM op, compiled over symbolic shapes too
+        compiled = torch.compile(linear_gelu.LinearGELU(lin), dynamic=True, backend="aot_eager")
+        assert torch.equal(compiled(x), F.gelu(lin(x), approximate="tanh"))
     fp8 = linear_gelu.LinearGELU(fp8_linear.Fp8Linear.from_linear(torch.nn.Linear(8, 12)))   # FP8: layer, then GELU
     assert fp8(x.reshape(-1, 8).repeat(4, 1)).shape == (40, 12)
     assert not linear_gelu.epilogue_supports(x.reshape(-1, 8), w, b)        # CPU: the reference

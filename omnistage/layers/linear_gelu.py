@@ -59,9 +59,9 @@ class LinearGELU(nn.Module):
         self.proj = proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        grad = torch.is_grad_enabled() and (x.requires_grad or self.proj.weight.requires_grad)
-        if type(self.proj) is nn.Linear and not grad:       # the op has no backward: inference only
-            return linear_gelu_tanh(x, self.proj.weight, self.proj.bias)
+        proj = self.proj
+        if type(proj) is nn.Linear and not (torch.is_grad_enabled() and (x.requires_grad or proj.weight.requires_grad)):
+            return linear_gelu_tanh(x, proj.weight, proj.bias)     # the op has no backward: inference only
         return F.gelu(self.proj(x), approximate="tanh")
 
 

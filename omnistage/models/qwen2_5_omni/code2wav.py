@@ -27,7 +27,7 @@ How a request is decoded (the DiT's ODE is `code2wav_ode.py`; the vocoder is tra
   * First chunk: a request's `Code2WavParams.initial_codec_chunk_frames` (talker codes; HTTP chat
     and speech field of that name), else a size chosen from the stage's load when the request
     arrives (`first_chunk_for_load`: `first_chunk_codes` while at most 4 requests are in the stage,
-    doubling per 4x more, at most `chunk_codes`; `dynamic_first_chunk: false` keeps
+    doubling per 8x more, at most `chunk_codes`; `dynamic_first_chunk: false` keeps
     `first_chunk_codes`). `first_chunk_load: schedule` sizes it from the load of each step until the
     chunk is decoded instead (the codec engine reports its request count before every step), so
     requests that arrive together are each other's load (the default; "arrival" sizes it once, when the
@@ -164,12 +164,16 @@ class CodecInput:
 
 
 def first_chunk_for_load(active: int, first: int, chunk: int) -> int:
-    """Codes in a new request's first chunk when `active` requests are in the stage already: `first`
-    while at most 4 are (the earliest first audio), twice that up to 16, four times up to 64, and so
-    on, never more than `chunk` (many streams: fewer, fuller ODE batches, each stream's lead grows)."""
+    """Codes in a new request's first chunk when `active` requests are in the stage: `first` while at
+    most 4 are (the earliest first audio), twice that up to 32, four times up to 256, and so on, never
+    more than `chunk` (many streams: fewer, fuller ODE batches, each stream's lead grows).
+    Why 32 for the second size: on an H200 at 32 streams, 48-code first chunks for all (the "schedule"
+    load, session 12) gave 1.14 s TTFA against the 1.0 s target; the code2wav schedule model
+    (tools of session 11's ramp work) puts 24-code ones at ~0.56 s, with more dry seconds (~19 vs ~9 of
+    320 s of audio) -- not yet measured on the GPU."""
     size, limit = first, 4
     while active > limit and size < chunk:
-        size, limit = size * 2, limit * 4
+        size, limit = size * 2, limit * 8
     return min(size, chunk)
 
 

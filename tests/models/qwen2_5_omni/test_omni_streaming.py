@@ -126,7 +126,7 @@ def test_every_window_of_the_ramp_has_a_graph(omni_dir):
     assert old._steady_windows() == {48, 72, 120, 216, 240, 264}
     ctx, future = model.voc_ctx, model.future
     for first in (12, 24, 48, 96):
-        model.on_load({12: 0, 24: 5, 48: 17, 96: 65}[first])
+        model.on_load({12: 0, 24: 5, 48: 33, 96: 257}[first])
         state = model.new_state(Code2WavParams(seed=0))
         assert state.first_frames == 2 * first
         state.codes = codes(1000)
@@ -140,8 +140,8 @@ def test_every_window_of_the_ramp_has_a_graph(omni_dir):
 
 
 def test_first_chunk_follows_the_load_when_the_request_sets_none(omni_dir):
-    assert [first_chunk_for_load(n, 12, 96) for n in (0, 4, 5, 16, 17, 64, 65, 10**6)] == [12, 12, 24, 24, 48, 48,
-                                                                                          96, 96]
+    assert [first_chunk_for_load(n, 12, 96) for n in (0, 4, 5, 32, 33, 256, 257, 10**6)] == [12, 12, 24, 24, 48, 48,
+                                                                                            96, 96]
     assert first_chunk_for_load(100, 12, 20) == 20 and first_chunk_for_load(0, 30, 24) == 24
     model = Code2Wav(omni_dir, chunk_codes=24, first_chunk_codes=6, first_chunk_load="arrival")
     engine = CodecEngine(model)

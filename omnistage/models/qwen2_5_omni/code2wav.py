@@ -168,9 +168,9 @@ def first_chunk_for_load(active: int, first: int, chunk: int) -> int:
     most 4 are (the earliest first audio), twice that up to 32, four times up to 256, and so on, never
     more than `chunk` (many streams: fewer, fuller ODE batches, each stream's lead grows).
     Why 32 for the second size: on an H200 at 32 streams, 48-code first chunks for all (the "schedule"
-    load, session 12) gave 1.14 s TTFA against the 1.0 s target; the code2wav schedule model
-    (tools of session 11's ramp work) puts 24-code ones at ~0.56 s, with more dry seconds (~19 vs ~9 of
-    320 s of audio) -- not yet measured on the GPU."""
+    load, session 12) gave 1.14 s TTFA against the 1.0 s target; benchmarks/code2wav_schedule_model.py
+    puts 24-code ones at ~0.56 s, with more dry seconds (~19 vs ~9 of 320 s of audio) -- not yet
+    measured on the GPU."""
     size, limit = first, 4
     while active > limit and size < chunk:
         size, limit = size * 2, limit * 8

@@ -93,16 +93,10 @@ def step_variant(label, family, params, warm_params, dynamic, device, s) -> None
     start = time.perf_counter()
     if warm_params is not None:                 # a first shape: the step below recompiles (automatic dynamic)
         engine.runner.step(profile_dit.tasks_for(family, warm_params, 1))
-    tasks = profile_dit.tasks_for(family, params, 1)
-    index = [t.step_index for t in tasks]
-
-    def step():
-        profile_dit.reset(tasks, index)
-        engine.runner.step(tasks)
-    step()
-    dit_bench.sync(device)
-    first = time.perf_counter() - start
-    ms = dit_bench.timed(step, device, s["iters"], s["warmup"]) * 1e3
+    warm_s = time.perf_counter() - start
+    step = profile_dit.repeat_step(engine, profile_dit.tasks_for(family, params, 1))
+    first, ms = profile_dit.first_then_timed(step, device, s, s["warmup"])
+    first += warm_s
     p = profile_dit.profile_step(step, device)
     kinds = ", ".join(f"{k} {v:.1f}" for k, v in p["kind_ms"].items())
     print(f"| {label} | dynamic={dynamic} | {ms:.2f} | {first:.1f} | {kinds} |", flush=True)
@@ -170,17 +164,8 @@ def step_rows(family, sizes, device, s) -> None:
                 params = DiffusionParams(height=size, width=size, num_inference_steps=50, guidance_scale=3.5, seed=0)
                 torch.manual_seed(0)                # the bench's random prompt embeddings: the same per variant
                 tasks = profile_dit.tasks_for(family, params, 1)
-                index, start_latents = [t.step_index for t in tasks], tasks[0].latents.clone()
-
-                def step():
-                    profile_dit.reset(tasks, index)
-                    tasks[0].latents = start_latents.clone()
-                    engine.runner.step(tasks)
-                start = time.perf_counter()
-                step()
-                dit_bench.sync(device)
-                first = time.perf_counter() - start
-                ms = dit_bench.timed(step, device, s["iters"], s["warmup"] + 2) * 1e3
+                step = profile_dit.repeat_step(engine, tasks)
+                first, ms = profile_dit.first_then_timed(step, device, s, s["warmup"] + 2)
                 step()
                 out = tasks[0].latents.float()
                 ref = first_out.setdefault((size, sizes.index(size)), out)

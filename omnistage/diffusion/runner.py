@@ -107,7 +107,6 @@ class DiffusionRunner:
                 branches.append(branch)
         key = fam.key(tasks[0])
         x = torch.cat(xs)
-        cached = self.cache.forward(tasks) if self.cache is not None else contextlib.nullcontext()
         # non_blocking: a host -> device copy that does not wait for the queued GPU work (no host sync)
         t = torch.cat(ts).to(x.device, non_blocking=True)
         if self.graphs is not None:             # no step constants inside a graph (step_graphs.py)
@@ -115,6 +114,7 @@ class DiffusionRunner:
                 out = self.graphs.run(key, fam.graph_inputs(x, t, conds, row_tasks),
                                       lambda inputs: fam.denoise_inputs(key, inputs))
         else:
+            cached = self.cache.forward(tasks) if self.cache is not None else contextlib.nullcontext()
             with self.phase("denoise"), cached, self.constants(key):
                 out = self.denoise(key, x, t, conds, row_tasks, branches)
         velocities, row = [], 0

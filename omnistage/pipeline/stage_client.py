@@ -101,9 +101,8 @@ class StageClient:
         self.proc: Optional[subprocess.Popen] = None
         self._chk: Optional[zmq.Socket] = None  # check_params channel, usable from any thread (under the lock)
         self._check_lock = threading.Lock()
-        self.started = False                    # the first process said it is ready (`wait_started`)
         self.spawned_at = time.monotonic()      # when the first process was started ...
-        self.ready_at: Optional[float] = None   # ... and when it said it is ready
+        self.ready_at: Optional[float] = None   # ... and when it said it is ready (`wait_started`)
         try:
             self._spawn()
         except BaseException:
@@ -115,7 +114,7 @@ class StageClient:
     def wait_started(self) -> None:
         """Waits until the first stage process is ready and reads what it reports (once); on a failed
         start the client is closed and the error raised."""
-        if self.started:
+        if self.ready_at is not None:
             return
         try:
             ready = None
@@ -124,7 +123,7 @@ class StageClient:
         except BaseException:
             self.close()
             raise
-        self.started, self.ready_at = True, time.monotonic()
+        self.ready_at = time.monotonic()
         self._voice_list = ready.voices or []   # read once: other threads may ask for it
         self.params_type = _import(ready.params_type) if ready.params_type else None
         self.max_model_len = ready.max_model_len

@@ -150,14 +150,16 @@ def step_rows(family, sizes, device, s) -> None:
     """The runner's step, 1 task: our default; with `step_graphs` (diffusion/step_graphs.py: the whole
     denoiser call replayed from one CUDA graph per shape); with the blocks compiled in mode
     "reduce-overhead" (inductor's CUDA graph trees per block; not a `diffusion_compile_mode` users can
-    pick: measured here first). Per row the largest difference of the latents after one step from the
-    default's (same seed, same start)."""
+    pick: measured here first); FP8 without and with step graphs. Per row the largest difference of the
+    latents after one step from the default's, or from FP8's for the FP8 rows (same seed, same start)."""
     print("\n| FLUX step, 1 task | variant | ms per step | first call s | max abs diff of the stepped latents |"
           "\n|---|---|---|---|---|")
     base = DiffusionSpeed.from_config(EngineConfig(device=str(device)))
     first_out: dict = {}
+    fp8 = DiffusionSpeed.from_config(EngineConfig(device=str(device), quantization="fp8"))
     for label, speed in (("default", base), ("step graphs", dataclasses.replace(base, step_graphs=True)),
-                         ("reduce-overhead", dataclasses.replace(base, compile_mode="reduce-overhead"))):
+                         ("reduce-overhead", dataclasses.replace(base, compile_mode="reduce-overhead")),
+                         ("fp8", fp8), ("fp8 + step graphs", dataclasses.replace(fp8, step_graphs=True))):
         try:
             engine = DiffusionEngine.from_family(family, speed=speed)
             for size in sizes:
@@ -168,7 +170,7 @@ def step_rows(family, sizes, device, s) -> None:
                 first, ms = profile_dit.first_then_timed(step, device, s, s["warmup"] + 2)
                 step()
                 out = tasks[0].latents.float()
-                ref = first_out.setdefault((size, sizes.index(size)), out)
+                ref = first_out.setdefault((size, label.startswith("fp8")), out)   # fp8 rows against fp8
                 print(f"| {size}^2 | {label} | {ms:.2f} | {first:.1f} | {(out - ref).abs().max().item():.3g} |",
                       flush=True)
             graphs = engine.accel.graphs

@@ -265,7 +265,7 @@ def bench_capture(args, res, device) -> None:
     from omnistage.models.qwen2_5_omni.pipeline import CODE2WAV_OPTIONS
 
     torch.cuda.empty_cache()
-    folder = build_checkpoint(os.path.join(args.work, "omni_7b_config_only"), weights=False)
+    folder = build_checkpoint(os.path.join(args.work, "omni_7b_config_only"))
     dummy.use_dummy_weights(folder)
     c2w = Code2Wav(folder, device=device, **CODE2WAV_OPTIONS)
     res["capture"] = {"seconds": c2w.capture_seconds, "graphs": c2w.ode.graphs.captures,

@@ -1,7 +1,8 @@
 """Qwen2.5-Omni streaming speech on one GPU: time to first audio packet and real-time factor.
 
-Builds once (under --work, default /tmp/omnibench) a random-weight bf16 checkpoint in the real
-layout with Qwen2.5-Omni-7B's shape -- random weights time exactly like real ones:
+Builds once (under --work, default /tmp/omnibench) a folder with Qwen2.5-Omni-7B's config, tokenizer and
+voices but no weights: ours serves it with `load_format="dummy"` and transformers' reference builds its
+model from the config on the GPU -- random bf16 weights, which time exactly like real ones:
   thinker  Qwen2-7B text decoder: hidden 3584, 28 layers, 28 heads, 4 KV heads, MLP 18944, vocab 152064
   talker   the 7B checkpoint's talker_config: hidden 896, 24 layers, 12 heads, 4 KV heads, head_dim 128,
            MLP 18944, codec vocab 8448, input width (embedding_size) 3584
@@ -91,9 +92,11 @@ def omni_7b_config(ids: dict[str, int]):
         talker_config=talker, token2wav_config={"dit_config": {"num_embeds": 8447}, "bigvgan_config": {}})
 
 
-def build_checkpoint(path: str, weights: bool = True) -> str:
-    """The random 7B-shape folder (kept across runs); without `weights`, config + tokenizer + voices only,
-    for `load_format="dummy"` (no 16 GB write: transformers' reference needs the weights)."""
+def build_checkpoint(path: str, weights: bool = False) -> str:
+    """The 7B-shape folder (kept across runs): config, generation config, tokenizer / processor and voices;
+    without `weights` nothing else: ours serves it with `load_format="dummy"` and transformers' reference
+    builds its model from the config on the GPU (`bench_hf`), random weights either way, no 16 GB write.
+    With `weights` also a random bf16 checkpoint (omni_stream_check.py compares decodes of real files)."""
     from transformers import GenerationConfig, Qwen2_5OmniForConditionalGeneration
 
     from omnistage.testing import qwen2_5_omni as tiny
@@ -103,25 +106,21 @@ def build_checkpoint(path: str, weights: bool = True) -> str:
     tokenizer = tiny.make_omni_tokenizer()
     ids = tiny._token_ids(tokenizer)
     config = omni_7b_config(ids)
-    eos = [ids["im_end"], ids["endoftext"]]
-    generation = GenerationConfig(eos_token_id=eos, pad_token_id=ids["endoftext"])
-    if not weights:
-        os.makedirs(path, exist_ok=True)
-        config.architectures = ["Qwen2_5OmniForConditionalGeneration"]   # what save_pretrained of the model writes
-        config.save_pretrained(path)
-        generation.save_pretrained(path)
-        torch.save(tiny.make_speakers(config, torch.Generator().manual_seed(1)), os.path.join(path, "spk_dict.pt"))
-        tiny.make_processor(tokenizer).save_pretrained(path)
-        return path
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen2_5OmniForConditionalGeneration._from_config(config, dtype=torch.bfloat16).eval()
-    model.generation_config = generation
-    model.save_pretrained(path)
-    torch.save(tiny.make_speakers(config, torch.Generator().manual_seed(1)), os.path.join(path, "spk_dict.pt"))
+    os.makedirs(path, exist_ok=True)
+    config.architectures = ["Qwen2_5OmniForConditionalGeneration"]   # what save_pretrained of the model writes
+    config.save_pretrained(path)
+    GenerationConfig(eos_token_id=[ids["im_end"], ids["endoftext"]], pad_token_id=ids["endoftext"]).save_pretrained(path)
     tiny.make_processor(tokenizer).save_pretrained(path)
-    del model
-    torch.cuda.empty_cache()
+    if weights:
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = Qwen2_5OmniForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
+        model.generation_config = GenerationConfig.from_pretrained(path)
+        model.save_pretrained(path)
+        del model
+        torch.cuda.empty_cache()
+    # the voices last: their file marks a finished folder
+    torch.save(tiny.make_speakers(config, torch.Generator().manual_seed(1)), os.path.join(path, "spk_dict.pt"))
     return path
 
 
@@ -232,9 +231,16 @@ def bench_ours(path: str, device: str, dtype: str, levels: list[int], thinker_to
 
 def bench_hf(path: str, device: str, dtype: torch.dtype, thinker_tokens: int, talker_codes: int) -> dict:
     """transformers' whole-answer `generate`, 1 request, same lengths (sampled, EOS and stops held back)."""
-    from transformers import AutoProcessor, Qwen2_5OmniForConditionalGeneration
+    from transformers import AutoConfig, AutoProcessor, GenerationConfig, Qwen2_5OmniForConditionalGeneration
 
-    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device).eval()
+    if any(name.endswith(".safetensors") for name in os.listdir(path)):
+        model = Qwen2_5OmniForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device).eval()
+    else:                                       # the bench's config-only folder: random weights drawn on the GPU
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Qwen2_5OmniForConditionalGeneration._from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+        model.eval().load_speakers(os.path.join(path, "spk_dict.pt"))
+        model.generation_config = GenerationConfig.from_pretrained(path)
     processor = AutoProcessor.from_pretrained(path)
     text = processor.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=text, return_tensors="pt").to(device)
@@ -364,13 +370,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
         device, dtype, shape = "cpu", "float32", "tiny Qwen2.5-Omni, fp32"
         levels, tokens, codes = [1, 2], 8, 30
     else:
-        if args.skip_hf:                        # nothing reads the weights: draw them on the GPU
-            path = build_checkpoint(os.path.join(args.work, "qwen2_5_omni_7b_config"), weights=False)
-            device, dtype, shape = "cuda", "bfloat16", "Qwen2.5-Omni-7B shape, bf16, load_format=dummy"
-            load_format = "dummy"
-        else:
-            path = build_checkpoint(os.path.join(args.work, "qwen2_5_omni_7b_shape"))
-            device, dtype, shape = "cuda", "bfloat16", "Qwen2.5-Omni-7B shape, bf16"
+        path = build_checkpoint(os.path.join(args.work, "qwen2_5_omni_7b_config"))
+        device, dtype, shape = "cuda", "bfloat16", "Qwen2.5-Omni-7B shape, bf16, random weights drawn on the GPU"
+        load_format = "dummy"
         levels, tokens, codes = [1, 8, 16, 32], 64, 500
     levels = [int(x) for x in args.levels.split(",")] if args.levels else levels
     tokens, codes = args.thinker_tokens or tokens, args.talker_codes or codes

@@ -77,7 +77,7 @@ def main() -> None:
     else:
         from omni_bench import build_checkpoint
 
-        path, device, high = build_checkpoint(os.path.join(args.work, "qwen2_5_omni_7b_shape")), "cuda", 8000
+        path, device, high = build_checkpoint(os.path.join(args.work, "qwen2_5_omni_7b_shape"), weights=True), "cuda", 8000
         torch.backends.cuda.matmul.allow_tf32 = True          # the reference decode at TF32, as the stage runs its own
     voice, seed, codes = "Ethan", 3, _codes(CODES, 0, high)
     ref = _reference(path, device, codes, seed, voice)

@@ -31,9 +31,11 @@ the family's modules in place, in this order:
   4. attention: each role's backend (diffusion/attention.py); "auto" for the DiT with
      `probe_attention` (CUDA) is the fastest lossless backend timed at load on the family's
      `attention_probe_shape()` (kept in `attention_probe`).
-  5. step graphs (`step_graphs`, CUDA, off by default until measured): a `StepGraphs` for a family
-     that declares `graph_inputs` / `denoise_inputs`, unless offload is on (weights move); the engine
-     uses it only without a step cache and without parallel ranks.
+  5. step graphs (`step_graphs`, on by default on CUDA, off with `enforce_eager=True`): a `StepGraphs`
+     for a family that declares `graph_inputs` / `denoise_inputs`, unless offload is on (weights move);
+     the engine uses it only without a step cache and without parallel ranks. Lossless (the replayed
+     step's latents equal the compiled call's exactly on an H200, session 13) and faster where the host
+     limits: FLUX 512^2 49.9 -> 41.7 ms, FP8 1024^2 109.9 -> 106.7 ms (benchmarks/RESULTS.md).
 Out: `accelerator.phase(name)` for name in PHASE_ROLES: the context the engine runs each phase in
 (that role's weights on the device, its attention backend; diffusion/attention.py). Fused
 elementwise work (AdaLN modulation + norm, gated residuals, rotary) comes from the compile of the
@@ -85,8 +87,8 @@ class DiffusionSpeed:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "DiffusionSpeed":
-        """What a stage's (resolved) config asks for; compile is on for CUDA unless enforce_eager, and
-        off for a parallel DiT (its collectives and attention hooks run eagerly, diffusion/ranks.py);
+        """What a stage's (resolved) config asks for; compile and step graphs are on for CUDA unless
+        enforce_eager, and off for a parallel DiT (its collectives and attention hooks run eagerly, diffusion/ranks.py);
         merged projections and step constants are on unless the DiT is parallel (its plans name the
         separate layers and split the rotary tables); the attention probe runs on CUDA for a DiT in one
         process (a parallel DiT's ranks would time, and might pick, differently: they keep DEFAULT_ATTENTION)."""
@@ -99,7 +101,8 @@ class DiffusionSpeed:
                    probe_attention=cuda and not parallel,
                    quantization=config.quantization, ignored_layers=tuple(config.ignored_layers), offload=offload,
                    merge_projections=not parallel, step_constants=not parallel,
-                   fuse_gelu=not parallel and config.quantization is None)
+                   fuse_gelu=not parallel and config.quantization is None,
+                   step_graphs=cuda and not config.enforce_eager and not parallel)
 
 
 def dit_blocks(family, name: str) -> dict[str, list[nn.Module]]:

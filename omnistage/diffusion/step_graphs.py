@@ -15,7 +15,7 @@ replay, and return a copy of the output (the graphs share one memory pool, so an
 outlive the next replay). At most `size` graphs are kept (least recently used dropped). A capture
 that fails (an op that cannot be captured) is logged once and that shape runs `call` as before.
 
-When it is used (`DiffusionSpeed.step_graphs`, off by default until measured on the GPU; the
+When it is used (`DiffusionSpeed.step_graphs`, on by default on CUDA unless `enforce_eager`; the
 Accelerator builds it on CUDA): no step cache (it decides per step which blocks run), no offload
 (weights move between calls), one process (not a parallel DiT). The runner leaves the step-constant
 cache out of a captured call: the rotary tables are recomputed inside the graph, since a kept table

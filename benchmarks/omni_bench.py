@@ -224,6 +224,8 @@ def bench_ours(path: str, device: str, dtype: str, levels: list[int], thinker_to
             if warm_each_level:
                 asyncio.run(concurrent(engine, prompt, n, warm))
             runs.append(asyncio.run(concurrent(engine, prompt, n, params_for(thinker_tokens, talker_codes))))
+            print(f"[{(deploy or {}).get('stage_layout', 'default')} layout, {n} streams] {json.dumps(runs[-1])}",
+                  flush=True)                   # each level as it ends: a later failure keeps the earlier ones
         return runs
     finally:
         engine.close()
@@ -341,6 +343,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     ap.add_argument("--no-warm-round", action="store_true",
                     help="no untimed 2-stream round after start-up: the first level's requests are the first ones")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers reference")
+    ap.add_argument("--hf-only", action="store_true",
+                    help="only transformers' reference (and the floor): in a process of its own, since the shared "
+                         "layout's stages keep their GPU memory until the process ends")
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -402,6 +407,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     bad = [x for x in layouts if x not in ("shared", "process", "inline")]
     if bad or not layouts:
         ap.error(f"--layouts must list shared, process or inline; got {args.layouts!r}")
+    if args.hf_only and args.skip_hf:
+        ap.error("--hf-only and --skip-hf leave nothing to measure")
+    if args.hf_only:
+        layouts = []
     deploys = {layout: {"stage_layout": layout, "stages": stages} for layout in layouts}
     measured = {layout: bench_ours(path, device, dtype, levels, tokens, codes, deploy, params_for, load_format,
                                    args.warm_each_level, not args.no_warm_round)
@@ -409,7 +418,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     res = {"shape": shape, "device": torch.cuda.get_device_name() if device == "cuda" else "CPU",
            "thinker_tokens": tokens, "talker_codes": codes, "deploy_configs": deploys, "layouts": measured,
            "warm_each_level": args.warm_each_level, "warm_round": not args.no_warm_round,
-           "ours": measured[layouts[0]],
+           "ours": measured[layouts[0]] if layouts else [],
            "hf": [] if args.skip_hf else [bench_hf(path, device, getattr(torch, dtype), tokens, codes)],
            "floor": (floor(path, tokens, codes, _copy_bandwidth())
                      if device == "cuda" and args.model == "qwen2.5-omni" else None)}
@@ -421,7 +430,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     print(f"\nEach request: a chat prompt, {tokens} text tokens, {codes} codec ids = {codes / rate:.1f} s of audio.\n")
     print(table(res))
     print()
-    print(layouts_breakdown_table(res))
+    if res["layouts"]:
+        print(layouts_breakdown_table(res))
     return res
 
 

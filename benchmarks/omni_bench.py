@@ -415,11 +415,18 @@ def main(argv: Optional[list[str]] = None) -> dict:
     measured = {layout: bench_ours(path, device, dtype, levels, tokens, codes, deploy, params_for, load_format,
                                    args.warm_each_level, not args.no_warm_round)
                 for layout, deploy in deploys.items()}
+    hf = [] if args.skip_hf else [bench_hf(path, device, getattr(torch, dtype), tokens, codes)]
+    if hf:
+        print(f"[transformers generate, 1 stream] {json.dumps(hf[0])}", flush=True)
+    if load_format == "dummy":                  # the floor counts a config-only folder's bytes from its shapes
+        from omnistage.models.dummy import use_dummy_weights
+
+        use_dummy_weights(path)
     res = {"shape": shape, "device": torch.cuda.get_device_name() if device == "cuda" else "CPU",
            "thinker_tokens": tokens, "talker_codes": codes, "deploy_configs": deploys, "layouts": measured,
            "warm_each_level": args.warm_each_level, "warm_round": not args.no_warm_round,
            "ours": measured[layouts[0]] if layouts else [],
-           "hf": [] if args.skip_hf else [bench_hf(path, device, getattr(torch, dtype), tokens, codes)],
+           "hf": hf,
            "floor": (floor(path, tokens, codes, _copy_bandwidth())
                      if device == "cuda" and args.model == "qwen2.5-omni" else None)}
     print(json.dumps(res, indent=1))

@@ -213,7 +213,10 @@ def bench_ours(path: str, device: str, dtype: str, levels: list[int], thinker_to
     from omnistage.entrypoints.async_omni import AsyncOmni
 
     params_for = params_for or stage_params
+    start = time.perf_counter()
     engine = AsyncOmni(path, device=device, dtype=dtype, deploy_config=deploy, load_format=load_format)
+    print(f"[{(deploy or {}).get('stage_layout', 'default')} layout] started in {time.perf_counter() - start:.1f} s",
+          flush=True)
     try:
         prompt = engine.render_chat(MESSAGES)
         warm = params_for(8, 48)

@@ -98,7 +98,7 @@ class EngineConfig:
     # DiT blocks' linear layers, or of an AR decoder's layers' qkv / o / gate_up / down (embeddings, lm_head stay)
     ignored_layers: tuple = ()                  # module-name parts FP8 leaves in the model dtype (e.g. "img_mlp",
     # or for an AR stage "o_proj", "layers.0.")
-    enforce_eager: bool = False                 # True: no regional torch.compile of the DiT's repeated blocks
+    enforce_eager: bool = False                 # True: no regional torch.compile of the DiT's blocks, no step graphs
     diffusion_compile_mode: str = "default"     # torch.compile mode of those blocks (COMPILE_MODES)
     diffusion_compile_dynamic: bool = True      # compile them over symbolic shapes (mixed resolutions and batch
     # sizes reuse one compiled block); False specializes per shape (recompiles per new resolution / batch)

@@ -91,7 +91,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignored-layers", default=None, metavar="NAME,...",
                    help="module-name parts --quantization leaves unquantized (e.g. img_mlp, o_proj, layers.0.)")
     p.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="no regional torch.compile of the DiT blocks (compiled by default on CUDA)")
+                   help="no regional torch.compile of the DiT blocks and no step graphs (both on by default on CUDA)")
     p.add_argument("--diffusion-compile-mode", default=None, choices=COMPILE_MODES,
                    help="torch.compile mode of the DiT blocks (default: default)")
     p.add_argument("--diffusion-compile-dynamic", action=argparse.BooleanOptionalAction, default=None,

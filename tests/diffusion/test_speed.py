@@ -234,6 +234,11 @@ def test_speed_from_config():
     assert DiffusionSpeed.from_config(EngineConfig(**cuda)).probe_attention is True
     assert DiffusionSpeed.from_config(EngineConfig(**cuda, parallel_config={"ulysses_degree": 2})).probe_attention \
         is False                               # a parallel DiT's ranks all keep the same kernel
+    # step graphs: on for a CUDA DiT in one process, off eager, parallel or on the CPU
+    assert DiffusionSpeed.from_config(EngineConfig(**cuda)).step_graphs is True
+    assert DiffusionSpeed.from_config(EngineConfig(**cuda, enforce_eager=True)).step_graphs is False
+    assert DiffusionSpeed.from_config(EngineConfig(**cuda, parallel_config={"ulysses_degree": 2})).step_graphs is False
+    assert speed.step_graphs is False
     assert AttentionRouter("auto", torch.device("cpu")).name == "TORCH_SDPA"
     assert AttentionRouter("auto", torch.device("cuda")).name == "CUDNN_ATTN"
 

@@ -28,6 +28,9 @@ code2wav's compute is left out, so the true floor is higher). Prints a markdown 
     python benchmarks/omni_bench.py [--work /tmp/omnibench] [--out results.json] [--layouts shared,process]
     python benchmarks/omni_bench.py --tiny           # tiny checkpoint, CPU, seconds (a test runs it; = --smoke)
 
+`--stage-devices thinker=cuda:0,talker=cuda:1,code2wav=cuda:1` puts the stages on two GPUs (with
+`--layouts process`: each stage in its own process on its GPU).
+
 `--code2wav-growth off` measures Qwen2.5-Omni's code2wav without its chunk ramp (every chunk after the
 first has chunk_codes; an integer sets `chunk_growth`); `--code2wav-first N` sets its `first_chunk_codes`;
 `--code2wav-first-load arrival` sizes first chunks from the load at arrival (default "schedule": the load of each step until decoded, so requests arriving together count).
@@ -63,6 +66,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # the sibling benchmark modules
 from first_output import breakdown_table, first_output_breakdown, mean_breakdown  # noqa: E402
 
+STAGE_NAMES = ("thinker", "talker", "code2wav")    # the pipeline's stages (both omni models)
 CODEC_STOPS = (8292, 8293, 8294)                # pad, bos, eos: banned so every answer has the same length
 SAMPLE_RATE = 24000
 
@@ -345,6 +349,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
                     help="a short untimed round at each level's concurrency before its timed one")
     ap.add_argument("--no-warm-round", action="store_true",
                     help="no untimed 2-stream round after start-up: the first level's requests are the first ones")
+    ap.add_argument("--stage-devices", default=None, metavar="STAGE=DEVICE,...",
+                    help="place stages on devices, e.g. thinker=cuda:0,talker=cuda:1,code2wav=cuda:1 (two GPUs; "
+                         "default: every stage on the one device)")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers reference")
     ap.add_argument("--hf-only", action="store_true",
                     help="only transformers' reference (and the floor): in a process of its own, since the shared "
@@ -405,7 +412,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
         code2wav["cuda_graphs"] = False
     stages = {"code2wav": code2wav} if code2wav else {}
     if args.ar_runner:
-        stages.update({name: {"runner": args.ar_runner} for name in ("thinker", "talker")})
+        for name in ("thinker", "talker"):
+            stages.setdefault(name, {})["runner"] = args.ar_runner
+    for item in filter(None, (args.stage_devices or "").split(",")):
+        name, _, dev = item.partition("=")
+        if name not in STAGE_NAMES or not dev:
+            ap.error(f"--stage-devices takes STAGE=DEVICE pairs, STAGE one of {', '.join(STAGE_NAMES)}; got {item!r}")
+        stages.setdefault(name, {})["device"] = dev
     layouts = [x for x in args.layouts.split(",") if x]
     bad = [x for x in layouts if x not in ("shared", "process", "inline")]
     if bad or not layouts:

@@ -12,13 +12,16 @@ def test_omni_bench_smoke(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("omni_bench", os.path.join(ROOT, "benchmarks", "omni_bench.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    res = bench.main(["--tiny", "--work", str(tmp_path), "--levels", "1,2", "--talker-codes", "26", "--layouts", "shared"])
+    res = bench.main(["--tiny", "--work", str(tmp_path), "--levels", "1,2", "--talker-codes", "26", "--layouts", "shared",
+                      "--stage-devices", "thinker=cpu,talker=cpu,code2wav=cpu"])
     assert [r["concurrency"] for r in res["ours"]] == [1, 2] and len(res["hf"]) == 1
     for r in res["ours"] + res["hf"]:
         assert abs(r["audio_s_per_request"] - 26 * 480 / 24000) < 1e-9
         assert 0 < r["ttfa_mean_s"] <= r["ttfa_p90_s"] <= r["ttfa_max_s"] and 0 < r["rtf_mean"] <= r["rtf_max"]
         assert r["underruns"] >= 0 and r["underrun_s"] >= 0
     assert list(res["layouts"]) == ["shared"]
+    assert {name: stage["device"] for name, stage in res["deploy_configs"]["shared"]["stages"].items()} == \
+        {"thinker": "cpu", "talker": "cpu", "code2wav": "cpu"}     # --stage-devices reaches the deploy config
     out = capsys.readouterr().out
     assert "| omnistage AsyncOmni streaming, shared, 2 |" in out
     for r in res["ours"]:

@@ -217,10 +217,10 @@ def bench_ours(path: str, device: str, dtype: str, levels: list[int], thinker_to
     from omnistage.entrypoints.async_omni import AsyncOmni
 
     params_for = params_for or stage_params
+    layout = (deploy or {}).get("stage_layout", "default")
     start = time.perf_counter()
     engine = AsyncOmni(path, device=device, dtype=dtype, deploy_config=deploy, load_format=load_format)
-    print(f"[{(deploy or {}).get('stage_layout', 'default')} layout] started in {time.perf_counter() - start:.1f} s",
-          flush=True)
+    print(f"[{layout} layout] started in {time.perf_counter() - start:.1f} s", flush=True)
     try:
         prompt = engine.render_chat(MESSAGES)
         warm = params_for(8, 48)
@@ -231,8 +231,8 @@ def bench_ours(path: str, device: str, dtype: str, levels: list[int], thinker_to
             if warm_each_level:
                 asyncio.run(concurrent(engine, prompt, n, warm))
             runs.append(asyncio.run(concurrent(engine, prompt, n, params_for(thinker_tokens, talker_codes))))
-            print(f"[{(deploy or {}).get('stage_layout', 'default')} layout, {n} streams] {json.dumps(runs[-1])}",
-                  flush=True)                   # each level as it ends: a later failure keeps the earlier ones
+            # each level as it ends: a later failure keeps the earlier ones
+            print(f"[{layout} layout, {n} streams] {json.dumps(runs[-1])}", flush=True)
         return runs
     finally:
         engine.close()

@@ -26,7 +26,9 @@ Rules every PDL-aware kernel here follows:
   context lengths and its block-table entry so (the qkv GEMM before it writes only the rows).
 
 Switch: `OMNISTAGE_PDL`, read at import into `ENABLED` (benchmarks may flip it; launches read it): "1" (the
-default) on, "0" off (the kernels launch as before PDL existed: no `PDL` constexpr, no `launch_pdl`). On only
+default) on, "0" off (the kernels launch as before PDL existed: no `PDL` constexpr, no `launch_pdl`).
+`disable(reason)` turns it off for the rest of the process: the shared layout does, before it builds its stages,
+where two stages' kernels run side by side on one GPU (pipeline/shared.py says why). On only
 where Triton has gdc_wait / gdc_launch_dependents and for CUDA tensors on an NVIDIA GPU of compute capability
 9.0 or more (griddepcontrol is sm_90 PTX). Under Triton's interpreter (`TRITON_INTERPRET=1`: CPU tests) the two
 calls are no-ops -- it runs one program at a time, each launch after the last -- and `launch` is on for CPU
@@ -35,9 +37,12 @@ tensors too, so the tests run the kernels' PDL branches (not PDL itself: that ne
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 try:
     import triton
@@ -90,3 +95,12 @@ def on(t: torch.Tensor) -> bool:
 def launch(t: torch.Tensor) -> dict:
     """The launch options of a PDL-aware kernel on `t`: its `PDL` constexpr and `launch_pdl`, or none when off."""
     return dict(PDL=True, launch_pdl=True) if on(t) else {}
+
+
+def disable(reason: str) -> None:
+    """PDL off from now on in this process (kernels launched and graphs captured after this call launch without
+    it); logs `reason` once."""
+    global ENABLED
+    if ENABLED:
+        ENABLED = False
+        logger.info("programmatic dependent launch off: %s", reason)

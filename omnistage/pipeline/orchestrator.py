@@ -159,6 +159,10 @@ class Orchestrator:
         # (src, dst) -> [seconds spent adapting + handing over, payload bytes, pieces], for metrics
         self.edge_totals = {key: [0.0, 0, 0] for key in self.adapters}
         given = stages or {}
+        if any(s.runner == "shared" for s in spec.stages):
+            from omnistage.pipeline.shared import keep_kernels_apart
+
+            keep_kernels_apart(spec)            # launch settings before any stage captures a graph
         self.stages = {}
         try:
             # stage processes load at the same time: each is spawned here, waited for below

@@ -22,6 +22,16 @@ engine's), with device work ordered:
 
 On a CPU there are no streams: the stage behaves as an inline one. A step that raises fails only the
 requests the stage holds (the orchestrator's `_step_stage`, as for inline stages).
+
+Programmatic dependent launch (`layers/pdl.py`) is off in a process where a shared stage's GPU runs another
+of its stages too (`side_by_side`; the orchestrator calls `keep_kernels_apart` before it builds the stages, so
+no graph is captured with it). Why: on an H200 the Qwen2.5-Omni 7B shape in this layout hung at 32 streams
+with it on, four runs of four (benchmarks/RESULTS.md, session 14: every stage's stream busy and none
+finishing, the GPU at 100%, from the moment code2wav's first 32-row batch ran beside the thinker's last and
+the talker's early decode steps), and served all 32 with it off (`OMNISTAGE_PDL=0`), while 1 to 16 streams
+were as fast either way. The mechanism is not found (each stream's PDL chain, by layers/pdl.py's rules,
+waits only on kernels already resident); a stage process, the AR engine alone and the inline layout (one
+stream) keep PDL.
 """
 
 from __future__ import annotations
@@ -31,6 +41,8 @@ from typing import Any, Optional
 
 import torch
 
+from omnistage.layers import pdl
+from omnistage.spec import PipelineSpec
 from omnistage.stage import SCALARS, add_inputs_each, message_fields
 
 
@@ -117,3 +129,25 @@ def shared_stage(engine: Any, device: torch.device, priority: int, feeds_others:
         stage.add_input = _add_input.__get__(stage)
         stage.add_inputs = _add_inputs.__get__(stage)
     return stage
+
+
+def _gpu(device: torch.device) -> Optional[tuple[str, int]]:
+    """A CUDA device as (type, index) ("cuda" is device 0 here: the stages' own default), None for others."""
+    return ("cuda", device.index or 0) if device.type == "cuda" else None
+
+
+def side_by_side(spec: PipelineSpec) -> list[str]:
+    """The shared stages whose GPU also runs another stage of the orchestrator's process (inline or shared): their
+    kernels run beside that stage's, on streams of their own."""
+    in_process = [(s, _gpu(s.engine.torch_device())) for s in spec.stages if s.runner != "process"]
+    per_gpu: dict = {}
+    for _, gpu in in_process:
+        per_gpu[gpu] = per_gpu.get(gpu, 0) + 1
+    return [s.name for s, gpu in in_process if s.runner == "shared" and gpu is not None and per_gpu[gpu] > 1]
+
+
+def keep_kernels_apart(spec: PipelineSpec) -> None:
+    """Before the stages are built: PDL off where `side_by_side` names stages (the module docstring says why)."""
+    names = side_by_side(spec)
+    if names:
+        pdl.disable(f"stages {', '.join(names)} share a GPU in this process (pipeline/shared.py)")

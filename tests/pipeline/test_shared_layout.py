@@ -138,3 +138,31 @@ def test_bad_layout_options_name_the_option_and_the_allowed_values():
     assert got.stages[0].runner == "shared"
     assert apply_deploy_config(spec, {"stage_layout": "shared", "stages": {"llm": {"runner": "process"}}}
                                ).stages[0].runner == "process"      # a stage's own runner wins
+
+
+def _layout(*stages):
+    """A pipeline of AR stages given as (runner, device) pairs, named a, b, c, ..."""
+    from omnistage.config import EngineConfig
+    from omnistage.spec import PipelineSpec, StageSpec
+
+    return PipelineSpec([StageSpec(chr(ord("a") + i), "ar", "", EngineConfig(device=device), runner=runner)
+                         for i, (runner, device) in enumerate(stages)])
+
+
+def test_pdl_goes_off_only_where_shared_stages_run_beside_another_stage_on_one_gpu(monkeypatch):
+    """Programmatic dependent launch hung the shared layout at 32 streams on an H200 (pipeline/shared.py): the
+    orchestrator turns it off where a shared stage's GPU runs another stage of its process, and only there."""
+    from omnistage.layers import pdl
+    from omnistage.pipeline.shared import keep_kernels_apart, side_by_side
+
+    assert side_by_side(_layout(("shared", "cuda:0"), ("shared", "cuda"), ("shared", "cuda:1"))) == ["a", "b"]
+    assert side_by_side(_layout(("shared", "cuda:0"), ("inline", "cuda:0"))) == ["a"]   # inline: the default stream
+    assert side_by_side(_layout(("shared", "cuda:0"), ("shared", "cuda:1"))) == []      # a GPU each
+    assert side_by_side(_layout(("shared", "cuda:0"), ("process", "cuda:0"))) == []     # another process: time-sliced
+    assert side_by_side(_layout(("inline", "cuda:0"), ("inline", "cuda:0"))) == []      # one stream
+    assert side_by_side(_layout(("shared", "cpu"), ("shared", "cpu"))) == []            # no streams, no PDL
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    keep_kernels_apart(_layout(("shared", "cuda:0"), ("shared", "cuda:1")))
+    assert pdl.ENABLED
+    keep_kernels_apart(_layout(("shared", "cuda:0"), ("shared", "cuda:0")))
+    assert not pdl.ENABLED

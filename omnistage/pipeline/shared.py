@@ -36,6 +36,7 @@ stream) keep PDL.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Any, Optional
 
@@ -140,9 +141,7 @@ def side_by_side(spec: PipelineSpec) -> list[str]:
     """The shared stages whose GPU also runs another stage of the orchestrator's process (inline or shared): their
     kernels run beside that stage's, on streams of their own."""
     in_process = [(s, _gpu(s.engine.torch_device())) for s in spec.stages if s.runner != "process"]
-    per_gpu: dict = {}
-    for _, gpu in in_process:
-        per_gpu[gpu] = per_gpu.get(gpu, 0) + 1
+    per_gpu = collections.Counter(gpu for _, gpu in in_process)
     return [s.name for s, gpu in in_process if s.runner == "shared" and gpu is not None and per_gpu[gpu] > 1]
 
 

@@ -220,7 +220,10 @@ def bench_ours(path: str, device: str, dtype: str, levels: list[int], thinker_to
     layout = (deploy or {}).get("stage_layout", "default")
     start = time.perf_counter()
     engine = AsyncOmni(path, device=device, dtype=dtype, deploy_config=deploy, load_format=load_format)
-    print(f"[{layout} layout] started in {time.perf_counter() - start:.1f} s", flush=True)
+    from omnistage.layers import pdl              # read after the build: the shared layout may turn it off
+
+    print(f"[{layout} layout] started in {time.perf_counter() - start:.1f} s; programmatic dependent launch in "
+          f"this process: {'on' if pdl.ENABLED else 'off'}", flush=True)
     try:
         prompt = engine.render_chat(MESSAGES)
         warm = params_for(8, 48)

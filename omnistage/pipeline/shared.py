@@ -42,6 +42,7 @@ from typing import Any, Optional
 
 import torch
 
+from omnistage.config import concrete_device
 from omnistage.layers import pdl
 from omnistage.spec import PipelineSpec
 from omnistage.stage import SCALARS, add_inputs_each, message_fields
@@ -132,17 +133,13 @@ def shared_stage(engine: Any, device: torch.device, priority: int, feeds_others:
     return stage
 
 
-def _gpu(device: torch.device) -> Optional[tuple[str, int]]:
-    """A CUDA device as (type, index) ("cuda" is device 0 here: the stages' own default), None for others."""
-    return ("cuda", device.index or 0) if device.type == "cuda" else None
-
-
 def side_by_side(spec: PipelineSpec) -> list[str]:
     """The shared stages whose GPU also runs another stage of the orchestrator's process (inline or shared): their
     kernels run beside that stage's, on streams of their own."""
-    in_process = [(s, _gpu(s.engine.torch_device())) for s in spec.stages if s.runner != "process"]
-    per_gpu = collections.Counter(gpu for _, gpu in in_process)
-    return [s.name for s, gpu in in_process if s.runner == "shared" and gpu is not None and per_gpu[gpu] > 1]
+    in_process = [(s, concrete_device(s.engine.device)) for s in spec.stages if s.runner != "process"]
+    per_device = collections.Counter(device for _, device in in_process)
+    return [s.name for s, device in in_process
+            if s.runner == "shared" and device.startswith("cuda") and per_device[device] > 1]
 
 
 def keep_kernels_apart(spec: PipelineSpec) -> None:
